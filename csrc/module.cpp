@@ -1,0 +1,34 @@
+// Python module entry point for hyper_parallel._C and the engine's build-info op.
+//
+// Importing hyper_parallel._C loads this shared library, which runs every TORCH_LIBRARY /
+// TORCH_LIBRARY_FRAGMENT registration in csrc/. The module itself exports no Python symbols:
+// all ops are reached through torch.ops.hyper_parallel.*.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace hyper_parallel {
+
+std::string engine_info() {
+  std::string info = "hyper_parallel C++ engine";
+#ifdef _OPENMP
+  info += "; openmp";
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+  info += "; avx512";
+#elif defined(CPU_CAPABILITY_AVX2) || defined(__AVX2__)
+  info += "; avx2";
+#endif
+  return info;
+}
+
+}  // namespace hyper_parallel
+
+TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
+  m.def("engine_info() -> str", &hyper_parallel::engine_info);
+}
+
+static struct PyModuleDef hp_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&hp_module); }

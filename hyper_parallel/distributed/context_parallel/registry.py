@@ -1,0 +1,137 @@
+"""``@inner_wrapper`` and the wrapper registry.
+
+An inner wrapper is a callable ``fn(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, **named)``
+that installs one CP method on ``target_module``: it either returns a replacement forward
+(installed by the applier) or replaces ``target_module.forward`` in place and returns None.
+The framework fills the mesh family (None for inactive axes) and the Target's named params
+(e.g. ``ulysses_degree``). Undecorated callables and ``*args``/``**kwargs`` signatures are
+rejected at resolution. The CP method is fixed by the wrapper, never by a global switch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from typing import Any, Callable
+
+MESH_PARAMS = ("target_module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh")
+METHODS = ("colossal", "ulysses", "hybrid", "load_balance", "custom")
+STYLES = ("hf", "qkv", "flex", "model", "custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperInfo:
+    """Metadata attached to an ``@inner_wrapper`` callable."""
+
+    fn: Callable
+    qualname: str
+    method: str = "custom"            # which CP communication method the wrapper fixes
+    style: str = "custom"             # attention calling convention it adapts
+    is_async: bool = False            # launches collectives early and waits at the consumer
+    communicates: bool = True         # issues CP collectives (=> region_dispatch must be false)
+    model_adapter: str | None = None  # architecture the wrapper is written for (async adapters)
+    validate: Callable | None = None  # validate(target_module, *, cp_size, **named) -> None, raises
+    named_params: tuple = ()          # names after the five mesh-family parameters
+    required_params: tuple = ()       # named params without a default
+
+
+class WrapperSignatureError(TypeError):
+    pass
+
+
+def _inspect(fn: Callable) -> tuple[tuple, tuple]:
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise WrapperSignatureError(
+                f"inner wrapper {fn.__qualname__} uses *{p.name}/**{p.name}: declare every named "
+                "parameter explicitly so YAML params can be checked"
+            )
+    names = [p.name for p in params]
+    if tuple(names[:5]) != MESH_PARAMS:
+        raise WrapperSignatureError(
+            f"inner wrapper {fn.__qualname__} must start with parameters {MESH_PARAMS}, got {tuple(names[:5])}"
+        )
+    named = tuple(names[5:])
+    required = tuple(p.name for p in params[5:] if p.default is p.empty)
+    return named, required
+
+
+def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: str = "custom",
+                  is_async: bool = False, communicates: bool = True, model_adapter: str | None = None,
+                  validate: Callable | None = None):
+    """Mark ``fn`` as an inner wrapper (usable bare or with keyword metadata)."""
+
+    def deco(f: Callable) -> Callable:
+        if method not in METHODS:
+            raise ValueError(f"inner_wrapper method must be one of {METHODS}, got {method!r}")
+        if style not in STYLES:
+            raise ValueError(f"inner_wrapper style must be one of {STYLES}, got {style!r}")
+        named, required = _inspect(f)
+        f.__hp_inner_wrapper__ = WrapperInfo(
+            fn=f, qualname=f"{f.__module__}.{f.__qualname__}", method=method, style=style,
+            is_async=is_async, communicates=communicates, model_adapter=model_adapter,
+            validate=validate, named_params=named, required_params=required,
+        )
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+def wrapper_info(fn: Any) -> WrapperInfo | None:
+    return getattr(fn, "__hp_inner_wrapper__", None)
+
+
+_REGISTRY: dict[str, Callable] = {}
+_BUILTINS_LOADED = False
+
+
+def register_inner_wrapper(name: str, fn: Callable, *, overwrite: bool = False) -> Callable:
+    """Register a decorated wrapper under a YAML-usable name."""
+    if wrapper_info(fn) is None:
+        raise WrapperSignatureError(f"{name!r}: {fn!r} is not decorated with @inner_wrapper")
+    if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+        raise ValueError(f"inner wrapper name {name!r} is already registered to {_REGISTRY[name].__qualname__}")
+    _REGISTRY[name] = fn
+    return fn
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        try:
+            importlib.import_module("hyper_parallel.distributed.context_parallel.wrappers")
+        except ModuleNotFoundError as exc:  # built-in wrappers not installed in this build
+            if exc.name != "hyper_parallel.distributed.context_parallel.wrappers":
+                raise
+
+
+def registered_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_registered(name: str) -> Callable | None:
+    _load_builtins()
+    return _REGISTRY.get(name)
+
+
+def import_target(path: str) -> Any:
+    """Import ``package.module.attr`` (attr may be nested: ``module.Class.method``)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        mod_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(mod_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+                continue
+            raise
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                raise ImportError(f"module '{mod_name}' has no attribute '{'.'.join(parts[cut:])}'")
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot import any module prefix of '{path}'")

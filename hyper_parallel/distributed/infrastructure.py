@@ -1,0 +1,60 @@
+"""DistributedSetup: process group -> agreed config -> resolved CP plan -> MeshContext.
+
+Order matters for fail-fast: the process group is initialized first, then every check runs
+inside :func:`agree_or_raise` (no collective inside a check), so a bad config on any rank
+fails all ranks together before the first real collective. Meshes (including every Hybrid
+sub-mesh a declared wrapper needs) are built once, here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..platform import Platform, get_platform, init_distributed
+from .config import AcceleratorConfig
+from .errors import CPConfigError
+from .mesh import MeshConfigError, MeshContext
+from .plan_resolver import PlanOverrideResolver, ResolvedPlan
+from .preflight import agree_or_raise
+
+log = logging.getLogger("hyper_parallel.setup")
+
+
+@dataclasses.dataclass
+class DistributedSetup:
+    platform: Platform
+    mesh: MeshContext
+    plan: ResolvedPlan
+
+    def summary(self) -> str:
+        return f"{self.mesh.summary()}\n{self.plan.summary()}"
+
+
+def check_world(accel: AcceleratorConfig) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    try:
+        accel.mesh_sizes().check(world)
+    except MeshConfigError as exc:
+        raise CPConfigError("accelerator", str(exc), fix="make the product of the *_size fields equal the "
+                            "number of launched processes (torchrun --nproc-per-node)") from exc
+
+
+def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
+                      platform: Platform | None = None) -> DistributedSetup:
+    """Validate (agreed across ranks), then build meshes. Prints the topology on rank 0."""
+    platform = platform or get_platform(accel.device_type)
+    init_distributed(platform)
+
+    def check() -> ResolvedPlan:
+        check_world(accel)
+        return PlanOverrideResolver(plan_overrides, accel.cp_size).resolve(model)
+
+    plan = agree_or_raise(check, what="CP preflight")
+    mesh = MeshContext(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
+    setup = DistributedSetup(platform, mesh, plan)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(setup.summary(), flush=True)
+    return setup

@@ -1,0 +1,171 @@
+"""MeshContext: the root DeviceMesh and every CP-related sub-mesh, built once at set-up.
+
+Root mesh dims (outer -> inner): ``dp_replicate, dp_shard, cp, tp`` with
+``world = pp * dp_replicate * dp_shard * cp * tp`` (pp fixed at 1). Derived meshes:
+
+  cp_mesh        root["cp"]                       attention AllGather / Ulysses A2A
+  dp_cp_mesh     flatten(dp_replicate,dp_shard,cp) loss / valid-token reduction
+  fsdp_mesh      flatten(dp_shard, cp)             FSDP2 shard domain; 2-D (dp_replicate, dp_shard_cp) for HSDP
+  dp_mesh        flatten(dp_replicate, dp_shard)   data-loader rank (every CP rank of a DP rank reads the same batch)
+  tp_mesh        root["tp"]
+  ep_mesh        derived from dp_shard_cp when ep_size > 1 (not part of the product)
+  hybrid(u)      cp unflattened into (colossal = cp/u, ulysses = u); ulysses is the inner
+                 (fastest-varying) dim, so cp rank r = colossal_idx * u + ulysses_idx.
+
+Every sub-mesh and process group is created here, collectively, during set-up and cached:
+strategies only call :meth:`hybrid_mesh` for degrees that were declared up front, so no
+group is ever created during forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..platform import Platform, get_platform
+
+ROOT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+class MeshConfigError(ValueError):
+    """Mesh sizes that do not fit the world size or each other."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSizes:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def product(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    def check(self, world_size: int) -> None:
+        """Raise MeshConfigError showing the arithmetic when the sizes do not fit."""
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < 1:
+                raise MeshConfigError(f"accelerator.{name}_size must be an integer >= 1, got {val!r}")
+        if self.pp != 1:
+            raise MeshConfigError(f"accelerator.pp_size={self.pp}: pipeline parallelism is fixed at 1 in Phase 1")
+        prod = self.product()
+        if prod != world_size:
+            raise MeshConfigError(
+                "accelerator sizes do not match the world size: "
+                f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x "
+                f"cp({self.cp}) x tp({self.tp}) = {prod}, but world_size = {world_size}"
+            )
+        dense = self.dp_shard * self.cp
+        if self.ep > 1 and dense % self.ep:
+            raise MeshConfigError(
+                f"accelerator.ep_size={self.ep} must divide dp_shard({self.dp_shard}) x cp({self.cp}) = {dense} "
+                "(EP is derived from the dense FSDP rank domain, not part of the mesh product)"
+            )
+
+
+def check_ulysses_degree(cp_size: int, degree: int, field: str = "ulysses_degree") -> None:
+    if not isinstance(degree, int) or degree < 1:
+        raise MeshConfigError(f"{field} must be a positive integer, got {degree!r}")
+    if cp_size % degree:
+        raise MeshConfigError(f"{field}={degree} must divide accelerator.cp_size={cp_size}")
+
+
+class MeshContext:
+    """Owns the root DeviceMesh and cached sub-meshes. Construct on every rank (collective)."""
+
+    def __init__(self, sizes: MeshSizes, platform: Platform | None = None,
+                 hybrid_degrees: Iterable[int] = ()):
+        self.platform = platform or get_platform()
+        self.sizes = sizes
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sizes.check(world)
+        self.world_size = world
+        shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
+        self.root: DeviceMesh = init_device_mesh(self.platform.device_type, shape, mesh_dim_names=ROOT_DIMS)
+        self.cp_mesh: DeviceMesh = self.root["cp"]
+        self.tp_mesh: DeviceMesh = self.root["tp"]
+        self.dp_cp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.dp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard"]._flatten("dp")
+        shard_cp = self.root["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if sizes.dp_replicate > 1:
+            self.fsdp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard_cp"]
+        else:
+            self.fsdp_mesh = shard_cp
+        self.ep_mesh = None
+        if sizes.ep > 1:
+            n = sizes.dp_shard * sizes.cp
+            self.ep_mesh = shard_cp._unflatten(0, (n // sizes.ep, sizes.ep), ("ep_replicate", "ep"))["ep"]
+        self._hybrid: dict[int, DeviceMesh] = {}
+        for u in sorted(set(int(d) for d in hybrid_degrees)):
+            self._build_hybrid(u)
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def cp_size(self) -> int:
+        return self.sizes.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_mesh.get_local_rank()
+
+    @property
+    def cp_group(self):
+        return self.cp_mesh.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes.dp_replicate * self.sizes.dp_shard
+
+    # -- hybrid -------------------------------------------------------------------------
+    def _build_hybrid(self, u: int) -> DeviceMesh:
+        check_ulysses_degree(self.sizes.cp, u)
+        names = (f"cp_colossal_u{u}", f"cp_ulysses_u{u}")
+        mesh = self.cp_mesh._unflatten(0, (self.sizes.cp // u, u), names)
+        self._hybrid[u] = mesh
+        return mesh
+
+    def hybrid_mesh(self, ulysses_degree: int) -> DeviceMesh:
+        """Cached 2-D (colossal, ulysses) mesh over this rank's cp group.
+
+        Only degrees declared at set-up exist; asking for another raises instead of creating
+        a process group mid-training.
+        """
+        if ulysses_degree not in self._hybrid:
+            raise MeshConfigError(
+                f"no Hybrid sub-mesh for ulysses_degree={ulysses_degree}: degrees are built at set-up "
+                f"from plan_overrides (built: {sorted(self._hybrid)})"
+            )
+        return self._hybrid[ulysses_degree]
+
+    def hybrid_groups(self, ulysses_degree: int):
+        """(colossal_group, ulysses_group) process groups for ``ulysses_degree``."""
+        mesh = self.hybrid_mesh(ulysses_degree)
+        return mesh.get_group(0), mesh.get_group(1)
+
+    def ensure_hybrid(self, degrees: Iterable[int]) -> None:
+        """Build missing hybrid meshes (set-up time only; collective on every rank)."""
+        for u in sorted(set(int(d) for d in degrees)):
+            if u not in self._hybrid:
+                self._build_hybrid(u)
+
+    # -- reporting ------------------------------------------------------------------------
+    def summary(self) -> str:
+        s = self.sizes
+        lines = [
+            f"mesh: world={self.world_size} device={self.platform.device_type} backend={self.platform.backend}",
+            f"  root dims dp_replicate={s.dp_replicate} dp_shard={s.dp_shard} cp={s.cp} tp={s.tp} (pp={s.pp}, ep={s.ep} derived)",
+            f"  cp_mesh ranks={self.cp_mesh.mesh.tolist()}  dp_cp_mesh ranks={self.dp_cp_mesh.mesh.tolist()}",
+            f"  fsdp_mesh dims={self.fsdp_mesh.mesh_dim_names} ranks={self.fsdp_mesh.mesh.tolist()}",
+        ]
+        for u, m in sorted(self._hybrid.items()):
+            lines.append(f"  hybrid u={u}: (colossal={s.cp // u}, ulysses={u}) ranks={m.mesh.tolist()}")
+        return "\n".join(lines)

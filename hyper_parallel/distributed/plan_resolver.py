@@ -1,0 +1,204 @@
+"""PlanOverrideResolver: turns ``plan_overrides`` into one declared CP method per attention
+boundary of a real model instance, or fails before any collective with a message that names
+the YAML field, the module FQN and the fix.
+
+Checks (cp_size > 1): every ``when: cp`` entry matches at least one module; every matched
+module is an attention boundary; every attention boundary gets exactly one method;
+``inner_wrapper`` XOR ``local_compute_fn``; ``region_dispatch: false`` present whenever the
+method communicates; ``inner_target`` exists; ``_target_`` imports, is ``@inner_wrapper``-
+decorated and its named parameters exist; the wrapper's own ``validate`` hook passes.
+With cp_size == 1, ``when: cp`` entries are skipped with an INFO log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from .context_parallel.model_spec import find_attention_boundaries
+from .context_parallel.registry import (WrapperInfo, get_registered, import_target,
+                                        registered_names, wrapper_info)
+from .errors import CPConfigError
+from .sharding_config import ModuleShardingSpec, TargetRef
+
+log = logging.getLogger("hyper_parallel.plan")
+
+
+@dataclasses.dataclass
+class ResolvedCPTarget:
+    fqn: str                      # the matched attention boundary
+    module: nn.Module
+    inner_fqn: str                # module the method is installed on (inner_target)
+    inner_module: nn.Module
+    spec: ModuleShardingSpec
+    kind: str                     # "inner_wrapper" | "local_compute_fn"
+    fn: Callable
+    info: WrapperInfo | None
+    params: dict
+
+    def describe(self) -> str:
+        ref = self.spec.inner_wrapper if self.kind == "inner_wrapper" else self.spec.local_compute_fn
+        method = self.info.method if self.info else "custom"
+        sched = "async" if (self.info and self.info.is_async) else "sync"
+        return f"{self.fqn} -> {self.kind}={ref.describe()} [{method}, {sched}] on '{self.inner_fqn}'"
+
+
+@dataclasses.dataclass
+class ResolvedPlan:
+    cp_size: int
+    boundaries: list
+    targets: list
+    skipped: list
+
+    def hybrid_degrees(self) -> list[int]:
+        return sorted({int(t.params["ulysses_degree"]) for t in self.targets if "ulysses_degree" in t.params})
+
+    def summary(self) -> str:
+        lines = [f"CP plan: cp_size={self.cp_size}, {len(self.boundaries)} attention boundaries, "
+                 f"{len(self.targets)} declared"]
+        lines += [f"  {t.describe()}" for t in self.targets]
+        for spec in self.skipped:
+            lines.append(f"  skipped {spec.field()} match={spec.match!r} (when: cp, cp_size=1)")
+        return "\n".join(lines)
+
+
+class PlanOverrideResolver:
+    def __init__(self, specs: list[ModuleShardingSpec], cp_size: int):
+        self.specs = list(specs)
+        self.cp_size = cp_size
+
+    # -- method lookup ----------------------------------------------------------------
+    def _resolve_wrapper(self, spec: ModuleShardingSpec, ref: TargetRef, fqn: str):
+        field = spec.field("inner_wrapper")
+        if ref.name is not None:
+            fn = get_registered(ref.name)
+            if fn is None:
+                raise CPConfigError(field, f"unknown inner_wrapper name {ref.name!r}", module=fqn,
+                                    fix=f"use one of {registered_names()} or a {{_target_: ...}} mapping")
+        else:
+            fn = self._import(field, ref.target, fqn)
+        info = wrapper_info(fn)
+        if info is None:
+            raise CPConfigError(field, f"{ref.describe()} is not decorated with @inner_wrapper", module=fqn,
+                                fix="decorate it with hyper_parallel.distributed.context_parallel.inner_wrapper")
+        unknown = sorted(set(ref.params) - set(info.named_params))
+        if unknown:
+            raise CPConfigError(f"{field}.{unknown[0]}",
+                                f"{info.qualname} has no parameter(s) {unknown} (it takes {list(info.named_params)})",
+                                module=fqn, fix="remove the key or fix its spelling")
+        missing = [p for p in info.required_params if p not in ref.params]
+        if missing:
+            raise CPConfigError(f"{field}.{missing[0]}", f"{info.qualname} requires parameter(s) {missing}",
+                                module=fqn, fix=f"add {missing[0]}: <value> under inner_wrapper")
+        return fn, info, dict(ref.params)
+
+    @staticmethod
+    def _import(field: str, path: str, fqn: str) -> Any:
+        try:
+            return import_target(path)
+        except ImportError as exc:
+            raise CPConfigError(f"{field}._target_", f"cannot import {path!r}: {exc}", module=fqn,
+                                fix="check the dotted path (package.module.callable)") from exc
+
+    # -- main -----------------------------------------------------------------------
+    def resolve(self, model: nn.Module) -> ResolvedPlan:
+        names = dict(model.named_modules())
+        boundaries = find_attention_boundaries(model)
+        cp_specs, skipped = [], []
+        for spec in self.specs:
+            if spec.declares_cp_method and spec.when != "cp":
+                raise CPConfigError(spec.field("when"), "an entry declaring a CP method must say 'when: cp'",
+                                    fix="add 'when: cp' to the entry")
+            if spec.when != "cp":
+                continue
+            if self.cp_size == 1:
+                log.info("plan_overrides: skipping %s match=%r (when: cp, cp_size=1)", spec.field(), spec.match)
+                skipped.append(spec)
+                continue
+            cp_specs.append(spec)
+
+        owner: dict[str, ModuleShardingSpec] = {}
+        targets: list[ResolvedCPTarget] = []
+        for spec in cp_specs:
+            matched = [n for n in names if n and fnmatch.fnmatchcase(n, spec.match)]
+            if not matched:
+                raise CPConfigError(spec.field("match"), f"pattern {spec.match!r} matches no module of "
+                                    f"{type(model).__name__}",
+                                    fix=f"match one of the attention modules, e.g. {boundaries[:3]}")
+            if not spec.declares_cp_method:
+                raise CPConfigError(spec.field(), "declares no CP method", module=matched[0],
+                                    fix="add inner_wrapper (e.g. sdpa_hf) or local_compute_fn")
+            if spec.inner_wrapper is not None and spec.local_compute_fn is not None:
+                raise CPConfigError(spec.field("local_compute_fn"),
+                                    "inner_wrapper and local_compute_fn are mutually exclusive",
+                                    module=matched[0], fix="keep exactly one of them")
+            if spec.inner_target is None:
+                raise CPConfigError(spec.field("inner_target"), "is required for a CP method", module=matched[0],
+                                    fix="add 'inner_target: self' (or the attribute path of the inner attention)")
+            for fqn in matched:
+                if fqn not in boundaries:
+                    raise CPConfigError(spec.field("match"),
+                                        f"{type(names[fqn]).__name__} is not an attention boundary", module=fqn,
+                                        fix=f"match attention modules only (found: {boundaries[:3]}...) or "
+                                            "register_cp_model_spec(attention_targets=...)")
+                if fqn in owner:
+                    raise CPConfigError(spec.field("match"),
+                                        f"conflicts with {owner[fqn].field()} (match={owner[fqn].match!r}): "
+                                        "two CP methods for one attention", module=fqn,
+                                        fix="make the match patterns disjoint")
+                owner[fqn] = spec
+                targets.append(self._resolve_target(spec, fqn, names))
+
+        if self.cp_size > 1:
+            for fqn in boundaries:
+                if fqn not in owner:
+                    raise CPConfigError("plan_overrides", f"attention boundary has no CP method declared "
+                                        f"(accelerator.cp_size={self.cp_size}; there is no default method)",
+                                        module=fqn,
+                                        fix="add {match: '*.self_attn', when: cp, region_dispatch: false, "
+                                            "inner_target: self, inner_wrapper: <method>}")
+        return ResolvedPlan(self.cp_size, boundaries, targets, skipped)
+
+    def _resolve_target(self, spec: ModuleShardingSpec, fqn: str, names: dict) -> ResolvedCPTarget:
+        module = names[fqn]
+        if spec.inner_target == "self":
+            inner_fqn, inner = fqn, module
+        else:
+            inner_fqn = f"{fqn}.{spec.inner_target}"
+            if inner_fqn not in names:
+                raise CPConfigError(spec.field("inner_target"),
+                                    f"{type(module).__name__} has no submodule {spec.inner_target!r}", module=fqn,
+                                    fix="use 'self' or an existing child path "
+                                        f"({[n for n, _ in module.named_children()][:6]})")
+            inner = names[inner_fqn]
+        if spec.inner_wrapper is not None:
+            fn, info, params = self._resolve_wrapper(spec, spec.inner_wrapper, fqn)
+            kind = "inner_wrapper"
+            communicates = info.communicates
+        else:
+            ref = spec.local_compute_fn
+            field = spec.field("local_compute_fn")
+            fn = get_registered(ref.name) if ref.name else self._import(field, ref.target, fqn)
+            if fn is None or not callable(fn):
+                raise CPConfigError(field, f"{ref.describe()} is not a callable", module=fqn)
+            info, params, kind = wrapper_info(fn), dict(ref.params), "local_compute_fn"
+            communicates = True  # user compute replacing a CP region: treat as communicating
+        if spec.region_dispatch is None:
+            raise CPConfigError(spec.field("region_dispatch"), "is required for a CP method and must be false",
+                                module=fqn, fix="add 'region_dispatch: false'")
+        if spec.region_dispatch and communicates:
+            raise CPConfigError(spec.field("region_dispatch"),
+                                "must be false: the declared method issues CP collectives, and region "
+                                "dispatch would issue conflicting communication", module=fqn,
+                                fix="set 'region_dispatch: false'")
+        if info is not None and info.validate is not None:
+            try:
+                info.validate(inner, cp_size=self.cp_size, **params)
+            except CPConfigError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise CPConfigError(spec.field(kind), str(exc), module=fqn) from exc
+        return ResolvedCPTarget(fqn, module, inner_fqn, inner, spec, kind, fn, info, params)

@@ -1,0 +1,67 @@
+"""Float64-capable math reference for the position-masked attention op.
+
+TEST REFERENCE ONLY: it materializes the [B, H, Sq, Sk] visibility mask and score matrix,
+which the CP path must never do. Production code calls :func:`hyper_parallel.ops.attention`.
+
+Contract (identical to the engine):
+  q [B, Hq, Sq, D], k/v [B, Hk, Sk, D], Hq % Hk == 0 (query head h uses kv head h // (Hq//Hk)).
+  q_pos [Sq] or [B, Sq], k_pos [Sk] or [B, Sk]: integer global sequence indices.
+  q_doc / k_doc (optional, same shapes as the positions): document ids; a key with doc -1 is
+  never attended; key j is visible to query i iff (not causal or k_pos[j] <= q_pos[i]) and
+  (docs absent or q_doc[i] == k_doc[j] and k_doc[j] >= 0).
+  Queries with no visible key return out = 0 and lse = -inf; their gradients are 0.
+  Returns out [B, Hq, Sq, D] (and lse [B, Hq, Sq] in float32/float64 when return_lse).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _as_2d(x: torch.Tensor, batch: int) -> torch.Tensor:
+    if x.dim() == 1:
+        return x.unsqueeze(0).expand(batch, -1)
+    return x
+
+
+def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 1) -> torch.Tensor:
+    """Boolean [B, 1, Sq, Sk] visibility (reference only: O(Sq*Sk) memory)."""
+    qp = _as_2d(q_pos, batch)[:, None, :, None]
+    kp = _as_2d(k_pos, batch)[:, None, None, :]
+    vis = torch.ones(qp.shape[0], 1, qp.shape[2], kp.shape[3], dtype=torch.bool, device=qp.device)
+    if causal:
+        vis = vis & (kp <= qp)
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("q_doc and k_doc must be given together")
+    if q_doc is not None:
+        qd = _as_2d(q_doc, batch)[:, None, :, None]
+        kd = _as_2d(k_doc, batch)[:, None, None, :]
+        vis = vis & (qd == kd) & (kd >= 0)
+    return vis
+
+
+def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
+                        scale=None, return_lse=False):
+    B, Hq, Sq, D = q.shape
+    Hk = k.shape[1]
+    if Hq % Hk:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hk={Hk}")
+    g = Hq // Hk
+    scale = (1.0 / math.sqrt(D)) if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    if g > 1:
+        kf = kf.repeat_interleave(g, dim=1)
+        vf = vf.repeat_interleave(g, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
+    p = torch.where(vis, torch.exp(s - lse_safe.unsqueeze(-1)), torch.zeros_like(s))
+    out = torch.matmul(p, vf).to(q.dtype)
+    if return_lse:
+        return out, lse
+    return out

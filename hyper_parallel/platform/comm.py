@@ -1,0 +1,220 @@
+"""Collectives: the only module in hyper_parallel that calls torch.distributed collectives.
+
+Every function takes an explicit ``group`` (a ProcessGroup cached from the root DeviceMesh;
+never created here) and works on local tensors. ``async_op=True`` returns a :class:`CommHandle`
+whose ``wait()`` materializes the result; sync calls are launch + wait. Every wait has a
+timeout (``HYPER_PARALLEL_COMM_TIMEOUT`` seconds, default 300) so no rank hangs forever.
+A group of size 1 is the identity: no collective is issued and nothing is counted.
+
+Byte accounting (:func:`comm_counter`) records, per call and per rank, the logical bytes this
+rank sends to and receives from *other* ranks (its own chunk excluded):
+  all_gather   (input n bytes, W ranks): sent = recv = n*(W-1)
+  reduce_scatter (input n bytes):        sent = recv = n*(W-1)/W
+  all_to_all   (input n bytes):          sent = recv = n*(W-1)/W
+  all_reduce   (n bytes, ring):          sent = recv = 2*n*(W-1)/W
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CommTimeoutError(RuntimeError):
+    """A collective did not complete within the configured timeout."""
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("HYPER_PARALLEL_COMM_TIMEOUT", "300")))
+
+
+# ----------------------------------------------------------------------------- accounting
+@dataclasses.dataclass
+class CommRecord:
+    op: str
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    tag: str = ""
+
+
+class _Counter(threading.local):
+    def __init__(self):
+        self.stack: list[list[CommRecord]] = []
+
+
+_COUNTER = _Counter()
+
+
+@contextlib.contextmanager
+def comm_counter():
+    """Collect a :class:`CommRecord` for every collective issued in the body (this thread)."""
+    records: list[CommRecord] = []
+    _COUNTER.stack.append(records)
+    try:
+        yield records
+    finally:
+        _COUNTER.stack.remove(records)
+
+
+def _record(op: str, world: int, sent: float, recv: float, tag: str) -> None:
+    for records in _COUNTER.stack:
+        records.append(CommRecord(op, world, int(sent), int(recv), tag))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------- handles
+class CommHandle:
+    """An in-flight collective. ``wait()`` blocks (with timeout) and returns the result tensor.
+
+    Waiting twice returns the cached result; a handle that is never waited is reported by
+    :func:`pending_handles` (tests assert no handle dangles after forward/backward).
+    """
+
+    def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None):
+        self.op = op
+        self._work = work
+        self._finalize = finalize
+        self._timeout = timeout or default_timeout()
+        self._result: Optional[torch.Tensor] = None
+        self._done = False
+        if work is not None:
+            _PENDING.add(self)
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            if self._work is not None:
+                try:
+                    ok = self._work.wait(timeout=self._timeout)
+                except RuntimeError as exc:  # gloo raises on timeout / peer failure
+                    _PENDING.discard(self)
+                    raise CommTimeoutError(
+                        f"collective {self.op} failed or timed out after "
+                        f"{self._timeout.total_seconds():.0f}s: {exc}"
+                    ) from exc
+                if ok is False:
+                    _PENDING.discard(self)
+                    raise CommTimeoutError(f"collective {self.op} timed out")
+                _PENDING.discard(self)
+            self._result = self._finalize()
+            self._done = True
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+_PENDING: set = set()
+
+
+def pending_handles() -> int:
+    """Number of launched collectives whose handle has not been waited."""
+    return len(_PENDING)
+
+
+def _ready(result: torch.Tensor, op: str) -> CommHandle:
+    return CommHandle(op, None, lambda: result)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------- collectives
+# torch >= 2.13 names the flat-tensor collectives *_single; older releases *_into_tensor/_tensor.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def all_gather(x: torch.Tensor, group, dim: int = 0, async_op: bool = False, tag: str = ""):
+    """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
+    world = group_size(group)
+    if world == 1:
+        return _ready(x, "all_gather") if async_op else x
+    xc = x.contiguous()
+    flat = torch.empty(world * xc.numel(), dtype=xc.dtype, device=xc.device)
+    work = _ALL_GATHER(flat, xc.view(-1), group=group, async_op=True)
+    _record("all_gather", world, _nbytes(xc) * (world - 1), _nbytes(xc) * (world - 1), tag)
+    d = dim % x.dim()
+    handle = CommHandle("all_gather", work,
+                        lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d))
+    return handle if async_op else handle.wait()
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0, op=dist.ReduceOp.SUM,
+                   async_op: bool = False, tag: str = ""):
+    """Sum ``x`` over the group and return this rank's ``dim``-chunk (inverse of all_gather)."""
+    world = group_size(group)
+    if world == 1:
+        return _ready(x, "reduce_scatter") if async_op else x
+    d = dim % x.dim()
+    if x.shape[d] % world:
+        raise ValueError(f"reduce_scatter: dim {d} of size {x.shape[d]} is not divisible by group size {world}")
+    stacked = torch.stack(x.chunk(world, dim=d), dim=0).contiguous()
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    work = _REDUCE_SCATTER(out.view(-1), stacked.view(-1), op=op, group=group, async_op=True)
+    n = _nbytes(stacked)
+    _record("reduce_scatter", world, n * (world - 1) / world, n * (world - 1) / world, tag)
+    handle = CommHandle("reduce_scatter", work, lambda: out)
+    return handle if async_op else handle.wait()
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
+               async_op: bool = False, tag: str = ""):
+    """Split ``x`` along ``scatter_dim`` into W chunks, send chunk j to rank j, and
+    concatenate the received chunks along ``gather_dim`` in group-rank order."""
+    world = group_size(group)
+    if world == 1:
+        return _ready(x, "all_to_all") if async_op else x
+    sd, gd = scatter_dim % x.dim(), gather_dim % x.dim()
+    if x.shape[sd] % world:
+        raise ValueError(
+            f"all_to_all: scatter dim {sd} of size {x.shape[sd]} is not divisible by group size {world}"
+        )
+    stacked = torch.stack(x.chunk(world, dim=sd), dim=0).contiguous()
+    out = torch.empty_like(stacked)
+    work = dist.all_to_all_single(out, stacked, group=group, async_op=True)
+    n = _nbytes(stacked)
+    _record("all_to_all", world, n * (world - 1) / world, n * (world - 1) / world, tag)
+    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd))
+    return handle if async_op else handle.wait()
+
+
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+    """Out-of-place all-reduce (the input is not modified)."""
+    world = group_size(group)
+    if world == 1:
+        return _ready(x, "all_reduce") if async_op else x
+    out = x.detach().clone().contiguous()
+    work = dist.all_reduce(out, op=op, group=group, async_op=True)
+    n = _nbytes(out)
+    _record("all_reduce", world, 2 * n * (world - 1) / world, 2 * n * (world - 1) / world, tag)
+    handle = CommHandle("all_reduce", work, lambda: out)
+    return handle if async_op else handle.wait()
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Gather a picklable object from every rank of ``group`` (default: world)."""
+    if not dist.is_initialized() or group_size(group if group is not None else dist.group.WORLD) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

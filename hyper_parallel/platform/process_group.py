@@ -1,0 +1,49 @@
+"""Process-group start-up and teardown (torchrun env or an explicit rendezvous)."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch.distributed as dist
+
+from .comm import default_timeout
+from .device import Platform, get_platform
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(platform: Platform | None = None, *, rank: int | None = None,
+                     world_size: int | None = None, init_method: str | None = None,
+                     timeout: datetime.timedelta | None = None) -> Platform:
+    """Initialize the default process group for ``platform`` (idempotent).
+
+    Under torchrun, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment. A plain
+    single process (no env) gets a private loopback rendezvous with world size 1.
+    """
+    platform = platform or get_platform()
+    if dist.is_initialized():
+        return platform
+    timeout = timeout or default_timeout()
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if init_method is None and "MASTER_ADDR" not in os.environ:
+        if world_size != 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR is unset: launch multi-rank jobs with torchrun"
+            )
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(platform.backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return platform
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

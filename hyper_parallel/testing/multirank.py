@@ -1,0 +1,172 @@
+"""Warm multi-rank harness: real processes on gloo, kept alive across tests.
+
+``RankPool(n)`` spawns ``n`` worker processes once; each initializes a gloo process group
+(loopback TCP rendezvous) and then serves calls. ``pool.run(fn, *args)`` runs the importable
+top-level function ``fn(*args)`` on every rank and returns the per-rank results in rank order;
+``pool.outcomes(fn, ...)`` returns results or exceptions without raising. Every call has a
+timeout: on expiry the pool is torn down (and re-spawned on next use) and RankTimeout is
+raised, so a hung collective never hangs the test session. Pass ``rank_args`` to give each
+rank different arguments (e.g. a bad config on one rank).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+
+class RankTimeout(TimeoutError):
+    pass
+
+
+class MultiRankError(RuntimeError):
+    def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]):
+        self.errors = errors
+        self.tracebacks = tracebacks
+        body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(tracebacks.items()))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{body}")
+
+
+class RemoteError(RuntimeError):
+    """Stand-in for an exception whose class could not be pickled back."""
+
+
+def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, env: dict) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=float(env.get("HYPER_PARALLEL_COMM_TIMEOUT", "60")))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timeout)
+    results.put((rank, "ready", None, None))
+    import importlib
+    import pickle
+
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        module, qualname, args, kwargs = item
+        try:
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            value = obj(*args, **kwargs)
+            results.put((rank, "ok", value, None))
+        except BaseException as exc:  # noqa: BLE001 - shipped to the parent
+            tb = traceback.format_exc()
+            try:
+                pickle.loads(pickle.dumps(exc))
+                shipped = exc
+            except Exception:  # noqa: BLE001
+                shipped = RemoteError(f"{type(exc).__name__}: {exc}")
+            results.put((rank, "err", shipped, tb))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, *, start_timeout: float = 180.0, env: dict | None = None):
+        self.world_size = world_size
+        self.start_timeout = start_timeout
+        self.env = {"HYPER_PARALLEL_COMM_TIMEOUT": "60", "OMP_NUM_THREADS": "1", **(env or {})}
+        self._procs: list = []
+        self._tasks: list = []
+        self._results = None
+        self.spawn_count = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.shutdown()
+        from ..platform import free_port
+
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        port = free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
+                                              list(sys.path), self.env), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = 0
+        while ready < self.world_size:
+            try:
+                _, status, _, _ = self._results.get(timeout=self.start_timeout)
+            except queue.Empty:
+                self.shutdown()
+                raise RankTimeout(f"{self.world_size} ranks did not start within {self.start_timeout}s")
+            ready += status == "ready"
+        self.spawn_count += 1
+
+    def shutdown(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+        self._procs, self._tasks, self._results = [], [], None
+
+    # -- calls -------------------------------------------------------------------------
+    def outcomes(self, fn: Callable, *args, timeout: float = 120.0, rank_args: Sequence | None = None,
+                 **kwargs) -> list[Any]:
+        """Run ``fn`` on all ranks; return each rank's result or exception (rank order)."""
+        self.start()
+        module, qualname = fn.__module__, fn.__qualname__
+        if "<locals>" in qualname:
+            raise ValueError(f"{qualname} must be a module-level function to run on ranks")
+        for r in range(self.world_size):
+            a = tuple(rank_args[r]) if rank_args is not None else args
+            self._tasks[r].put((module, qualname, a, kwargs))
+        out: list[Any] = [None] * self.world_size
+        tbs: dict[int, str] = {}
+        got = 0
+        import time
+
+        deadline = time.monotonic() + timeout
+        while got < self.world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, status, value, tb = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                self.shutdown()
+                raise RankTimeout(f"{qualname} did not finish on all {self.world_size} ranks within "
+                                  f"{timeout}s ({got} finished); pool torn down") from None
+            out[rank] = value
+            if status == "err":
+                tbs[rank] = tb
+                value.__hp_traceback__ = tb
+            got += 1
+        if tbs and len(tbs) != self.world_size:
+            # Some ranks failed while others finished: their collectives may be out of step.
+            self.shutdown()
+        return out
+
+    def run(self, fn: Callable, *args, timeout: float = 120.0, rank_args: Sequence | None = None,
+            **kwargs) -> list[Any]:
+        """Run ``fn`` on all ranks; raise MultiRankError if any rank raised."""
+        res = self.outcomes(fn, *args, timeout=timeout, rank_args=rank_args, **kwargs)
+        errors = {r: v for r, v in enumerate(res) if isinstance(v, BaseException)}
+        if errors:
+            raise MultiRankError(errors, {r: getattr(e, "__hp_traceback__", repr(e)) for r, e in errors.items()})
+        return res

@@ -1,0 +1,72 @@
+"""A bad config on one rank fails every rank promptly (no hang), before any collective."""
+import time
+
+from hyper_parallel.distributed.errors import CPConfigError, PreflightError
+
+GOOD = "examples/demo_plan_cp2.yaml"
+
+
+def setup_on_rank(yaml_path: str, overrides: list):
+    from hyper_parallel.distributed.infrastructure import setup_distributed
+    from hyper_parallel.distributed.preflight import agree_or_raise
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.model import build_model
+
+    cfg = agree_or_raise(lambda: TrainerConfig.from_yaml(yaml_path, overrides), what="config load")
+    model = build_model(cfg.model)
+    setup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model)
+    return setup.mesh.cp_size
+
+
+def test_good_config_all_ranks(ranks):
+    assert ranks(2).run(setup_on_rank, GOOD, []) == [2, 2]
+
+
+def test_bad_yaml_on_one_rank_fails_all_ranks(ranks):
+    pool = ranks(2)
+    t0 = time.monotonic()
+    outs = pool.outcomes(setup_on_rank, timeout=60,
+                         rank_args=[(GOOD, []), (GOOD, ["accelerator.ulysses_degree=2"])])
+    elapsed = time.monotonic() - t0
+    assert isinstance(outs[1], CPConfigError) and "accelerator.ulysses_degree" in str(outs[1])
+    assert isinstance(outs[0], PreflightError) and "rank 1" in str(outs[0]) and "ulysses_degree" in str(outs[0])
+    assert elapsed < 30, f"ranks took {elapsed:.1f}s to fail"
+
+
+def test_bad_plan_on_one_rank_fails_all_ranks(ranks):
+    pool = ranks(2)
+    outs = pool.outcomes(setup_on_rank, timeout=60,
+                         rank_args=[(GOOD, ["plan_overrides=[]"]), (GOOD, [])])
+    assert isinstance(outs[0], CPConfigError) and "no CP method declared" in str(outs[0])
+    assert isinstance(outs[1], PreflightError) and "rank 0" in str(outs[1])
+    # the pool stays usable: the failure happened before any collective
+    assert pool.run(setup_on_rank, GOOD, []) == [2, 2]
+
+
+def test_world_mismatch_fails_all_ranks(ranks):
+    outs = ranks(2).outcomes(setup_on_rank, GOOD, ["accelerator.cp_size=4"], timeout=60)
+    assert all(isinstance(o, CPConfigError) and "world_size = 2" in str(o) for o in outs)
+
+
+def hang_one_rank():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(30)
+    from hyper_parallel.platform import all_reduce
+    return float(all_reduce(torch.ones(1), None).item())
+
+
+def test_harness_timeout_tears_down_instead_of_hanging(ranks):
+    import pytest
+
+    from hyper_parallel.testing import RankTimeout
+
+    pool = ranks(2)
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout):
+        pool.outcomes(hang_one_rank, timeout=5)
+    assert time.monotonic() - t0 < 20
+    assert not pool.alive
+    assert pool.run(setup_on_rank, GOOD, []) == [2, 2]  # re-spawned on demand
