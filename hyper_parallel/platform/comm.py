@@ -44,9 +44,12 @@ class CommRecord:
     tag: str = ""
 
 
-class _Counter(threading.local):
+class _Counter:
+    """Process-wide (collectives issued by the async chain thread are counted too)."""
+
     def __init__(self):
         self.stack: list[list[CommRecord]] = []
+        self.lock = threading.Lock()
 
 
 _COUNTER = _Counter()
@@ -54,18 +57,21 @@ _COUNTER = _Counter()
 
 @contextlib.contextmanager
 def comm_counter():
-    """Collect a :class:`CommRecord` for every collective issued in the body (this thread)."""
+    """Collect a :class:`CommRecord` for every collective issued in the body (any thread)."""
     records: list[CommRecord] = []
-    _COUNTER.stack.append(records)
+    with _COUNTER.lock:
+        _COUNTER.stack.append(records)
     try:
         yield records
     finally:
-        _COUNTER.stack.remove(records)
+        with _COUNTER.lock:
+            _COUNTER.stack.remove(records)
 
 
 def _record(op: str, world: int, sent: float, recv: float, tag: str) -> None:
-    for records in _COUNTER.stack:
-        records.append(CommRecord(op, world, int(sent), int(recv), tag))
+    with _COUNTER.lock:
+        for records in _COUNTER.stack:
+            records.append(CommRecord(op, world, int(sent), int(recv), tag))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -218,3 +224,63 @@ def all_gather_object(obj, group=None) -> list:
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+# ----------------------------------------------------------------------------- dependency chains
+class _FutureWork:
+    """Adapts a concurrent.futures.Future to the Work.wait(timeout) protocol."""
+
+    def __init__(self, fut):
+        self._fut = fut
+
+    def wait(self, timeout=None):
+        import concurrent.futures
+
+        try:
+            self._fut.result(timeout=None if timeout is None else timeout.total_seconds())
+        except concurrent.futures.TimeoutError:
+            return False
+        except Exception as exc:  # noqa: BLE001 - surfaced as RuntimeError to CommHandle.wait
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        return True
+
+
+class _ChainWorker:
+    """One FIFO thread per process that runs dependent collective chains.
+
+    All ranks submit the same chains in the same program order, and the single thread
+    executes them in submission order, so the collective order on every group is identical
+    across ranks while the main thread keeps computing (real overlap on CPU/gloo). On
+    CUDA/NPU the collectives inside a chain run on the backend's own comm stream.
+    """
+
+    def __init__(self):
+        import concurrent.futures
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hp-comm-chain")
+
+    def submit(self, fn):
+        return self._pool.submit(fn)
+
+
+_CHAIN: _ChainWorker | None = None
+
+
+def launch_chain(x: torch.Tensor, steps, op: str = "chain") -> CommHandle:
+    """Run ``steps`` (callables tensor -> tensor, each issuing *sync* platform collectives)
+    one after another on the chain thread, starting from ``x``; return a handle whose
+    ``wait()`` yields the last step's output. Use for collectives with a data dependency
+    (Hybrid: Ulysses A2A, then Colossal AllGather) that must not block the caller."""
+    global _CHAIN
+    if _CHAIN is None:
+        _CHAIN = _ChainWorker()
+    src = x.detach()
+
+    def run():
+        y = src
+        for step in steps:
+            y = step(y)
+        return y
+
+    fut = _CHAIN.submit(run)
+    return CommHandle(op, _FutureWork(fut), fut.result)

@@ -1,0 +1,75 @@
+"""Per-step CP batch metadata, visible to attention wrappers during the model's forward.
+
+The trainer (or a test) shards a global batch with ``shard_batch_for_cp`` and runs the
+forward inside ``with cp_batch_context(meta):``. Attention wrappers read
+:func:`current_cp_batch_meta` to learn the global positions of their local queries and the
+validity / document id of every global key — HF's local causal mask is never trusted.
+
+Layout contract (all strategies): every CP rank holds the *contiguous* chunk ``cp_rank`` of
+the (padded) global sequence: global token indices
+``q_index = cp_rank * local_seq_len + arange(local_seq_len)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class CPBatchMeta:
+    cp_rank: int
+    cp_size: int
+    global_seq_len: int                 # padded global S (multiple of the policy's multiple)
+    local_seq_len: int                  # global_seq_len // cp_size
+    key_doc: Optional[torch.Tensor]     # [B, global_seq_len] int64 doc id per key, -1 = padding; None = all valid, one doc
+    policy: str = "all_gather"          # padding policy used to build the batch
+    causal: bool = True
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        """Global sequence indices of this rank's local tokens, [local_seq_len] int64."""
+        start = self.cp_rank * self.local_seq_len
+        return torch.arange(start, start + self.local_seq_len, dtype=torch.int64)
+
+    @property
+    def k_index(self) -> torch.Tensor:
+        return torch.arange(self.global_seq_len, dtype=torch.int64)
+
+    def doc_slice(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """Doc ids [B, len(index)] of the given global indices (None when no docs/padding)."""
+        if self.key_doc is None:
+            return None
+        return self.key_doc.index_select(1, index.to(self.key_doc.device))
+
+
+class _Stack(threading.local):
+    def __init__(self):
+        self.items: list[CPBatchMeta] = []
+
+
+_STACK = _Stack()
+
+
+@contextlib.contextmanager
+def cp_batch_context(meta: CPBatchMeta):
+    """Make ``meta`` the current CP batch for wrappers running in this thread."""
+    _STACK.items.append(meta)
+    try:
+        yield meta
+    finally:
+        _STACK.items.pop()
+
+
+def current_cp_batch_meta(required: bool = True) -> Optional[CPBatchMeta]:
+    if _STACK.items:
+        return _STACK.items[-1]
+    if required:
+        raise RuntimeError(
+            "a CP attention wrapper ran outside cp_batch_context(): shard the global batch with "
+            "shard_batch_for_cp(...) and run the forward inside `with cp_batch_context(local.meta)`"
+        )
+    return None

@@ -1,0 +1,237 @@
+"""Async CP wrappers for Qwen3-MoE attention (design 3.1.1 / 4.4): real overlap, both ways.
+
+Public ``_target_`` paths:
+  hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async.qwen3_moe_async_colossal_cp_wrapper
+  ...qwen3_moe_async_ulysses_cp_wrapper
+  ...qwen3_moe_async_hybrid_cp_wrapper  (named parameter ``ulysses_degree``)
+
+The replacement forward keeps HF's math (q/k/v/o projections, per-head RMSNorm, RoPE) and
+reorders it so each collective is launched at its last safe handoff and waited only at the
+attention consumer::
+
+    k = rope(k_norm(k_proj(h)))   -> launch K   (Colossal: AllGather on cp; Ulysses: seq->head A2A;
+    v = v_proj(h)                 -> launch V    Hybrid: A2A on the ulysses group, then AllGather on
+    q = rope(q_norm(q_proj(h)))   (overlaps K/V) the colossal group, chained on the platform thread)
+    [Ulysses/Hybrid: launch Q (seq->head A2A)]
+    wait K, V (, Q) -> engine attention with global positions -> [head->seq A2A] -> o_proj
+
+Backward mirrors it: the consumer's K/V (and Q) gradients launch the inverse collectives
+(reduce-scatter / inverse A2A) asynchronously; they complete while autograd runs the Q
+branch (RoPE/norm backward and the q_proj grad GEMM); the wait happens in the handoff's
+backward, right before the K/V projection backward. There is no launch-then-wait-at-once
+path, and no fallback: a module that is not a Qwen3-MoE attention is rejected at preflight.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..... import ops
+from .....distributed.context_parallel.async_collectives import AsyncCollective, trace_event
+from .....distributed.context_parallel.meta import current_cp_batch_meta
+from .....distributed.context_parallel.registry import inner_wrapper
+from .....platform import all_gather, all_to_all, launch_chain, reduce_scatter
+
+ADAPTER = "qwen3_moe"
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x, cos, sin):
+    """HF's apply_rotary_pos_emb for one tensor [B, H, S, D] (cos/sin [B, S, D])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that records a trace event in forward and in backward (overlap evidence)."""
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        trace_event("compute", name)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        trace_event("bwd_compute", ctx.name)
+        return g, None
+
+
+def _heads(module):
+    cfg = module.config
+    return cfg.num_attention_heads, cfg.num_key_value_heads
+
+
+def _validate_adapter(module, *, cp_size, ulysses_degree=None, method="colossal"):
+    try:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+    except ImportError as exc:  # pragma: no cover - transformers without Qwen3-MoE
+        raise ValueError(f"transformers has no Qwen3-MoE model: {exc}") from exc
+    if not isinstance(module, Qwen3MoeAttention):
+        raise ValueError(
+            f"async CP wrapper is a Qwen3-MoE model adapter but the target is {type(module).__name__}: "
+            "async needs a model adapter with explicit handoffs; use the sync wrapper "
+            "(e.g. sdpa_hf_cp_wrapper) or write an @inner_wrapper adapter for this model"
+        )
+    hq, hk = _heads(module)
+    degree = {"colossal": 1, "ulysses": cp_size, "hybrid": ulysses_degree}[method]
+    if method == "hybrid":
+        if not isinstance(ulysses_degree, int) or not 1 < ulysses_degree < cp_size or cp_size % ulysses_degree:
+            raise ValueError(f"ulysses_degree={ulysses_degree!r} must satisfy 1 < ulysses_degree < cp_size "
+                             f"({cp_size}) and divide it")
+    if degree > 1 and (hq % degree or hk % degree):
+        raise ValueError(f"{method} A2A over {degree} ranks needs num_attention_heads ({hq}) and "
+                         f"num_key_value_heads ({hk}) divisible by {degree}")
+
+
+# ----------------------------------------------------------------------------- comm plans
+def _colossal(group):
+    kv = (lambda x: all_gather(x, group, dim=2, async_op=True, tag="async_kv_gather"),
+          lambda g: reduce_scatter(g, group, dim=2, async_op=True, tag="async_kv_reduce_scatter"))
+    return kv, None
+
+
+def _ulysses(group):
+    fwd = (lambda x: all_to_all(x, group, scatter_dim=1, gather_dim=2, async_op=True, tag="async_seq_to_head"),
+           lambda g: all_to_all(g, group, scatter_dim=2, gather_dim=1, async_op=True, tag="async_head_to_seq"))
+    return fwd, fwd
+
+
+def _hybrid(colossal_group, ulysses_group):
+    # Every collective of a Hybrid layer runs on the platform chain thread, in program order,
+    # so the per-group order is identical on all ranks.
+    kv = (lambda x: launch_chain(x, [lambda y: all_to_all(y, ulysses_group, 1, 2, tag="async_seq_to_head"),
+                                     lambda y: all_gather(y, colossal_group, dim=2, tag="async_kv_gather")],
+                                 op="hybrid_kv_chain"),
+          lambda g: launch_chain(g, [lambda y: reduce_scatter(y, colossal_group, dim=2, tag="async_kv_reduce_scatter"),
+                                     lambda y: all_to_all(y, ulysses_group, 2, 1, tag="async_head_to_seq")],
+                                 op="hybrid_kv_chain_bwd"))
+    q = (lambda x: launch_chain(x, [lambda y: all_to_all(y, ulysses_group, 1, 2, tag="async_seq_to_head")],
+                                op="hybrid_q_a2a"),
+         lambda g: launch_chain(g, [lambda y: all_to_all(y, ulysses_group, 2, 1, tag="async_head_to_seq")],
+                                op="hybrid_q_a2a_bwd"))
+    return kv, q
+
+
+class _HeadToSeq(torch.autograd.Function):
+    """Output [B, H/u, S_chunk, D] head shard -> [B, H, S_local, D] sequence shard (sync A2A;
+    its result feeds o_proj immediately, so there is nothing to overlap). Backward: inverse."""
+
+    @staticmethod
+    def forward(ctx, x, group, via_chain):
+        ctx.group, ctx.via_chain = group, via_chain
+        return _a2a(x, group, 2, 1, via_chain)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group, 1, 2, ctx.via_chain), None, None
+
+
+def _a2a(x, group, scatter_dim, gather_dim, via_chain):
+    if via_chain:
+        return launch_chain(x, [lambda y: all_to_all(y, group, scatter_dim, gather_dim)], op="a2a").wait()
+    return all_to_all(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim)
+
+
+# ----------------------------------------------------------------------------- forward
+def _positions(method, meta, ulysses_degree):
+    """(q_pos, k_pos, q_doc, k_doc) for the layout the engine sees after communication."""
+    k_pos = meta.k_index
+    if method == "colossal":
+        q_pos = meta.q_index
+    elif method == "ulysses":
+        q_pos = k_pos
+    else:  # hybrid: chunk colossal_idx (u local shards) of the sequence
+        span = meta.local_seq_len * ulysses_degree
+        start = (meta.cp_rank // ulysses_degree) * span
+        q_pos = torch.arange(start, start + span, dtype=torch.int64)
+    k_doc = meta.key_doc
+    q_doc = meta.doc_slice(q_pos) if k_doc is not None else None
+    return q_pos, k_pos, q_doc, k_doc
+
+
+def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree, via_chain):
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        if cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            raise ValueError(f"{ADAPTER} async CP: KV cache / use_cache is not supported in training; call the model with use_cache=False")
+        meta = current_cp_batch_meta()
+        if position_embeddings is None:
+            raise ValueError(f"{ADAPTER} async CP: position_embeddings (cos, sin) are required")
+        bsz, seqlen, _ = hidden_states.shape
+        shape = (bsz, seqlen, -1, module.head_dim)
+        cos, sin = position_embeddings
+
+        # K handoff: projection + norm + RoPE done -> launch
+        k = _rope(module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2), cos, sin)
+        ck = AsyncCollective("k", *kv_plan)
+        k_tok = ck.launch(k)
+        # V handoff (its projection overlaps K's collective)
+        v = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cv = AsyncCollective("v", *kv_plan)
+        v_tok = cv.launch(v)
+        # Q branch overlaps both K and V collectives
+        q = _Mark.apply(module.q_proj(hidden_states), "q_proj")
+        q = _rope(module.q_norm(q.view(shape)).transpose(1, 2), cos, sin)
+        if q_plan is not None:
+            cq = AsyncCollective("q", *q_plan)
+            q = cq.wait(cq.launch(q))
+        k_full = ck.wait(k_tok)
+        v_full = cv.wait(v_tok)
+
+        q_pos, k_pos, q_doc, k_doc = _positions(method, meta, ulysses_degree)
+        out = ops.attention(q, k_full, v_full, q_pos=q_pos, k_pos=k_pos, causal=meta.causal,
+                            q_doc=q_doc, k_doc=k_doc, scale=module.scaling)
+        if out_group is not None:
+            out = _HeadToSeq.apply(out, out_group, via_chain)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1).contiguous()
+        return module.o_proj(out), None
+
+    return forward
+
+
+def _cp_group(cp_mesh):
+    if cp_mesh is None:
+        raise ValueError("async CP wrappers need an active cp mesh (accelerator.cp_size > 1)")
+    return cp_mesh.get_group()
+
+
+def _validate_colossal(module, *, cp_size):
+    _validate_adapter(module, cp_size=cp_size, method="colossal")
+
+
+def _validate_ulysses(module, *, cp_size):
+    _validate_adapter(module, cp_size=cp_size, method="ulysses")
+
+
+def _validate_hybrid(module, *, cp_size, ulysses_degree):
+    _validate_adapter(module, cp_size=cp_size, ulysses_degree=ulysses_degree, method="hybrid")
+
+
+@inner_wrapper(method="colossal", style="model", is_async=True, model_adapter=ADAPTER,
+               validate=_validate_colossal)
+def qwen3_moe_async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Async Colossal: K/V AllGather launched at their handoffs, reduce-scatter in backward."""
+    kv, q = _colossal(_cp_group(cp_mesh))
+    return _make_forward(target_module, "colossal", kv, q, None, None, False)
+
+
+@inner_wrapper(method="ulysses", style="model", is_async=True, model_adapter=ADAPTER,
+               validate=_validate_ulysses)
+def qwen3_moe_async_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Async Pure Ulysses: Q/K/V seq->head A2A launched at their handoffs; inverse in backward."""
+    group = _cp_group(cp_mesh)
+    kv, q = _ulysses(group)
+    return _make_forward(target_module, "ulysses", kv, q, group, None, False)
+
+
+@inner_wrapper(method="hybrid", style="model", is_async=True, model_adapter=ADAPTER,
+               validate=_validate_hybrid)
+def qwen3_moe_async_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree):
+    """Async Hybrid: ulysses-group A2A chained into colossal-group K/V AllGather on the platform
+    chain thread (full dependency chain, forward and backward; not half-async)."""
+    colossal_group, ulysses_group = mesh.hybrid_groups(ulysses_degree)
+    kv, q = _hybrid(colossal_group, ulysses_group)
+    return _make_forward(target_module, "hybrid", kv, q, ulysses_group, ulysses_degree, True)
