@@ -1,0 +1,281 @@
+"""CP batch contract (design 4.2): a global collated batch -> this CP rank's local shard + meta.
+
+Order of work (no collective anywhere; cp rank/size come from the mesh):
+  1. validate fields (training only: no ``past_key_values``/``use_cache=True``; no 4-D mask;
+     unknown tensors rejected unless listed in ``passthrough``);
+  2. on the *global* sequence: key doc ids (packed ``seq_lens``/``seq_lens_padded`` -> doc
+     index, ``attention_mask`` 0 -> -1), ``position_ids`` (arange per row, restarting per
+     document when packed) and ``shift_labels`` (next token of ``labels`` else ``input_ids``;
+     last token, padding targets and document boundaries -> ``ignore_index``);
+  3. pad S to the policy multiple (cp for all_gather/ulysses/hybrid, 2*cp for load_balance):
+     pad keys get doc -1, pad labels ``ignore_index``, pad ids ``pad_token_id``, pad embeds 0;
+  4. slice the contiguous chunk ``cp_rank`` of every sequence field; recompute packed lengths
+     for the local chunk.
+
+Fields ([B, S, ...]): input_ids, inputs_embeds [B,S,H], labels, shift_labels, position_ids
+([B,S] or [1,S]), attention_mask ([B,S] 1/0 key validity: it becomes key doc -1 in the meta —
+the local slice is returned for reference only; wrappers read the meta), seq_lens /
+seq_lens_padded ([B, n_docs]: doc i occupies a slot of seq_lens_padded[b,i] tokens, the first
+seq_lens[b,i] of them real). Non-tensor scalars (bool/int/float/str/None) pass through.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...platform import group_rank, group_size
+from .collectives import all_gather_seq
+from .meta import CPBatchMeta
+
+__all__ = ["CPBatch", "shard_batch_for_cp", "gather_from_cp", "policy_multiple", "cp_coords"]
+
+SEQ_FIELDS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
+PACK_FIELDS = ("seq_lens", "seq_lens_padded")
+_POLICIES = {"all_gather": ("all_gather", 1), "colossal": ("all_gather", 1), "ulysses": ("ulysses", 1),
+             "hybrid": ("hybrid", 1), "load_balance": ("load_balance", 2), "head_tail": ("load_balance", 2)}
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class CPBatchError(ValueError):
+    """A global batch that cannot be sharded for CP (raised before any collective)."""
+
+
+class CPBatch(dict):
+    """This rank's local tensors (a dict) plus ``.meta`` (:class:`CPBatchMeta`),
+    ``.num_valid_tokens_local`` (local ``shift_labels != ignore_index`` count, None without
+    labels/ids), ``.seq_len`` (unpadded global S) and ``.pad_len`` (policy padding added)."""
+
+    meta: CPBatchMeta
+    num_valid_tokens_local: Optional[int]
+    seq_len: int
+    pad_len: int
+
+
+def cp_coords(cp_mesh) -> tuple[int, int]:
+    """(cp_rank, cp_size) from a 1-D DeviceMesh, ProcessGroup, MeshContext, (rank, size) or None."""
+    if cp_mesh is None:
+        return 0, 1
+    if hasattr(cp_mesh, "cp_mesh") and hasattr(cp_mesh, "cp_rank"):
+        return cp_coords(cp_mesh.cp_mesh)
+    if isinstance(cp_mesh, DeviceMesh):
+        if cp_mesh.ndim != 1:
+            raise CPBatchError(f"shard_batch_for_cp needs the 1-D cp mesh, got dims {cp_mesh.mesh_dim_names}")
+        return cp_mesh.get_local_rank(), cp_mesh.size()
+    if isinstance(cp_mesh, dist.ProcessGroup):
+        return group_rank(cp_mesh), group_size(cp_mesh)
+    if isinstance(cp_mesh, tuple) and len(cp_mesh) == 2 and all(isinstance(x, int) for x in cp_mesh):
+        rank, size = cp_mesh
+        if not 0 <= rank < size:
+            raise CPBatchError(f"cp coordinates (rank={rank}, size={size}) are out of range")
+        return rank, size
+    raise CPBatchError(f"cannot read cp rank/size from {type(cp_mesh).__name__}")
+
+
+def policy_multiple(policy, cp_size: int) -> tuple[str, int]:
+    """(policy name, S multiple) for a policy string or a strategy instance."""
+    if isinstance(policy, str):
+        if policy not in _POLICIES:
+            raise CPBatchError(f"unknown CP padding policy {policy!r}; expected one of {sorted(_POLICIES)}")
+        name, factor = _POLICIES[policy]
+        return name, factor * cp_size
+    if hasattr(policy, "padding_multiple") and hasattr(policy, "name"):
+        return policy.name, int(policy.padding_multiple(cp_size))
+    raise CPBatchError(f"policy must be a string or a ContextParallelStrategy, got {type(policy).__name__}")
+
+
+# ----------------------------------------------------------------------------- validation
+def _validate(batch: dict, passthrough: set) -> tuple[int, int]:
+    if not isinstance(batch, dict):
+        raise CPBatchError(f"global_batch must be a dict of tensors, got {type(batch).__name__}")
+    if batch.get("past_key_values") is not None:
+        raise CPBatchError("past_key_values is not supported by CP training (Phase 1 rejects KV caches)")
+    if batch.get("use_cache") is True:
+        raise CPBatchError("use_cache=True is not supported by CP training; pass use_cache=False")
+    for key, val in batch.items():
+        if key in passthrough or key in SEQ_FIELDS or key in PACK_FIELDS or key == "past_key_values":
+            continue
+        if not isinstance(val, _SCALARS):
+            raise CPBatchError(
+                f"unknown batch field {key!r} ({type(val).__name__}"
+                f"{' ' + str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ''}): CP does not guess "
+                "how to shard it; declare it in passthrough=(...) to pass it through unchanged"
+            )
+    clash = sorted(passthrough & set(SEQ_FIELDS + PACK_FIELDS))
+    if clash:
+        raise CPBatchError(f"passthrough={clash} names CP-sharded fields; only unknown fields pass through")
+    for key in SEQ_FIELDS + PACK_FIELDS:
+        if key in batch and batch[key] is not None and not isinstance(batch[key], torch.Tensor):
+            raise CPBatchError(f"batch field {key!r} must be a tensor, got {type(batch[key]).__name__}")
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise CPBatchError(
+            f"attention_mask must be a [B, S] 1/0 key-validity mask, got a {mask.dim()}-D tensor "
+            f"{tuple(mask.shape)}: CP never slices a square/4-D mask; pass padding as a 2-D mask or "
+            "packed documents as seq_lens"
+        )
+    ref = next((k for k in ("input_ids", "inputs_embeds", "labels") if batch.get(k) is not None), None)
+    if ref is None:
+        raise CPBatchError("the batch needs input_ids, inputs_embeds or labels to define [B, S]")
+    B, S = batch[ref].shape[:2]
+    for key in SEQ_FIELDS:
+        t = batch.get(key)
+        if t is None:
+            continue
+        if key == "inputs_embeds":
+            ok = t.dim() == 3 and tuple(t.shape[:2]) == (B, S)
+        elif key == "position_ids":
+            ok = t.dim() == 2 and t.shape[0] in (1, B) and t.shape[1] == S
+        else:
+            ok = t.dim() == 2 and tuple(t.shape) == (B, S)
+        if not ok:
+            raise CPBatchError(f"batch field {key!r} has shape {tuple(t.shape)}, expected [B={B}, S={S}"
+                               f"{', H' if key == 'inputs_embeds' else ''}] (from {ref!r})")
+    lens, padded = batch.get("seq_lens"), batch.get("seq_lens_padded")
+    if padded is not None and lens is None:
+        raise CPBatchError("seq_lens_padded needs seq_lens (the real length of every document)")
+    if lens is not None:
+        if lens.dim() != 2 or lens.shape[0] != B:
+            raise CPBatchError(f"seq_lens must be [B={B}, n_docs], got {tuple(lens.shape)}")
+        if padded is not None and padded.shape != lens.shape:
+            raise CPBatchError(f"seq_lens_padded {tuple(padded.shape)} must match seq_lens {tuple(lens.shape)}")
+        slots = padded if padded is not None else lens
+        if (lens < 0).any() or (slots < lens).any():
+            raise CPBatchError("seq_lens must be >= 0 and seq_lens_padded >= seq_lens")
+        total = slots.sum(dim=1)
+        if (total > S).any():
+            raise CPBatchError(f"packed documents need {total.max().item()} tokens in a row but S={S}")
+    return B, S
+
+
+# ----------------------------------------------------------------------------- global metadata
+def _pack_layout(lens: torch.Tensor, padded: Optional[torch.Tensor], S: int):
+    """Global doc ids [B,S] (-1 outside documents) and per-slot restarting positions [B,S]."""
+    slots = (padded if padded is not None else lens).to(torch.int64)
+    lens = lens.to(torch.int64)
+    B, n = slots.shape
+    cum = slots.cumsum(dim=1)
+    start = cum - slots
+    j = torch.arange(S, dtype=torch.int64, device=slots.device).expand(B, S).contiguous()
+    idx = torch.searchsorted(cum, j, right=True)                      # slot holding token j (n = none)
+    inside = idx < n
+    safe = idx.clamp(max=max(n - 1, 0))
+    off = j - start.gather(1, safe)
+    doc = torch.where(inside & (off < lens.gather(1, safe)), safe, torch.full_like(j, -1))
+    tail = j - cum[:, -1:] if n else j
+    pos = torch.where(inside, off, tail)
+    return doc, pos, start, lens, slots
+
+
+def _shift(src: torch.Tensor, doc: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
+    out = torch.full_like(src, ignore_index)
+    out[:, :-1] = src[:, 1:]
+    if doc is not None:
+        bad = (doc[:, 1:] < 0) | (doc[:, 1:] != doc[:, :-1])
+        out[:, :-1] = out[:, :-1].masked_fill(bad, ignore_index)
+    return out
+
+
+def _pad(t: torch.Tensor, n: int, value) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[1] = n
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+
+
+def _local_lengths(start: torch.Tensor, length: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return ((start + length).clamp(max=hi) - start.clamp(min=lo)).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- public API
+def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, ignore_index: int = -100,
+                       pad_token_id: int = 0, passthrough: Iterable[str] = ()) -> CPBatch:
+    """Shard a global collated batch for this CP rank; see the module docstring for the contract.
+
+    ``cp_mesh``: the 1-D cp DeviceMesh, its ProcessGroup, a MeshContext, explicit
+    ``(cp_rank, cp_size)``, or None (cp 1). ``policy``: "all_gather" | "ulysses" | "hybrid" |
+    "load_balance" (aliases "colossal", "head_tail") or a strategy instance (its
+    ``padding_multiple``). Returns a :class:`CPBatch`; ``meta.key_doc`` is [B, S_padded] global doc
+    ids (-1 = padding) or None when there is neither padding nor packing.
+    """
+    passthrough = set(passthrough)
+    B, S = _validate(global_batch, passthrough)
+    cp_rank, cp_size = cp_coords(cp_mesh)
+    policy_name, multiple = policy_multiple(policy, cp_size)
+    b = global_batch
+    ref = next(b[k] for k in ("input_ids", "inputs_embeds", "labels") if b.get(k) is not None)
+    dev = ref.device
+
+    # -- global doc ids / positions / shift labels (before padding and slicing) -------------
+    doc = pos = None
+    packed = b.get("seq_lens") is not None
+    if packed:
+        doc, pos, start, lens, slots = _pack_layout(b["seq_lens"].to(dev), None if b.get("seq_lens_padded") is None
+                                                    else b["seq_lens_padded"].to(dev), S)
+    mask = b.get("attention_mask")
+    if mask is not None:
+        valid = mask.to(dev) != 0
+        doc = torch.where(valid, doc if doc is not None else torch.zeros(B, S, dtype=torch.int64, device=dev),
+                          torch.full((B, S), -1, dtype=torch.int64, device=dev))
+    if b.get("position_ids") is not None:
+        pos = b["position_ids"].expand(B, S)
+    elif pos is None:
+        pos = torch.arange(S, dtype=torch.int64, device=dev).expand(B, S)
+    shift = b.get("shift_labels")
+    if shift is None:
+        src = b.get("labels") if b.get("labels") is not None else b.get("input_ids")
+        shift = _shift(src, doc, ignore_index) if src is not None else None
+
+    # -- pad to the policy multiple ---------------------------------------------------------
+    S_pad = -(-S // multiple) * multiple
+    n_pad = S_pad - S
+    has_pad = n_pad > 0 or (doc is not None and bool((doc < 0).any()))
+    key_doc = None
+    if packed or has_pad:
+        base = doc if doc is not None else torch.zeros(B, S, dtype=torch.int64, device=dev)
+        key_doc = _pad(base.to(torch.int64), n_pad, -1)
+    full = {}
+    for key, value in (("input_ids", pad_token_id), ("inputs_embeds", 0), ("labels", ignore_index),
+                       ("attention_mask", 0)):
+        if b.get(key) is not None:
+            full[key] = _pad(b[key], n_pad, value)
+    if shift is not None:
+        full["shift_labels"] = _pad(shift, n_pad, ignore_index)
+    if n_pad:
+        cont = pos[:, -1:] + 1 + torch.arange(n_pad, dtype=pos.dtype, device=pos.device)
+        pos = torch.cat([pos, cont], dim=1)
+    full["position_ids"] = pos
+
+    # -- slice the contiguous local chunk ---------------------------------------------------
+    L = S_pad // cp_size
+    lo, hi = cp_rank * L, (cp_rank + 1) * L
+    out = CPBatch({k: v[:, lo:hi] for k, v in full.items()})
+    if packed:
+        out["seq_lens"] = _local_lengths(start, lens, lo, hi).to(b["seq_lens"].dtype)
+        if b.get("seq_lens_padded") is not None:
+            out["seq_lens_padded"] = _local_lengths(start, slots, lo, hi).to(b["seq_lens_padded"].dtype)
+    for key, val in b.items():
+        if key in passthrough or (key not in out and key not in SEQ_FIELDS + PACK_FIELDS
+                                  and key != "past_key_values"):
+            out[key] = val
+    out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
+                           key_doc=key_doc, policy=policy_name, causal=True)
+    out.num_valid_tokens_local = (int((out["shift_labels"] != ignore_index).sum())
+                                  if "shift_labels" in out else None)
+    out.seq_len, out.pad_len = S, n_pad
+    return out
+
+
+def gather_from_cp(local_tensor: torch.Tensor, cp_mesh, dim: int = 1) -> torch.Tensor:
+    """Concatenate every CP rank's ``local_tensor`` along ``dim`` in cp-rank (= global) order.
+
+    Differentiable through the platform all_gather; backward is a ReduceScatter(sum), i.e. the
+    adjoint when every rank's loss consumes the gathered tensor. Padding is kept (slice with
+    ``batch.seq_len``). cp 1 / None is the identity.
+    """
+    if hasattr(cp_mesh, "cp_mesh") and hasattr(cp_mesh, "cp_rank"):
+        cp_mesh = cp_mesh.cp_mesh
+    return all_gather_seq(local_tensor, cp_mesh, dim=dim, tag="cp.gather_from_cp")

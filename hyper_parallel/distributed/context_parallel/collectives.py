@@ -1,0 +1,322 @@
+"""Differentiable CP collectives (design 3.5): Colossal AllGather, Ulysses A2A, Hybrid, Head-Tail.
+
+Every collective goes through :mod:`hyper_parallel.platform` (the only caller of
+``torch.distributed`` collectives) on a group handed in by the caller — a 1-D ``DeviceMesh``
+(its cached group is used), a ``ProcessGroup`` cached from the root mesh, or ``None``
+(= a CP group of size 1). Nothing here creates a process group. A group of size 1 is the
+identity: the input is returned as is and no collective is issued.
+
+Layouts are ``[B, H, S, D]`` (``seq_dim=2``, ``head_dim=1`` by default). The sequence order
+of a CP group is group-rank order: rank ``i`` holds the ``i``-th contiguous sequence chunk.
+
+  flex_cp_allgather(k, v, cp_dim, cp_mesh)
+      fwd: AllGather K and V along ``cp_dim``       [.., S/C, ..] -> [.., S, ..]
+      bwd: ReduceScatter(sum) of dK, dV              [.., S, ..]   -> [.., S/C, ..]
+  ulysses_seq_to_head(x, group)   [B, H, S/C, D] -> [B, H/C, S, D]   bwd: head_to_seq
+  ulysses_head_to_seq(x, group)   [B, H/C, S, D] -> [B, H, S/C, D]   bwd: seq_to_head
+  hybrid_kv_allgather(k, v, colossal, ulysses)
+      [B, Hk, S/C, D] -> A2A(ulysses) -> [B, Hk/u, S*u/C, D] -> AllGather(colossal) -> [B, Hk/u, S, D]
+      bwd: ReduceScatter(colossal) then the inverse A2A(ulysses)
+  head_tail_dispatch / head_tail_combine
+      Q sub-chunk exchange of the Head-Tail load balance (see :func:`head_tail_dispatch`).
+
+Shapes and divisibility are checked before any collective; errors name the dimension and
+the group (size and global ranks) that failed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ... import platform as P
+
+__all__ = [
+    "resolve_group", "group_desc", "flex_cp_allgather", "all_gather_seq", "ulysses_seq_to_head",
+    "ulysses_head_to_seq", "hybrid_kv_allgather", "head_tail_dispatch", "head_tail_combine",
+    "head_tail_sub_chunks", "CPCollectiveError",
+]
+
+
+class CPCollectiveError(ValueError):
+    """A CP collective was called with shapes or a group that do not fit (raised before any comm)."""
+
+
+# ----------------------------------------------------------------------------- groups
+def resolve_group(cp_mesh):
+    """ProcessGroup (or None for size 1) behind ``cp_mesh``: a 1-D DeviceMesh, a group, or None."""
+    if cp_mesh is None:
+        return None
+    if isinstance(cp_mesh, DeviceMesh):
+        if cp_mesh.ndim != 1:
+            raise CPCollectiveError(
+                f"CP collectives need a 1-D DeviceMesh, got a {cp_mesh.ndim}-D mesh with dims "
+                f"{cp_mesh.mesh_dim_names}: pass mesh[dim_name] or its cached group"
+            )
+        return cp_mesh.get_group()
+    if isinstance(cp_mesh, dist.ProcessGroup):
+        return cp_mesh
+    raise CPCollectiveError(
+        f"expected a 1-D DeviceMesh, a ProcessGroup or None for the CP group, got {type(cp_mesh).__name__}"
+    )
+
+
+def group_desc(group) -> str:
+    """Human-readable ``group(size=W, ranks=[...])`` for error messages (no communication)."""
+    if group is None:
+        return "group(size=1)"
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - description only
+        ranks = "?"
+    return f"group(size={P.group_size(group)}, ranks={ranks})"
+
+
+def _check_dim(x: torch.Tensor, dim: int, what: str, fn: str) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise CPCollectiveError(f"{fn}: {what} must be a tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim():
+        raise CPCollectiveError(f"{fn}: {what} has shape {tuple(x.shape)}, no dim {dim}")
+    return dim % x.dim()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str, dim_name: str, group, fn: str):
+    if x.shape[dim] % world:
+        raise CPCollectiveError(
+            f"{fn}: {what} {dim_name} dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) is not "
+            f"divisible by the size {world} of {group_desc(group)}"
+        )
+
+
+# ----------------------------------------------------------------------------- autograd functions
+class _AllGather(torch.autograd.Function):
+    """fwd: AllGather along ``dim``; bwd: ReduceScatter(sum) of the gathered gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, tag):
+        ctx.group, ctx.dim, ctx.tag = group, dim, tag
+        return P.all_gather(x, group, dim=dim, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return P.reduce_scatter(grad, ctx.group, dim=ctx.dim, tag=ctx.tag + ".bwd"), None, None, None
+
+
+class _KVAllGather(torch.autograd.Function):
+    """fwd: AllGather K and V (both launched before either is waited); bwd: two ReduceScatters."""
+
+    @staticmethod
+    def forward(ctx, k, v, group, dim):
+        ctx.group, ctx.dim = group, dim
+        hk = P.all_gather(k, group, dim=dim, async_op=True, tag="cp.allgather_k")
+        hv = P.all_gather(v, group, dim=dim, async_op=True, tag="cp.allgather_v")
+        return hk.wait(), hv.wait()
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        hk = P.reduce_scatter(gk.contiguous(), ctx.group, dim=ctx.dim, async_op=True,
+                              tag="cp.allgather_k.bwd")
+        hv = P.reduce_scatter(gv.contiguous(), ctx.group, dim=ctx.dim, async_op=True,
+                              tag="cp.allgather_v.bwd")
+        return hk.wait(), hv.wait(), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """fwd: all_to_all(scatter_dim -> gather_dim); bwd: all_to_all(gather_dim -> scatter_dim).
+
+    The all-to-all is a permutation of equal chunks, so its adjoint is its inverse: split the
+    gradient along ``gather_dim`` and reassemble along ``scatter_dim``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim, tag):
+        ctx.group, ctx.sd, ctx.gd, ctx.tag = group, scatter_dim, gather_dim, tag
+        return P.all_to_all(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = P.all_to_all(grad, ctx.group, scatter_dim=ctx.gd, gather_dim=ctx.sd, tag=ctx.tag + ".bwd")
+        return out, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- Colossal
+def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
+    """Gather the local K/V sequence shards of the CP group into the global sequence.
+
+    ``k`` ``[.., S/C, ..]`` and ``v`` (same shape except possibly the last dim) are this rank's
+    contiguous chunk along ``cp_dim``; returns ``(k_global, v_global)`` with ``cp_dim`` of size
+    S in group-rank order. Backward: ReduceScatter(sum) — every rank's partial dK/dV (from its
+    own queries) is summed and each rank keeps the gradient of its own chunk.
+    ``cp_mesh``: 1-D DeviceMesh, ProcessGroup, or None (identity, no collective).
+    """
+    fn = "flex_cp_allgather"
+    group = resolve_group(cp_mesh)
+    dk = _check_dim(k, cp_dim, "k", fn)
+    dv = _check_dim(v, cp_dim, "v", fn)
+    if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
+        raise CPCollectiveError(
+            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
+        )
+    if P.group_size(group) == 1:
+        return k, v
+    return _KVAllGather.apply(k, v, group, dk)
+
+
+def all_gather_seq(x: torch.Tensor, cp_mesh, dim: int = 1, tag: str = "cp.allgather") -> torch.Tensor:
+    """Differentiable AllGather of one tensor along ``dim`` (bwd: ReduceScatter sum)."""
+    group = resolve_group(cp_mesh)
+    d = _check_dim(x, dim, "x", "all_gather_seq")
+    if P.group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, group, d, tag)
+
+
+# ----------------------------------------------------------------------------- Ulysses
+def ulysses_seq_to_head(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: int = 1,
+                        tag: str = "cp.ulysses_s2h") -> torch.Tensor:
+    """Sequence shard -> head shard on ``group`` (size W).
+
+    ``[B, H, S/W, D]`` (this rank's sequence chunk, all heads) ->
+    ``[B, H/W, S, D]`` (heads ``[i*H/W, (i+1)*H/W)`` for group rank i, the group's full sequence
+    in rank order). Backward: :func:`ulysses_head_to_seq` of the gradient. Requires H % W == 0.
+    """
+    fn = "ulysses_seq_to_head"
+    group = resolve_group(group)
+    sd, hd = _check_dim(x, seq_dim, "x", fn), _check_dim(x, head_dim, "x", fn)
+    world = P.group_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, hd, world, "x", "head", group, fn)
+    return _AllToAll.apply(x, group, hd, sd, tag)
+
+
+def ulysses_head_to_seq(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: int = 1,
+                        tag: str = "cp.ulysses_h2s") -> torch.Tensor:
+    """Head shard -> sequence shard on ``group`` (inverse of :func:`ulysses_seq_to_head`).
+
+    ``[B, H/W, S, D]`` -> ``[B, H, S/W, D]``. Backward: :func:`ulysses_seq_to_head`. Requires S % W == 0.
+    """
+    fn = "ulysses_head_to_seq"
+    group = resolve_group(group)
+    sd, hd = _check_dim(x, seq_dim, "x", fn), _check_dim(x, head_dim, "x", fn)
+    world = P.group_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, sd, world, "x", "sequence", group, fn)
+    return _AllToAll.apply(x, group, sd, hd, tag)
+
+
+# ----------------------------------------------------------------------------- Hybrid
+def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysses_group, *,
+                        seq_dim: int = 2, head_dim: int = 1):
+    """Hybrid K/V layout transform: Ulysses A2A inside ``ulysses_group`` (size u), then AllGather
+    across ``colossal_group`` (size C/u).
+
+    ``[B, Hk, S/C, D]`` -> ``[B, Hk/u, S*u/C, D]`` (chunk colossal_idx of C/u, head slice
+    ulysses_idx) -> ``[B, Hk/u, S, D]``. Backward (by composition): ReduceScatter over the
+    colossal group, then the inverse A2A over the ulysses group. Requires Hk % u == 0.
+    """
+    ug = resolve_group(ulysses_group)
+    for name, t in (("k", k), ("v", v)):       # check both before the first collective
+        hd = _check_dim(t, head_dim, name, "hybrid_kv_allgather")
+        _check_divisible(t, hd, P.group_size(ug), name, "head", ug, "hybrid_kv_allgather")
+    k_h = ulysses_seq_to_head(k, ulysses_group, seq_dim=seq_dim, head_dim=head_dim, tag="cp.ulysses_s2h_k")
+    v_h = ulysses_seq_to_head(v, ulysses_group, seq_dim=seq_dim, head_dim=head_dim, tag="cp.ulysses_s2h_v")
+    return flex_cp_allgather(k_h, v_h, seq_dim, colossal_group)
+
+
+# ----------------------------------------------------------------------------- Head-Tail
+def head_tail_sub_chunks(rank: int, world: int) -> tuple[int, int]:
+    """(head, tail) sub-chunk ids computed by ``rank`` in the 2*world split: (r, 2C-1-r)."""
+    return rank, 2 * world - 1 - rank
+
+
+def _head_tail_owner(sub: int) -> int:
+    return sub // 2          # rank r holds sub-chunks 2r and 2r+1 of the contiguous layout
+
+
+def _head_tail_computer(sub: int, world: int) -> int:
+    return sub if sub < world else 2 * world - 1 - sub
+
+
+def _route(pieces: Sequence[torch.Tensor], ids: Sequence[int], dest_of, want: Sequence[int],
+           src_of, group, seq_dim: int, tag: str) -> list[torch.Tensor]:
+    """Send sub-chunk ``ids[i]`` (tensor ``pieces[i]``) to rank ``dest_of(id)`` and return the
+    sub-chunks ``want`` (each held by ``src_of(id)``), through one differentiable all_to_all.
+
+    Each destination gets a slot of ``k`` sub-chunks (k = most sub-chunks any rank sends to
+    one peer: 1 for even group sizes, 2 for odd), ids ascending, zero-filled. The all_to_all is
+    a permutation, so autograd's backward is the inverse routing.
+    """
+    world, me = P.group_size(group), P.group_rank(group)
+
+    def sends(rank_ids, dest):
+        return sorted(i for i in rank_ids if dest_of(i) == dest)
+
+    def held(rank):          # ids held by `rank` in this routing (same rule on every rank)
+        return [i for i in range(2 * world) if src_of(i) == rank]
+
+    k = max(len(sends(held(r), d)) for r in range(world) for d in range(world))
+    zero = torch.zeros_like(pieces[0])
+    by_id = dict(zip(ids, pieces))
+    slots = []
+    for d in range(world):
+        mine = sends(ids, d)
+        slots.extend(by_id[i] for i in mine)
+        slots.extend(zero for _ in range(k - len(mine)))
+    recv = _AllToAll.apply(torch.cat(slots, dim=seq_dim), group, seq_dim, seq_dim, tag)
+    parts = recv.chunk(world * k, dim=seq_dim)
+    out = []
+    for i in want:
+        s = src_of(i)
+        out.append(parts[s * k + sends(held(s), me).index(i)])
+    return out
+
+
+def head_tail_dispatch(q: torch.Tensor, group, *, seq_dim: int = 2):
+    """Head-Tail Q exchange: contiguous local shard -> this rank's (head, tail) sub-chunks.
+
+    With C = group size and the sequence split into 2C sub-chunks, rank r holds sub-chunks
+    (2r, 2r+1) on input and returns ``(q_head, q_tail)`` = sub-chunks (r, 2C-1-r), each
+    ``[B, H, S/(2C), D]``. One all_to_all on ``group``; backward is the inverse exchange.
+    Requires the local sequence length to be even.
+    """
+    fn = "head_tail_dispatch"
+    group = resolve_group(group)
+    sd = _check_dim(q, seq_dim, "q", fn)
+    world = P.group_size(group)
+    if q.shape[sd] % 2:
+        raise CPCollectiveError(
+            f"{fn}: q sequence dim {sd} of size {q.shape[sd]} must be even (2*cp_size sub-chunks) on "
+            f"{group_desc(group)}; shard the batch with policy='load_balance'"
+        )
+    lo, hi = q.chunk(2, dim=sd)
+    if world == 1:
+        return lo, hi
+    me = P.group_rank(group)
+    return tuple(_route([lo, hi], [2 * me, 2 * me + 1], lambda i: _head_tail_computer(i, world),
+                        head_tail_sub_chunks(me, world), _head_tail_owner, group, sd,
+                        "cp.head_tail_dispatch"))
+
+
+def head_tail_combine(o_head: torch.Tensor, o_tail: torch.Tensor, group, *, seq_dim: int = 2) -> torch.Tensor:
+    """Inverse of :func:`head_tail_dispatch`: (head, tail) outputs -> contiguous local shard.
+
+    ``o_head``/``o_tail`` ``[B, H, S/(2C), D]`` are sub-chunks (r, 2C-1-r); returns
+    ``[B, H, S/C, D]`` = sub-chunks (2r, 2r+1). Backward: the dispatch exchange of the gradient.
+    """
+    fn = "head_tail_combine"
+    group = resolve_group(group)
+    sd = _check_dim(o_head, seq_dim, "o_head", fn)
+    if o_head.shape != o_tail.shape:
+        raise CPCollectiveError(f"{fn}: head {tuple(o_head.shape)} and tail {tuple(o_tail.shape)} differ")
+    world = P.group_size(group)
+    if world == 1:
+        return torch.cat([o_head, o_tail], dim=sd)
+    me = P.group_rank(group)
+    lo, hi = _route([o_head, o_tail], list(head_tail_sub_chunks(me, world)), _head_tail_owner,
+                    [2 * me, 2 * me + 1], lambda i: _head_tail_computer(i, world), group, sd,
+                    "cp.head_tail_combine")
+    return torch.cat([lo, hi], dim=sd)

@@ -1,0 +1,10 @@
+"""CP strategies behind :class:`ContextParallelStrategy` (design 3.3 / 4.3 / 4.4)."""
+from .all_gather import AllGatherStrategy
+from .base import ContextParallelStrategy, engine_attention
+from .factory import build_strategy
+from .head_tail import HeadTailStrategy
+from .hybrid import HybridStrategy
+from .ulysses import UlyssesStrategy
+
+__all__ = ["AllGatherStrategy", "ContextParallelStrategy", "HeadTailStrategy", "HybridStrategy",
+           "UlyssesStrategy", "build_strategy", "engine_attention"]

@@ -1,0 +1,80 @@
+"""Head-Tail load balance on Colossal semantics (sync).
+
+The wrapper boundary keeps the contiguous layout (rank r holds chunk r = sub-chunks 2r, 2r+1
+of the 2C-way split). Inside, rank r computes one head and one tail sub-chunk so causal work
+is balanced:
+
+  sub-chunks:   0   1 | 2   3 | ... | 2C-2 2C-1        (S / 2C tokens each)
+  holds (in):   rank 0 | rank 1 | ... | rank C-1
+  computes:     rank r -> head r  and  tail 2C-1-r
+  e.g. C=2:     rank 0 computes {0, 3}, rank 1 computes {1, 2}
+
+  k/v [B,Hk,S/C,D] --AllGather(cp)--> [B,Hk,S,D]
+  q   [B,Hq,S/C,D] --A2A dispatch(cp)--> q_head, q_tail [B,Hq,S/2C,D]
+  o_head = engine(q_head, K[:(r+1)S/2C],   q_pos = r*S/2C + arange,        k_pos = 0..)
+  o_tail = engine(q_tail, K[:(2C-r)S/2C],  q_pos = (2C-1-r)*S/2C + arange, k_pos = 0..)
+           (keys past the last query are dropped when causal: every rank sees (2C+1)*S/2C keys)
+  (o_head, o_tail) --A2A combine(cp)--> out [B,Hq,S/C,D] chunk r
+Backward mirrors every exchange: dO dispatch, dQ combine, dK/dV ReduceScatter.
+Constraints: S % 2C == 0 (batch policy 'load_balance'); any GQA ratio; Colossal only — Ulysses or
+Hybrid combined with Head-Tail is rejected.
+"""
+from __future__ import annotations
+
+import torch
+
+from ....platform import group_rank, group_size
+from ..collectives import (flex_cp_allgather, group_desc, head_tail_combine, head_tail_dispatch,
+                           head_tail_sub_chunks, resolve_group)
+from ..meta import CPBatchMeta
+from .base import ContextParallelStrategy, check_gqa, engine_attention
+
+
+class HeadTailStrategy(ContextParallelStrategy):
+    """Sync Colossal CP with Head-Tail load balance on ``cp_group`` (1-D mesh, group, or None)."""
+
+    name = "load_balance"
+    method = "load_balance"
+
+    def __init__(self, cp_group=None):
+        self.group = resolve_group(cp_group)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def cp_rank(self) -> int:
+        return group_rank(self.group)
+
+    def padding_multiple(self, cp_size: int) -> int:
+        return 2 * cp_size
+
+    def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        who = type(self).__name__
+        check_gqa(who, num_q_heads, num_kv_heads)
+        if cp_size != self.cp_size:
+            raise ValueError(f"{who}: cp_size={cp_size} but the strategy's {group_desc(self.group)} "
+                             f"has size {self.cp_size} (num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads})")
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
+                  scale: float | None = None) -> torch.Tensor:
+        """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
+        C, r = self.cp_size, self.cp_rank
+        if meta.global_seq_len % (2 * C):
+            raise ValueError(
+                f"HeadTailStrategy: global sequence length {meta.global_seq_len} is not a multiple of "
+                f"2*cp_size={2 * C} (batch policy {meta.policy!r}); shard the batch with policy='load_balance'"
+            )
+        self.check_inputs(q, k, v, meta, cp_size=C, cp_rank=r)
+        k_all, v_all = flex_cp_allgather(k, v, 2, self.group)
+        q_head, q_tail = head_tail_dispatch(q, self.group)
+        sub = meta.global_seq_len // (2 * C)
+        outs = []
+        for q_part, chunk in zip((q_head, q_tail), head_tail_sub_chunks(r, C)):
+            q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
+            n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
+            k_pos = torch.arange(n_keys, dtype=torch.int64)
+            outs.append(engine_attention(q_part, k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos=q_pos,
+                                         k_pos=k_pos, meta=meta, scale=scale))
+        return head_tail_combine(outs[0], outs[1], self.group)

@@ -1,0 +1,82 @@
+"""Hybrid CP: Ulysses A2A inside the ulysses subgroup, K/V AllGather across the colossal subgroup.
+
+Groups come from ``MeshContext.hybrid_groups(u)`` (cached at set-up): cp rank
+r = colossal_idx * u + ulysses_idx, the ulysses subgroup is {c*u + i : i < u} and the
+colossal subgroup is {c'*u + ulysses_idx : c' < C/u}.
+
+Layout (C ranks, degree u, rank r = c*u + i):
+  q/k/v [B, H, S/C, D] chunk r  --A2A(ulysses)-->  [B, H/u, S*u/C, D]
+        = chunk c of the C/u-way split, head slice i
+  k/v --AllGather(colossal)--> [B, Hk/u, S, D]
+  out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
+  out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
+Backward: ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes
+the seq->head A2A. Constraints: 1 < u < C, C % u == 0, Hq % u == 0, Hk % u == 0 (Hk >= u).
+"""
+from __future__ import annotations
+
+import torch
+
+from ....platform import group_rank, group_size
+from ..collectives import (group_desc, hybrid_kv_allgather, resolve_group, ulysses_head_to_seq,
+                           ulysses_seq_to_head)
+from ..meta import CPBatchMeta
+from .base import ContextParallelStrategy, engine_attention
+from .ulysses import check_head_split
+
+
+class HybridStrategy(ContextParallelStrategy):
+    """Sync Hybrid CP on ``(colossal_group, ulysses_group)`` (1-D meshes or cached groups)."""
+
+    name = "hybrid"
+    method = "hybrid"
+
+    def __init__(self, colossal_group, ulysses_group):
+        self.colossal_group = resolve_group(colossal_group)
+        self.ulysses_group = resolve_group(ulysses_group)
+        u, c = group_size(self.ulysses_group), group_size(self.colossal_group)
+        if u < 2 or c < 2:
+            raise ValueError(
+                f"HybridStrategy needs 1 < ulysses_degree < cp_size: ulysses {group_desc(self.ulysses_group)}, "
+                f"colossal {group_desc(self.colossal_group)} give ulysses_degree={u}, cp_size={u * c} "
+                "(use UlyssesStrategy for ulysses_degree == cp_size, AllGatherStrategy for 1)"
+            )
+
+    @property
+    def ulysses_degree(self) -> int:
+        return group_size(self.ulysses_group)
+
+    @property
+    def colossal_degree(self) -> int:
+        return group_size(self.colossal_group)
+
+    @property
+    def cp_size(self) -> int:
+        return self.ulysses_degree * self.colossal_degree
+
+    @property
+    def cp_rank(self) -> int:
+        return group_rank(self.colossal_group) * self.ulysses_degree + group_rank(self.ulysses_group)
+
+    def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        who, u = type(self).__name__, self.ulysses_degree
+        if not 1 < u < cp_size or cp_size % u:
+            raise ValueError(f"{who}: need 1 < ulysses_degree < cp_size and cp_size % ulysses_degree == 0, "
+                             f"got ulysses_degree={u}, cp_size={cp_size}")
+        if cp_size != self.cp_size:
+            raise ValueError(f"{who}: cp_size={cp_size} but colossal({self.colossal_degree}) x "
+                             f"ulysses({u}) = {self.cp_size}")
+        check_head_split(who, num_q_heads, num_kv_heads, u, "ulysses_degree")
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
+                  scale: float | None = None) -> torch.Tensor:
+        """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
+        self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        u = self.ulysses_degree
+        q_h = ulysses_seq_to_head(q, self.ulysses_group, tag="cp.ulysses_s2h_q")
+        k_all, v_all = hybrid_kv_allgather(k, v, self.colossal_group, self.ulysses_group)
+        n = meta.local_seq_len * u
+        start = group_rank(self.colossal_group) * n
+        q_pos = torch.arange(start, start + n, dtype=torch.int64)
+        out_h = engine_attention(q_h, k_all, v_all, q_pos=q_pos, k_pos=meta.k_index, meta=meta, scale=scale)
+        return ulysses_head_to_seq(out_h, self.ulysses_group, tag="cp.ulysses_h2s_out")

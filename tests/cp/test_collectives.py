@@ -1,0 +1,141 @@
+"""Differentiable CP collectives: values, backward semantics, identity at cp 1, up-front errors."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyper_parallel import platform as P
+from hyper_parallel.distributed.context_parallel.collectives import (
+    CPCollectiveError, flex_cp_allgather, head_tail_combine, head_tail_dispatch, hybrid_kv_allgather,
+    ulysses_head_to_seq, ulysses_seq_to_head)
+from tests.cp.common import mesh_ctx
+
+
+def _global(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def allgather_backward_is_reduce_scatter(cp):
+    """Each rank feeds its chunk of a replicated K/V; rank p weights the gathered K by w_p.
+
+    d(sum_p <w_p, K>)/d k_r = sum_p w_p[chunk r]: the gradient must be the reduce-scatter (sum)."""
+    ctx = mesh_ctx(cp)
+    r, L = ctx.cp_rank, 3
+    K = _global((2, 2, L * cp, 4), 1)                         # replicated global tensor
+    k = K[:, :, r * L:(r + 1) * L].clone().requires_grad_(True)
+    v = K[:, :, r * L:(r + 1) * L].clone().requires_grad_(True)
+    with P.comm_counter() as fwd:
+        kg, vg = flex_cp_allgather(k, v, 2, ctx.cp_mesh)
+    w = [_global(K.shape, 100 + p) for p in range(cp)]
+    with P.comm_counter() as bwd:
+        ((kg * w[r]).sum() + (vg * 2 * w[r]).sum()).backward()
+    expect = sum(wp[:, :, r * L:(r + 1) * L] for wp in w)
+    return {
+        "gathered_ok": torch.equal(kg.detach(), K) and torch.equal(vg.detach(), K),
+        "dk_err": (k.grad - expect).abs().max().item(),
+        "dv_err": (v.grad - 2 * expect).abs().max().item(),
+        "fwd_ops": [c.op for c in fwd], "bwd_ops": [c.op for c in bwd],
+    }
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_allgather_backward_is_reduce_scatter(ranks, cp):
+    for r, res in enumerate(ranks(cp).run(allgather_backward_is_reduce_scatter, cp)):
+        assert res["gathered_ok"], f"rank {r}"
+        assert res["dk_err"] < 1e-5 and res["dv_err"] < 1e-5, f"rank {r}: {res}"
+        assert res["fwd_ops"] == ["all_gather", "all_gather"]
+        assert res["bwd_ops"] == ["reduce_scatter", "reduce_scatter"]
+
+
+def a2a_layouts(cp, u):
+    """Ulysses seq<->head, Hybrid K/V and Head-Tail exchanges: values and adjoint backward."""
+    ctx = mesh_ctx(cp, (u,) if u else ())
+    r = ctx.cp_rank
+    B, H, L, D = 2, 4, 4, 3
+    X = _global((B, H, L * cp, D), 3)
+    x = X[:, :, r * L:(r + 1) * L].clone().requires_grad_(True)
+    out = {}
+    if u is None:
+        g = ctx.cp_mesh
+        y = ulysses_seq_to_head(x, g)
+        hs = H // cp
+        out["s2h"] = torch.equal(y.detach(), X[:, r * hs:(r + 1) * hs])
+        back = ulysses_head_to_seq(y, g)
+        out["roundtrip"] = torch.equal(back.detach(), x.detach())
+        W = _global(y.shape, 50 + r)
+        (y * W).sum().backward()                 # adjoint: grad = head_to_seq(W)
+        out["bwd"] = torch.equal(x.grad, ulysses_head_to_seq(W, g))
+        # Head-Tail dispatch/combine
+        x.grad = None
+        qh, qt = head_tail_dispatch(x, g)
+        sub = L // 2
+        hc, tc = r, 2 * cp - 1 - r
+        out["ht_dispatch"] = (torch.equal(qh.detach(), X[:, :, hc * sub:(hc + 1) * sub])
+                              and torch.equal(qt.detach(), X[:, :, tc * sub:(tc + 1) * sub]))
+        comb = head_tail_combine(qh * 2, qt * 3, g)
+        scale = torch.tensor([2.0 if c < cp else 3.0 for c in (2 * r, 2 * r + 1)]).repeat_interleave(sub)
+        out["ht_combine"] = torch.allclose(comb.detach(), x.detach() * scale.view(1, 1, -1, 1))
+        comb.sum().backward()
+        out["ht_bwd"] = torch.allclose(x.grad, scale.view(1, 1, -1, 1).expand_as(x))
+    else:
+        colossal, ulysses = ctx.hybrid_groups(u)
+        c_idx, u_idx = dist.get_rank(colossal), dist.get_rank(ulysses)
+        kg, vg = hybrid_kv_allgather(x, x * 2, colossal, ulysses)
+        hs = H // u
+        out["hybrid_kv"] = torch.equal(kg.detach(), X[:, u_idx * hs:(u_idx + 1) * hs])
+        out["rank_order"] = r == c_idx * u + u_idx
+        W = _global(X.shape, 9)[:, u_idx * hs:(u_idx + 1) * hs]
+        ((kg + vg) * W).sum().backward()
+        # every rank p with ulysses idx i contributes 3*W[:, heads_i]; sum over the cp/u colossal
+        # peers of the same head slice, all u head slices land back on the seq chunk r
+        expect = (cp // u) * 3 * _global(X.shape, 9)[:, :, r * L:(r + 1) * L]
+        out["hybrid_bwd"] = torch.allclose(x.grad, expect, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("cp,u", [(2, None), (4, None), (4, 2)])
+def test_a2a_layouts(ranks, cp, u):
+    for r, res in enumerate(ranks(cp).run(a2a_layouts, cp, u)):
+        assert all(res.values()), f"rank {r}: {res}"
+
+
+def test_cp1_identity_without_collective():
+    k, v = torch.randn(1, 2, 4, 3, requires_grad=True), torch.randn(1, 2, 4, 3)
+    with P.comm_counter() as recs:
+        kg, vg = flex_cp_allgather(k, v, 2, None)
+        assert kg is k and vg is v
+        assert ulysses_seq_to_head(k, None) is k and ulysses_head_to_seq(k, None) is k
+        assert hybrid_kv_allgather(k, v, None, None) == (k, v)
+        qh, qt = head_tail_dispatch(k, None)
+        assert torch.equal(head_tail_combine(qh, qt, None), k)
+    assert recs == []
+
+
+def collective_errors(cp):
+    ctx = mesh_ctx(cp)
+    msgs = {}
+    with P.comm_counter() as recs:
+        for name, fn in {
+            "s2h_heads": lambda: ulysses_seq_to_head(torch.zeros(1, 3, 4, 2), ctx.cp_mesh),
+            "h2s_seq": lambda: ulysses_head_to_seq(torch.zeros(1, 2, 6, 2), ctx.cp_mesh),
+            "kv_mismatch": lambda: flex_cp_allgather(torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 3, 2), 2, ctx.cp_mesh),
+            "bad_dim": lambda: flex_cp_allgather(torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 4, 2), 5, ctx.cp_mesh),
+            "ht_odd": lambda: head_tail_dispatch(torch.zeros(1, 2, 3, 2), ctx.cp_mesh),
+            "mesh_2d": lambda: flex_cp_allgather(torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 4, 2), 2, ctx.root),
+        }.items():
+            try:
+                fn()
+                msgs[name] = None
+            except CPCollectiveError as exc:
+                msgs[name] = str(exc)
+    return msgs, len(recs)
+
+
+def test_collective_errors_name_dim_and_group(ranks):
+    for msgs, n_comm in ranks(4).run(collective_errors, 4):
+        assert n_comm == 0, "errors must be raised before any collective"
+        assert "head dim 1 of size 3" in msgs["s2h_heads"] and "size 4 of group(size=4, ranks=[0, 1, 2, 3])" in msgs["s2h_heads"]
+        assert "sequence dim 2 of size 6" in msgs["h2s_seq"]
+        assert "must agree up to cp_dim 2" in msgs["kv_mismatch"]
+        assert "no dim 5" in msgs["bad_dim"]
+        assert "must be even" in msgs["ht_odd"] and "load_balance" in msgs["ht_odd"]
+        assert "1-D DeviceMesh" in msgs["mesh_2d"]
