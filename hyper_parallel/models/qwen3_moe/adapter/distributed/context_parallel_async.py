@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ..... import ops
 from .....distributed.context_parallel.async_collectives import AsyncCollective, trace_event
+from .....distributed.context_parallel.collectives import ulysses_head_to_seq
 from .....distributed.context_parallel.meta import current_cp_batch_meta
 from .....distributed.context_parallel.registry import inner_wrapper
+from .....distributed.context_parallel.strategies.base import engine_attention
 from .....platform import all_gather, all_to_all, launch_chain, reduce_scatter
 
 ADAPTER = "qwen3_moe"
@@ -116,44 +117,19 @@ def _hybrid(colossal_group, ulysses_group):
     return kv, q
 
 
-class _HeadToSeq(torch.autograd.Function):
-    """Output [B, H/u, S_chunk, D] head shard -> [B, H, S_local, D] sequence shard (sync A2A;
-    its result feeds o_proj immediately, so there is nothing to overlap). Backward: inverse."""
-
-    @staticmethod
-    def forward(ctx, x, group, via_chain):
-        ctx.group, ctx.via_chain = group, via_chain
-        return _a2a(x, group, 2, 1, via_chain)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _a2a(g.contiguous(), ctx.group, 1, 2, ctx.via_chain), None, None
-
-
-def _a2a(x, group, scatter_dim, gather_dim, via_chain):
-    if via_chain:
-        return launch_chain(x, [lambda y: all_to_all(y, group, scatter_dim, gather_dim)], op="a2a").wait()
-    return all_to_all(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim)
-
-
 # ----------------------------------------------------------------------------- forward
-def _positions(method, meta, ulysses_degree):
-    """(q_pos, k_pos, q_doc, k_doc) for the layout the engine sees after communication."""
-    k_pos = meta.k_index
+def _query_positions(method, meta, ulysses_degree) -> torch.Tensor:
+    """Global indices of the queries the engine sees after communication."""
     if method == "colossal":
-        q_pos = meta.q_index
-    elif method == "ulysses":
-        q_pos = k_pos
-    else:  # hybrid: chunk colossal_idx (u local shards) of the sequence
-        span = meta.local_seq_len * ulysses_degree
-        start = (meta.cp_rank // ulysses_degree) * span
-        q_pos = torch.arange(start, start + span, dtype=torch.int64)
-    k_doc = meta.key_doc
-    q_doc = meta.doc_slice(q_pos) if k_doc is not None else None
-    return q_pos, k_pos, q_doc, k_doc
+        return meta.q_index
+    if method == "ulysses":
+        return meta.k_index
+    span = meta.local_seq_len * ulysses_degree  # hybrid: chunk colossal_idx of the cp/u split
+    start = (meta.cp_rank // ulysses_degree) * span
+    return torch.arange(start, start + span, dtype=torch.int64)
 
 
-def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree, via_chain):
+def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree):
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise ValueError(f"{ADAPTER} async CP: KV cache / use_cache is not supported in training; call the model with use_cache=False")
@@ -181,11 +157,13 @@ def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree, vi
         k_full = ck.wait(k_tok)
         v_full = cv.wait(v_tok)
 
-        q_pos, k_pos, q_doc, k_doc = _positions(method, meta, ulysses_degree)
-        out = ops.attention(q, k_full, v_full, q_pos=q_pos, k_pos=k_pos, causal=meta.causal,
-                            q_doc=q_doc, k_doc=k_doc, scale=module.scaling)
+        out = engine_attention(q, k_full, v_full, q_pos=_query_positions(method, meta, ulysses_degree),
+                               k_pos=meta.k_index, meta=meta, scale=module.scaling)
         if out_group is not None:
-            out = _HeadToSeq.apply(out, out_group, via_chain)
+            # sync: its result feeds o_proj at once, so there is nothing to overlap. All chain
+            # work of this layer has been waited, so issuing it from this thread keeps the
+            # per-group collective order identical on every rank.
+            out = ulysses_head_to_seq(out, out_group, tag="async_out_head_to_seq")
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1).contiguous()
         return module.o_proj(out), None
 
@@ -215,7 +193,7 @@ def _validate_hybrid(module, *, cp_size, ulysses_degree):
 def qwen3_moe_async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Async Colossal: K/V AllGather launched at their handoffs, reduce-scatter in backward."""
     kv, q = _colossal(_cp_group(cp_mesh))
-    return _make_forward(target_module, "colossal", kv, q, None, None, False)
+    return _make_forward(target_module, "colossal", kv, q, None, None)
 
 
 @inner_wrapper(method="ulysses", style="model", is_async=True, model_adapter=ADAPTER,
@@ -224,7 +202,7 @@ def qwen3_moe_async_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep
     """Async Pure Ulysses: Q/K/V seq->head A2A launched at their handoffs; inverse in backward."""
     group = _cp_group(cp_mesh)
     kv, q = _ulysses(group)
-    return _make_forward(target_module, "ulysses", kv, q, group, None, False)
+    return _make_forward(target_module, "ulysses", kv, q, group, None)
 
 
 @inner_wrapper(method="hybrid", style="model", is_async=True, model_adapter=ADAPTER,
@@ -234,4 +212,4 @@ def qwen3_moe_async_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
     chain thread (full dependency chain, forward and backward; not half-async)."""
     colossal_group, ulysses_group = mesh.hybrid_groups(ulysses_degree)
     kv, q = _hybrid(colossal_group, ulysses_group)
-    return _make_forward(target_module, "hybrid", kv, q, ulysses_group, ulysses_degree, True)
+    return _make_forward(target_module, "hybrid", kv, q, ulysses_group, ulysses_degree)
