@@ -199,6 +199,37 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
     return handle if async_op else handle.wait()
 
 
+def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int,
+                      async_op: bool = False, tag: str = ""):
+    """Exchange equal-size pieces along ``dim`` with per-peer counts (a sparse permutation).
+
+    ``x`` holds ``sum(send_counts)`` pieces: the first ``send_counts[0]`` go to rank 0, the
+    next ``send_counts[1]`` to rank 1, ... The result holds ``sum(recv_counts)`` pieces,
+    ``recv_counts[s]`` from rank s, in source-rank order. Only pieces for other ranks count
+    as moved bytes (pieces a rank keeps for itself are not sent anywhere).
+    """
+    world = group_size(group)
+    send_counts, recv_counts = list(send_counts), list(recv_counts)
+    if len(send_counts) != world or len(recv_counts) != world:
+        raise ValueError(f"all_to_all_uneven: need {world} send/recv counts, got {len(send_counts)}/{len(recv_counts)}")
+    d = dim % x.dim()
+    n_send = sum(send_counts)
+    if n_send == 0 or x.shape[d] % n_send:
+        raise ValueError(f"all_to_all_uneven: dim {d} of size {x.shape[d]} is not {n_send} equal pieces")
+    if world == 1:
+        return _ready(x, "all_to_all_uneven") if async_op else x
+    piece = x.shape[d] // n_send
+    xt = x.movedim(d, 0).contiguous()
+    out = xt.new_empty((sum(recv_counts) * piece,) + tuple(xt.shape[1:]))
+    work = dist.all_to_all_single(out, xt, output_split_sizes=[c * piece for c in recv_counts],
+                                  input_split_sizes=[c * piece for c in send_counts], group=group, async_op=True)
+    me = group_rank(group)
+    pb = piece * (xt.numel() // max(xt.shape[0], 1)) * xt.element_size()
+    _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]), tag)
+    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d))
+    return handle if async_op else handle.wait()
+
+
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
     """Out-of-place all-reduce (the input is not modified)."""
     world = group_size(group)

@@ -67,9 +67,9 @@ def test_comm_volume_matches_docs(ranks, cp):
         method, u, B, S, Hq, Hk, D, dt = plan
         env = dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D, C=cp, U=u or 1, e=torch.tensor([], dtype=getattr(torch, dt)).element_size())
         formulas = doc_formulas(PAGES[method])
-        expect = tuple(eval(formulas[key], {"__builtins__": {}}, env) for key in KEYS)  # noqa: S307 - our docs
-        assert expect[0] > 0
-        for r, got in enumerate(per_rank):
+        for r, got in enumerate(per_rank):  # r: this rank's cp rank (formulas may depend on it)
+            expect = tuple(eval(formulas[key], {"__builtins__": {}}, {**env, "r": r}) for key in KEYS)  # noqa: S307
+            assert expect[0] > 0
             assert got == expect, f"{plan} rank {r}: measured {got} != docs {expect} ({formulas})"
 
 
@@ -95,5 +95,6 @@ def test_head_tail_odd_cp_volume_matches_docs(ranks):
     res = ranks(4).run(measure_odd, B, S, Hq, Hk, D)
     formulas = doc_formulas("head_tail.md")
     env = dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D, C=3, e=4)
-    expect = tuple(eval(formulas[key], {"__builtins__": {}}, env) for key in KEYS)  # noqa: S307
-    assert all(got == expect for got in res[:3]), f"measured {res[:3]} != docs {expect}"
+    for r, got in enumerate(res[:3]):
+        expect = tuple(eval(formulas[key], {"__builtins__": {}}, {**env, "r": r}) for key in KEYS)  # noqa: S307
+        assert got == expect, f"rank {r}: measured {got} != docs {expect}"

@@ -141,6 +141,21 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
+class _AllToAllUneven(torch.autograd.Function):
+    """fwd: sparse piece permutation (``send_counts`` -> ``recv_counts``); bwd: the inverse
+    permutation of the gradient (counts swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_counts, recv_counts, dim, tag):
+        ctx.args = (group, recv_counts, send_counts, dim, tag + ".bwd")
+        return P.all_to_all_uneven(x, group, send_counts, recv_counts, dim, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, send, recv, dim, tag = ctx.args
+        return P.all_to_all_uneven(grad.contiguous(), group, send, recv, dim, tag=tag), None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------- Colossal
 def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     """Gather the local K/V sequence shards of the CP group into the global sequence.
@@ -244,35 +259,19 @@ def _head_tail_computer(sub: int, world: int) -> int:
 def _route(pieces: Sequence[torch.Tensor], ids: Sequence[int], dest_of, want: Sequence[int],
            src_of, group, seq_dim: int, tag: str) -> list[torch.Tensor]:
     """Send sub-chunk ``ids[i]`` (tensor ``pieces[i]``) to rank ``dest_of(id)`` and return the
-    sub-chunks ``want`` (each held by ``src_of(id)``), through one differentiable all_to_all.
-
-    Each destination gets a slot of ``k`` sub-chunks (k = most sub-chunks any rank sends to
-    one peer: 1 for even group sizes, 2 for odd), ids ascending, zero-filled. The all_to_all is
-    a permutation, so autograd's backward is the inverse routing.
+    sub-chunks ``want`` (each held by ``src_of(id)``), through one differentiable sparse
+    all-to-all (``platform.all_to_all_uneven``): each rank moves only the sub-chunks another
+    rank needs (at most 2), nothing zero-filled. Backward is the inverse permutation.
     """
     world, me = P.group_size(group), P.group_rank(group)
-
-    def sends(rank_ids, dest):
-        return sorted(i for i in rank_ids if dest_of(i) == dest)
-
-    def held(rank):          # ids held by `rank` in this routing (same rule on every rank)
-        return [i for i in range(2 * world) if src_of(i) == rank]
-
-    k = max(len(sends(held(r), d)) for r in range(world) for d in range(world))
-    zero = torch.zeros_like(pieces[0])
     by_id = dict(zip(ids, pieces))
-    slots = []
-    for d in range(world):
-        mine = sends(ids, d)
-        slots.extend(by_id[i] for i in mine)
-        slots.extend(zero for _ in range(k - len(mine)))
-    recv = _AllToAll.apply(torch.cat(slots, dim=seq_dim), group, seq_dim, seq_dim, tag)
-    parts = recv.chunk(world * k, dim=seq_dim)
-    out = []
-    for i in want:
-        s = src_of(i)
-        out.append(parts[s * k + sends(held(s), me).index(i)])
-    return out
+    send = [sorted(i for i in ids if dest_of(i) == d) for d in range(world)]
+    recv = [sorted(i for i in range(2 * world) if src_of(i) == s and dest_of(i) == me) for s in range(world)]
+    x = torch.cat([by_id[i] for d in range(world) for i in send[d]], dim=seq_dim)
+    got = _AllToAllUneven.apply(x, group, [len(s) for s in send], [len(r) for r in recv], seq_dim, tag)
+    order = [i for r in recv for i in r]
+    parts = got.chunk(len(order), dim=seq_dim)
+    return [parts[order.index(i)] for i in want]
 
 
 def head_tail_dispatch(q: torch.Tensor, group, *, seq_dim: int = 2):
