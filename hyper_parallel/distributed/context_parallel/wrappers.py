@@ -1,25 +1,632 @@
-"""Built-in CP wrappers (public ``_target_`` API). Bodies are implemented by the wrappers issue.
+"""Built-in CP wrappers (public ``_target_`` API, design section 3.1.1).
 
-Paths fixed by the design (section 3.1.1):
-  hyper_parallel.distributed.context_parallel.wrappers.sdpa_hf_cp_wrapper
-  ...sdpa_hf_ulysses_cp_wrapper, ...sdpa_hf_hybrid_cp_wrapper(ulysses_degree),
-  ...sdpa_hf_load_balance_cp_wrapper, and the sdpa_qkv_* twins.
+Every built-in wrapper fixes one CP method (its strategy) and one attention calling convention:
+
+===========================  ===================  =======================================
+registry name                ``_target_``         method / style
+===========================  ===================  =======================================
+``sdpa_hf``                  sdpa_hf_cp_wrapper                 colossal / hf
+``sdpa_hf_ulysses``          sdpa_hf_ulysses_cp_wrapper         ulysses / hf
+(Target only)                sdpa_hf_hybrid_cp_wrapper          hybrid(ulysses_degree) / hf
+(Target only)                sdpa_hf_load_balance_cp_wrapper    load_balance / hf
+``sdpa_qkv``                 sdpa_qkv_cp_wrapper                colossal / qkv
+``sdpa_qkv_ulysses``         sdpa_qkv_ulysses_cp_wrapper        ulysses / qkv
+(Target only)                sdpa_qkv_hybrid_cp_wrapper         hybrid(ulysses_degree) / qkv
+(Target only)                sdpa_qkv_load_balance_cp_wrapper   load_balance / qkv
+``flex_hf``                  flex_hf_cp_wrapper                 colossal / flex (HF module)
+``flex_hf_ulysses``          flex_hf_ulysses_cp_wrapper         ulysses / flex (HF module)
+``flex_qkv``                 flex_qkv_cp_wrapper                colossal / flex (core module)
+``flex_qkv_ulysses``         flex_qkv_ulysses_cp_wrapper        ulysses / flex (core module)
+===========================  ===================  =======================================
+
+How each style hooks in (see :mod:`.interception` and docs/wrappers.md):
+
+* ``sdpa_hf*``: HF ``forward(hidden_states, ...)``; the forward runs unchanged (projections,
+  QK-norm, RoPE, o_proj) and its single ``F.scaled_dot_product_attention`` call is replaced
+  by the strategy (scoped TorchFunctionMode).
+* ``sdpa_qkv*``: ``forward(q, k, v, ...)`` core attention that calls SDPA; the arguments are
+  bound and checked, the forward runs unchanged, the SDPA call is replaced.
+* ``flex_hf*``: HF attention built with ``attn_implementation="flex_attention"``; its
+  attention-interface call is routed to the strategy (private config naming the additional
+  ``hyper_parallel_cp`` interface). The HF BlockMask is local and is ignored; the mask over
+  the *global* KV length is the engine's position/document rule from the CP batch meta.
+* ``flex_qkv*``: ``forward(q, k, v, ..., block_mask=None, scale=None)`` core module around
+  ``flex_attention``: the arguments are bound and the whole body is replaced by the strategy
+  (a ``score_mod`` or ``return_lse`` is rejected).
+
+In every style HF's local mask is never trusted: causality, padding and packed documents come
+from :func:`~.meta.current_cp_batch_meta` (global positions, key doc ids). K/V that HF already
+repeated for GQA (``repeat_kv``) are un-repeated by a strided view (``k_rep[:, ::g] == k``), so
+only Hk heads are communicated; ``enable_gqa=True`` K/V are used as given.
+
+Validation (``validate`` hook, at resolution and again in the planner with TP-local heads):
+style/signature, ``attn_implementation``, unsupported features (sliding window, softcap,
+attention dropout), head divisibility for the method, and for HF styles a probe forward on a
+2-token dummy input that counts attention calls (0 = misfire, >1 = double interception).
+
+Modes (``apply_sharding_plan(mode=...)``): ``production`` runs the CP path; ``validate`` also
+runs the original path on the same (gathered) input and raises :class:`CPValidationError` on
+every CP rank when they differ by more than :data:`VALIDATE_TOLERANCE`. Outputs and gradients
+are those of the CP path in both modes.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ... import platform as P
+from .interception import (AttentionCall, InterceptScope, current_apply_context,
+                           ensure_hf_interface_registered, install_private_config, intercept_hf_interface,
+                           intercept_sdpa, probe_attention_calls)
+from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
+__all__ = [
+    "sdpa_hf_cp_wrapper", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_hybrid_cp_wrapper",
+    "sdpa_hf_load_balance_cp_wrapper", "sdpa_qkv_cp_wrapper", "sdpa_qkv_ulysses_cp_wrapper",
+    "sdpa_qkv_hybrid_cp_wrapper", "sdpa_qkv_load_balance_cp_wrapper", "flex_hf_cp_wrapper",
+    "flex_hf_ulysses_cp_wrapper", "flex_qkv_cp_wrapper", "flex_qkv_ulysses_cp_wrapper",
+    "CPValidationError", "VALIDATE_TOLERANCE", "module_heads", "BUILTIN_NAMES",
+]
 
-def _not_yet(name):
-    def forward(*args, **kwargs):
-        raise NotImplementedError(f"{name}: the wrapper body lands with the wrappers issue")
-    return forward
+# |cp - ref| <= atol + rtol * max|ref| over valid query rows (per dtype of the CP output)
+VALIDATE_TOLERANCE = {
+    torch.float64: (1e-8, 1e-8),
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (1e-2, 1e-2),
+}
 
 
-@inner_wrapper(method="colossal", style="hf")
+class CPValidationError(RuntimeError):
+    """Validate mode: the CP path and the original path disagree beyond tolerance."""
+
+
+# ============================================================================ heads & checks
+def module_heads(module: nn.Module, tp_size: int = 1) -> tuple[Optional[int], Optional[int]]:
+    """(q heads, kv heads) this rank computes for ``module`` (TP-local).
+
+    After TP the applier records ``__hp_local_heads__``; otherwise the counts come from
+    ``num_heads``/``num_key_value_heads`` attributes or the HF config, divided by ``tp_size``.
+    """
+    local = getattr(module, "__hp_local_heads__", None)
+    if local is not None:
+        return local
+    cfg = getattr(module, "config", None)
+    hq = None
+    for attr in ("num_heads", "num_attention_heads", "n_heads"):
+        if isinstance(getattr(module, attr, None), int):
+            hq = getattr(module, attr)
+            break
+    if hq is None and cfg is not None:
+        hq = getattr(cfg, "num_attention_heads", None)
+    hk = None
+    for attr in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        if isinstance(getattr(module, attr, None), int):
+            hk = getattr(module, attr)
+            break
+    if hk is None and cfg is not None:
+        hk = getattr(cfg, "num_key_value_heads", None) or hq
+    if hk is None and hq is not None:
+        groups = getattr(module, "num_key_value_groups", None)
+        hk = hq // groups if isinstance(groups, int) and groups > 0 else hq
+    if tp_size > 1:
+        for name, h in (("num_q_heads", hq), ("num_kv_heads", hk)):
+            if h is not None and h % tp_size:
+                raise ValueError(f"{name}={h} of {type(module).__name__} is not divisible by tp_size={tp_size}")
+        hq = hq // tp_size if hq is not None else None
+        hk = hk // tp_size if hk is not None else None
+    return hq, hk
+
+
+def _check_gqa(who, hq, hk):
+    from .strategies.base import check_gqa
+
+    check_gqa(who, hq, hk)
+
+
+def _check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int, ulysses_degree, who: str):
+    from .strategies.ulysses import check_head_split
+
+    hq, hk = module_heads(module, tp_size)
+    if method == "hybrid":
+        u = ulysses_degree
+        if isinstance(u, bool) or not isinstance(u, int):
+            raise ValueError(f"{who}: ulysses_degree must be an integer, got {u!r}")
+        if not 1 < u < cp_size or cp_size % u:
+            raise ValueError(
+                f"{who}: Hybrid needs 1 < ulysses_degree < cp_size and cp_size % ulysses_degree == 0, got "
+                f"ulysses_degree={u}, cp_size={cp_size} (use the Ulysses wrapper for ulysses_degree == cp_size, "
+                "the colossal wrapper for 1)")
+    if hq is None or hk is None:
+        return  # heads unknown here: the strategy checks the real tensors at apply/run time
+    tp_note = f" (per TP rank, tp_size={tp_size})" if tp_size > 1 else ""
+    try:
+        if method in ("colossal", "load_balance"):
+            _check_gqa(who, hq, hk)
+        elif method == "ulysses":
+            check_head_split(who, hq, hk, cp_size, "cp_size (ulysses_degree)")
+        elif method == "hybrid":
+            check_head_split(who, hq, hk, ulysses_degree, "ulysses_degree")
+    except ValueError as exc:
+        raise ValueError(f"{exc}{tp_note}") from None
+
+
+_HF_PARAM = "hidden_states"
+_QKV_NAMES = (("q", "query", "q_states", "query_states"), ("k", "key", "k_states", "key_states"),
+              ("v", "value", "v_states", "value_states"))
+
+
+def _forward_params(module: nn.Module) -> list:
+    return list(inspect.signature(module.forward).parameters.values())
+
+
+def _check_style(style: str, module: nn.Module, who: str) -> None:
+    if getattr(module, "__hp_cp_wrapped__", None):
+        raise ValueError(f"{who}: {type(module).__name__} already carries CP wrapper "
+                         f"{module.__hp_cp_wrapped__}; one attention takes exactly one wrapper")
+    params = _forward_params(module)
+    names = [p.name for p in params]
+    if style == "hf":
+        if _HF_PARAM not in names:
+            raise ValueError(
+                f"{who}: {type(module).__name__}.forward{tuple(names)} has no 'hidden_states' parameter, so it is "
+                "not an HF attention forward; use the *_qkv wrapper for forward(q, k, v, ...) modules or point "
+                "inner_target at the HF attention module")
+    else:
+        pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]
+        ok = len(pos) == 3 and all(p.name in allowed for p, allowed in zip(pos, _QKV_NAMES))
+        if not ok:
+            raise ValueError(
+                f"{who}: {type(module).__name__}.forward{tuple(names)} does not start with (q, k, v) / "
+                "(query, key, value); the *_qkv wrappers bind a forward(q, k, v, ...) core attention — use the "
+                "*_hf wrapper for HF forward(hidden_states, ...) modules")
+
+
+def _check_impl(primitive: str, module: nn.Module, who: str, wrapper_kind: str) -> None:
+    cfg = getattr(module, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+    if impl is None:
+        return
+    want = "sdpa" if primitive == "sdpa" else "flex_attention"
+    if impl != want:
+        other = "flex_hf" if impl == "flex_attention" else ("sdpa_hf" if impl == "sdpa" else None)
+        hint = (f"declare the {other}* wrapper instead" if other else
+                f"build the model with attn_implementation='{want}'")
+        raise ValueError(
+            f"{who}: {wrapper_kind} wrappers need attn_implementation='{want}', but "
+            f"{type(module).__name__} uses attn_implementation='{impl}'; {hint}")
+
+
+def _check_features(module: nn.Module, who: str) -> None:
+    cfg = getattr(module, "config", None)
+    if getattr(module, "sliding_window", None) is not None:
+        raise ValueError(f"{who}: sliding-window attention (sliding_window={module.sliding_window}) is not "
+                         "supported by the built-in CP wrappers; write a model-specific wrapper")
+    soft = getattr(cfg, "attn_logit_softcapping", None) if cfg is not None else None
+    if soft:
+        raise ValueError(f"{who}: attention logit softcapping ({soft}) is not supported by the CP engine")
+    drop = getattr(module, "attention_dropout", None)
+    if drop is None and cfg is not None:
+        drop = getattr(cfg, "attention_dropout", 0.0)
+    if drop:
+        raise ValueError(f"{who}: attention_dropout={drop} is not supported by the CP wrappers (the CP attention "
+                         "has no dropout); set attention_dropout: 0.0")
+
+
+_PROBE_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _check_probe(primitive: str, module: nn.Module, who: str) -> None:
+    cache = _PROBE_CACHE.setdefault(module, {})
+    if primitive not in cache:
+        cache[primitive] = probe_attention_calls(module, primitive, owner=who)
+    n = cache[primitive]
+    what = ("torch.nn.functional.scaled_dot_product_attention" if primitive == "sdpa"
+            else "its HF attention interface")
+    if n == 0:
+        raise ValueError(
+            f"{who}: a probe forward of {type(module).__name__} made no {what} call, so the wrapper would never "
+            "run (misfire); check attn_implementation and inner_target")
+    if n is not None and n > 1:
+        raise ValueError(
+            f"{who}: a probe forward of {type(module).__name__} made {n} {what} calls; the wrapper replaces "
+            "exactly one (double interception) — use a model-specific wrapper or a narrower inner_target")
+
+
+def _make_validate(name: str, method: str, style: str, primitive: str):
+    kind = {"sdpa": "SDPA", "hf_interface": "FlexAttention", "flex_direct": "FlexAttention"}[primitive]
+
+    def validate(target_module: nn.Module, *, cp_size: int, tp_size: int = 1, ulysses_degree=None,
+                 probe: bool = True) -> None:
+        who = name
+        _check_style("hf" if style in ("hf", "flex_hf") else "qkv", target_module, who)
+        if style in ("hf", "flex_hf"):
+            _check_impl(primitive, target_module, who, kind)
+        _check_features(target_module, who)
+        _check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
+        if probe and style in ("hf", "flex_hf"):
+            _check_probe(primitive, target_module, who)
+
+    validate.__qualname__ = f"validate[{name}]"
+    return validate
+
+
+# ============================================================================ runtime
+def _strategy(method: str, mesh, cp_mesh, ulysses_degree=None):
+    from .strategies import build_strategy
+
+    if method == "hybrid":
+        if mesh is None or not hasattr(mesh, "hybrid_groups"):
+            raise ValueError("the hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
+        return build_strategy("hybrid", mesh, ulysses_degree=ulysses_degree)
+    src = mesh if (mesh is not None and hasattr(mesh, "cp_mesh")) else cp_mesh
+    return build_strategy(method, src)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
+
+
+def _unrepeat(call: AttentionCall):
+    q, k, v = call.q, call.k, call.v
+    g = call.kv_groups
+    if not call.enable_gqa and g > 1 and k.shape[1] == q.shape[1] and q.shape[1] % g == 0:
+        # repeat_kv output: head h*g + j is a copy of kv head h -> a strided view, no gather of copies
+        return k[:, ::g], v[:, ::g]
+    return k, v
+
+
+def _check_repeat(call: AttentionCall, owner: str) -> None:
+    """Validate mode: the un-repeat assumption (k_rep[:, h*g + j] == k_rep[:, h*g])."""
+    g = call.kv_groups
+    k = call.k
+    if call.enable_gqa or g <= 1 or k.shape[1] != call.q.shape[1]:
+        return
+    kk = k.detach().unflatten(1, (k.shape[1] // g, g))
+    if not torch.equal(kk, kk[:, :, :1].expand_as(kk)):
+        raise CPValidationError(f"module '{owner}': K/V heads reach SDPA with Hq heads but are not a repeat_kv "
+                                f"copy (groups={g}); declare num_key_value_groups correctly or pass enable_gqa")
+
+
+def _make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False):
+    def handler(call: AttentionCall) -> torch.Tensor:
+        meta = current_cp_batch_meta()
+        for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+            if not isinstance(t, torch.Tensor) or _is_dtensor(t):
+                raise TypeError(f"module '{owner}': the intercepted attention got a {type(t).__name__} {name}; "
+                                "CP wrappers need local tensors (TP plans must use use_local_output=True)")
+        if call.dropout_p:
+            raise ValueError(f"module '{owner}': attention dropout_p={call.dropout_p} is not supported by CP")
+        extra = {k: v for k, v in call.extra.items() if k in ("softcap", "s_aux", "position_bias")}
+        if extra:
+            raise ValueError(f"module '{owner}': {sorted(extra)} are not supported by the CP attention")
+        if validate_attention or check_repeat:
+            _check_repeat(call, owner)
+        k, v = _unrepeat(call)
+        out = strategy.attention(call.q, k, v, meta=meta, scale=call.scale)
+        if validate_attention:
+            _validate_attention(out, call.q, k, v, call.scale, meta, cp_group, owner)
+        return out
+
+    return handler
+
+
+# ---------------------------------------------------------------------- validate mode
+def _rank_group(cp_mesh):
+    from .collectives import resolve_group
+
+    return resolve_group(cp_mesh)
+
+
+def _gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    if P.group_size(group) == 1:
+        return x
+    return P.all_gather(x.detach().contiguous(), group, dim=dim, tag="cp.validate")
+
+
+def _valid_query_rows(meta: CPBatchMeta, B: int) -> Optional[torch.Tensor]:
+    doc = meta.doc_slice(meta.q_index)
+    return None if doc is None else (doc >= 0)       # [B, S_local]
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, rows: Optional[torch.Tensor], seq_dim: int, group,
+             owner: str, what: str) -> None:
+    atol, rtol = VALIDATE_TOLERANCE.get(out.dtype, (1e-4, 1e-4))
+    a, b = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    diff = (a - b).abs()
+    if rows is not None:
+        shape = [1] * diff.dim()
+        shape[0], shape[seq_dim] = rows.shape
+        m = rows.reshape(shape).to(diff.device)
+        diff = torch.where(m, diff, torch.zeros_like(diff))
+        b = torch.where(m, b, torch.zeros_like(b))
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    err = diff.max().item() if diff.numel() else 0.0
+    tol = atol + rtol * (b.abs().max().item() if b.numel() else 0.0)
+    bad = torch.tensor([1.0 if err > tol else 0.0, err], dtype=torch.float64)
+    if P.group_size(group) > 1:
+        flags = P.all_gather(bad.reshape(1, 2), group, dim=0, tag="cp.validate.flag")
+    else:
+        flags = bad.reshape(1, 2)
+    if flags[:, 0].max().item() > 0:
+        worst = int(flags[:, 1].argmax().item())
+        raise CPValidationError(
+            f"module '{owner}': validate mode — CP {what} differs from the original path: max |diff| "
+            f"{flags[:, 1].max().item():.3e} on cp rank {worst} (this rank {err:.3e}, tolerance "
+            f"atol={atol:g} + rtol={rtol:g} * max|ref|)")
+
+
+def _validate_attention(out, q, k, v, scale, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
+    from ... import ops
+
+    group = _rank_group(cp_mesh)
+    qf, kf, vf = (_gather_seq(t, group, 2) for t in (q, k, v))
+    pos = torch.arange(qf.shape[2], dtype=torch.int64, device=qf.device)
+    doc = meta.key_doc.to(qf.device) if meta.key_doc is not None else None
+    with torch.no_grad():
+        ref = ops.reference_attention(qf, kf, vf, q_pos=pos, k_pos=pos, causal=meta.causal, q_doc=doc,
+                                      k_doc=doc, scale=scale)
+    lo = meta.cp_rank * meta.local_seq_len
+    ref = ref[:, :, lo:lo + meta.local_seq_len]
+    _compare(out, ref, _valid_query_rows(meta, out.shape[0]), 2, group, owner, "attention output")
+
+
+def _dense_mask(meta: CPBatchMeta, B: int, device) -> torch.Tensor:
+    pos = torch.arange(meta.global_seq_len, device=device)
+    vis = torch.ones(1, 1, meta.global_seq_len, meta.global_seq_len, dtype=torch.bool, device=device)
+    if meta.causal:
+        vis = vis & (pos[None, None, None, :] <= pos[None, None, :, None])
+    if meta.key_doc is not None:
+        d = meta.key_doc.to(device)
+        vis = vis & (d[:, None, :, None] == d[:, None, None, :]) & (d[:, None, None, :] >= 0)
+    return vis.expand(B, 1, -1, -1)
+
+
+def _hf_module_reference(original: Callable, module: nn.Module, primitive: str, args, kwargs,
+                         meta: CPBatchMeta, group, owner: str):
+    """Run the original forward on the CP-gathered full sequence; return this rank's output slice."""
+    sig = inspect.signature(original)
+    bound = sig.bind(*args, **kwargs)
+    hs = bound.arguments["hidden_states"]
+    B = hs.shape[0]
+    new = dict(bound.arguments)
+    new["hidden_states"] = _gather_seq(hs, group, 1)
+    pe = bound.arguments.get("position_embeddings")
+    if pe is not None:
+        new["position_embeddings"] = tuple(_gather_seq(t, group, 1) for t in pe)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+    if var_kw and var_kw in new:
+        extra = dict(new.pop(var_kw))
+        for key, val in list(extra.items()):
+            if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == meta.local_seq_len:
+                extra[key] = _gather_seq(val, group, val.dim() - 1)   # e.g. position_ids
+        new.update(extra)
+    with torch.no_grad():
+        if primitive == "sdpa":
+            if "attention_mask" in sig.parameters:
+                new["attention_mask"] = _dense_mask(meta, B, hs.device)
+                res = original(**new)
+            else:
+                res = _run_with_reference_attention(original, module, "sdpa", new, meta, owner)
+        else:
+            new["attention_mask"] = None
+            res = _run_with_reference_attention(original, module, primitive, new, meta, owner)
+    out = res[0] if isinstance(res, tuple) else res
+    lo = meta.cp_rank * meta.local_seq_len
+    return out[:, lo:lo + meta.local_seq_len]
+
+
+def _run_with_reference_attention(original, module, primitive, kwargs, meta, owner):
+    from ... import ops
+
+    def ref_handler(call: AttentionCall):
+        k, v = _unrepeat(call)
+        pos = torch.arange(call.q.shape[2], dtype=torch.int64, device=call.q.device)
+        doc = meta.key_doc.to(call.q.device) if meta.key_doc is not None else None
+        return ops.reference_attention(call.q, k, v, q_pos=pos, k_pos=pos, causal=meta.causal, q_doc=doc,
+                                       k_doc=doc, scale=call.scale)
+
+    ctx = intercept_sdpa if primitive == "sdpa" else intercept_hf_interface
+    with ctx(f"{owner} (validate reference)", module, ref_handler):
+        return original(**kwargs)
+
+
+# ---------------------------------------------------------------------- installers
+def _install_intercepting(target_module: nn.Module, strategy, primitive: str, style: str, cp_mesh,
+                          name: str) -> Callable:
+    ctx = current_apply_context()
+    owner = ctx.fqn or type(target_module).__name__
+    validate_mode = ctx.mode == "validate"
+    original = target_module.forward
+    undo: list = []
+    if primitive == "hf_interface":
+        ensure_hf_interface_registered()
+        undo.append(install_private_config(target_module))
+    group = _rank_group(cp_mesh)
+    handler = _make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode)
+    interceptor = intercept_sdpa if primitive == "sdpa" else intercept_hf_interface
+    sig = inspect.signature(original)
+
+    def cp_forward(*args, **kwargs):
+        if style == "qkv":
+            try:
+                sig.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"module '{owner}': {name} could not bind forward(q, k, v, ...): {exc}") from None
+        with interceptor(owner, target_module, handler):
+            out = original(*args, **kwargs)
+        if validate_mode and style in ("hf", "flex_hf"):
+            meta = current_cp_batch_meta()
+            ref = _hf_module_reference(original, target_module, primitive, args, kwargs, meta, group, owner)
+            got = out[0] if isinstance(out, tuple) else out
+            _compare(got, ref, _valid_query_rows(meta, got.shape[0]), 1, group, owner, "module output")
+        return out
+
+    cp_forward.__hp_undo__ = undo
+    cp_forward.__hp_strategy__ = strategy
+    cp_forward.__wrapped__ = original
+    return cp_forward
+
+
+def _install_flex_direct(target_module: nn.Module, strategy, cp_mesh, name: str) -> Callable:
+    ctx = current_apply_context()
+    owner = ctx.fqn or type(target_module).__name__
+    validate_mode = ctx.mode == "validate"
+    original = target_module.forward
+    sig = inspect.signature(original)
+    pos_names = [p.name for p in sig.parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]
+    handler = _make_handler(strategy, owner, validate_mode, cp_mesh)
+    groups = getattr(target_module, "num_key_value_groups", 1)
+
+    def cp_forward(*args, **kwargs):
+        try:
+            b = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"module '{owner}': {name} could not bind forward(q, k, v, ...): {exc}") from None
+        a = dict(b.arguments)
+        for p in sig.parameters.values():
+            if p.kind == p.VAR_KEYWORD and p.name in a:
+                a.update(a.pop(p.name))
+        for bad in ("score_mod",):
+            if a.get(bad) is not None:
+                raise ValueError(f"module '{owner}': {name} does not support {bad} (the CP engine applies the "
+                                 "causal/document rule of the CP batch); write a custom wrapper")
+        if a.get("return_lse") or a.get("return_aux") is not None:
+            raise ValueError(f"module '{owner}': {name} does not return the LSE")
+        q, k, v = (a[n] for n in pos_names)
+        scale = a.get("scale", a.get("scaling", a.get("softmax_scale")))
+        call = AttentionCall(q=q, k=k, v=v, scale=scale, attn_mask=a.get("block_mask"),
+                             enable_gqa=bool(a.get("enable_gqa", k.shape[1] != q.shape[1])),
+                             kv_groups=groups if isinstance(groups, int) else 1, source="flex")
+        scope = InterceptScope(owner, target_module, handler, "flex_attention")
+        return scope.dispatch(call)
+
+    cp_forward.__hp_undo__ = []
+    cp_forward.__hp_strategy__ = strategy
+    cp_forward.__wrapped__ = original
+    return cp_forward
+
+
+def _install(name: str, method: str, style: str, primitive: str, target_module, mesh, cp_mesh,
+             ulysses_degree=None) -> Callable:
+    strategy = _strategy(method, mesh, cp_mesh, ulysses_degree)
+    hq, hk = module_heads(target_module)
+    if hq is not None and hk is not None:
+        strategy.validate(num_q_heads=hq, num_kv_heads=hk, cp_size=strategy.cp_size)
+    if primitive == "flex_direct":
+        return _install_flex_direct(target_module, strategy, cp_mesh, name)
+    return _install_intercepting(target_module, strategy, primitive, style, cp_mesh, name)
+
+
+# ============================================================================ the wrappers
+_SPECS = {
+    # function name: (registry name or None, method, style, primitive)
+    "sdpa_hf_cp_wrapper": ("sdpa_hf", "colossal", "hf", "sdpa"),
+    "sdpa_hf_ulysses_cp_wrapper": ("sdpa_hf_ulysses", "ulysses", "hf", "sdpa"),
+    "sdpa_hf_hybrid_cp_wrapper": (None, "hybrid", "hf", "sdpa"),
+    "sdpa_hf_load_balance_cp_wrapper": (None, "load_balance", "hf", "sdpa"),
+    "sdpa_qkv_cp_wrapper": ("sdpa_qkv", "colossal", "qkv", "sdpa"),
+    "sdpa_qkv_ulysses_cp_wrapper": ("sdpa_qkv_ulysses", "ulysses", "qkv", "sdpa"),
+    "sdpa_qkv_hybrid_cp_wrapper": (None, "hybrid", "qkv", "sdpa"),
+    "sdpa_qkv_load_balance_cp_wrapper": (None, "load_balance", "qkv", "sdpa"),
+    "flex_hf_cp_wrapper": ("flex_hf", "colossal", "flex_hf", "hf_interface"),
+    "flex_hf_ulysses_cp_wrapper": ("flex_hf_ulysses", "ulysses", "flex_hf", "hf_interface"),
+    "flex_qkv_cp_wrapper": ("flex_qkv", "colossal", "flex_qkv", "flex_direct"),
+    "flex_qkv_ulysses_cp_wrapper": ("flex_qkv_ulysses", "ulysses", "flex_qkv", "flex_direct"),
+}
+BUILTIN_NAMES = {reg: fn for fn, (reg, *_rest) in _SPECS.items() if reg}
+
+
+def _meta(fn_name: str) -> dict:
+    reg, method, style, primitive = _SPECS[fn_name]
+    reg_style = {"hf": "hf", "qkv": "qkv", "flex_hf": "flex", "flex_qkv": "flex"}[style]
+    return dict(method=method, style=reg_style, is_async=False, communicates=True,
+                validate=_make_validate(fn_name, method, style, primitive))
+
+
+def _args(fn_name: str):
+    _reg, method, style, primitive = _SPECS[fn_name]
+    return fn_name, method, style, primitive
+
+
+@inner_wrapper(**_meta("sdpa_hf_cp_wrapper"))
 def sdpa_hf_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Sync Colossal (K/V AllGather) for HF ``forward(hidden_states)`` + SDPA attention."""
-    return _not_yet("sdpa_hf_cp_wrapper")
+    return _install(*_args("sdpa_hf_cp_wrapper"), target_module, mesh, cp_mesh)
 
 
-register_inner_wrapper("sdpa_hf", sdpa_hf_cp_wrapper)
+@inner_wrapper(**_meta("sdpa_hf_ulysses_cp_wrapper"))
+def sdpa_hf_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Pure Ulysses (ulysses_degree == cp_size) for HF SDPA attention."""
+    return _install(*_args("sdpa_hf_ulysses_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("sdpa_hf_hybrid_cp_wrapper"))
+def sdpa_hf_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree):
+    """Sync Hybrid (Ulysses A2A in groups of ``ulysses_degree`` + Colossal K/V AllGather) for HF SDPA."""
+    return _install(*_args("sdpa_hf_hybrid_cp_wrapper"), target_module, mesh, cp_mesh, ulysses_degree)
+
+
+@inner_wrapper(**_meta("sdpa_hf_load_balance_cp_wrapper"))
+def sdpa_hf_load_balance_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Colossal with Head-Tail load balance for HF SDPA (batch policy 'load_balance')."""
+    return _install(*_args("sdpa_hf_load_balance_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("sdpa_qkv_cp_wrapper"))
+def sdpa_qkv_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Colossal for ``forward(q, k, v, ...)`` core attention calling SDPA."""
+    return _install(*_args("sdpa_qkv_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("sdpa_qkv_ulysses_cp_wrapper"))
+def sdpa_qkv_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Pure Ulysses for ``forward(q, k, v, ...)`` core attention calling SDPA."""
+    return _install(*_args("sdpa_qkv_ulysses_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("sdpa_qkv_hybrid_cp_wrapper"))
+def sdpa_qkv_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree):
+    """Sync Hybrid for ``forward(q, k, v, ...)`` core attention calling SDPA."""
+    return _install(*_args("sdpa_qkv_hybrid_cp_wrapper"), target_module, mesh, cp_mesh, ulysses_degree)
+
+
+@inner_wrapper(**_meta("sdpa_qkv_load_balance_cp_wrapper"))
+def sdpa_qkv_load_balance_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Colossal Head-Tail load balance for ``forward(q, k, v, ...)`` core attention calling SDPA."""
+    return _install(*_args("sdpa_qkv_load_balance_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("flex_hf_cp_wrapper"))
+def flex_hf_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Colossal for HF attention built with attn_implementation='flex_attention'."""
+    return _install(*_args("flex_hf_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("flex_hf_ulysses_cp_wrapper"))
+def flex_hf_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Pure Ulysses for HF FlexAttention attention."""
+    return _install(*_args("flex_hf_ulysses_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("flex_qkv_cp_wrapper"))
+def flex_qkv_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Colossal for a ``forward(q, k, v, block_mask=None, scale=None)`` FlexAttention core module."""
+    return _install(*_args("flex_qkv_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+@inner_wrapper(**_meta("flex_qkv_ulysses_cp_wrapper"))
+def flex_qkv_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Sync Pure Ulysses for a FlexAttention core module."""
+    return _install(*_args("flex_qkv_ulysses_cp_wrapper"), target_module, mesh, cp_mesh)
+
+
+for _fn_name, _reg in [(fn, spec[0]) for fn, spec in _SPECS.items() if spec[0]]:
+    register_inner_wrapper(_reg, globals()[_fn_name])
+del _fn_name, _reg

@@ -1,0 +1,225 @@
+"""ShardingApplier: apply a :class:`~.sharding_planner.ShardingPlan` to a model.
+
+Order (design 2.1): TP placement -> the declared CP wrapper / local compute -> activation
+checkpointing -> FSDP2 ``fully_shard`` (each decoder layer, then the root, on
+``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Only what the plan declares is applied.
+
+Installing a CP method on ``inner_module``:
+
+* ``inner_wrapper``: ``fn(inner_module, mesh, tp_mesh, cp_mesh, ep_mesh, **named_params)`` with
+  ``mesh`` the :class:`~.mesh.MeshContext` and ``None`` for inactive axes. A returned callable
+  becomes ``inner_module.forward``; a wrapper returning None must have replaced
+  ``inner_module.forward`` itself. While it runs, :func:`~.context_parallel.interception.current_apply_context`
+  gives the module FQN and the mode.
+* ``local_compute_fn``: ``inner_module.forward = lambda *a, **kw: fn(inner_module, *a, **kw)``
+  (the function takes over the whole local-region compute, collectives included).
+
+If anything fails after the first CP install (another wrapper, a check, activation
+checkpointing, FSDP), every forward replaced by this call is restored before the error
+propagates (TP placement is not undone: rebuild the model after a TP failure).
+
+Modes: ``production`` runs the CP path; ``validate`` additionally runs each wrapped module's
+original path on the CP-gathered input and raises on mismatch (see
+:mod:`~.context_parallel.wrappers`). Outputs and gradients are identical in both modes.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import torch.nn as nn
+
+from .context_parallel.interception import applying
+from .context_parallel.meta import cp_batch_context, current_cp_batch_meta
+from .errors import CPConfigError
+from .sharding_planner import ShardingPlan
+from .tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
+
+log = logging.getLogger("hyper_parallel.apply")
+
+MODES = ("production", "validate")
+_MISSING = object()
+
+
+class _Installed:
+    """Undo record of forwards replaced by one apply call."""
+
+    def __init__(self):
+        self.items: list[tuple[nn.Module, object, list]] = []
+
+    def replace_forward(self, module: nn.Module, fn: Callable, undo: Optional[list] = None) -> None:
+        prev = module.__dict__.get("forward", _MISSING)
+        module.forward = fn
+        self.items.append((module, prev, list(undo or [])))
+
+    def record_external(self, module: nn.Module, prev) -> None:
+        self.items.append((module, prev, []))
+
+    def rollback(self) -> None:
+        for module, prev, undo in reversed(self.items):
+            for u in reversed(undo):
+                try:
+                    u()
+                except Exception:  # noqa: BLE001 - best effort, keep restoring
+                    log.exception("rollback step failed")
+            if prev is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = prev
+            if "__hp_cp_wrapped__" in module.__dict__:
+                del module.__dict__["__hp_cp_wrapped__"]
+        self.items.clear()
+
+
+def _mesh_axes(mesh, plan: ShardingPlan):
+    if mesh is None:
+        return None, None, None
+    tp_mesh = mesh.tp_mesh if plan.tp_size > 1 else None
+    cp_mesh = mesh.cp_mesh if plan.cp_size > 1 else None
+    ep_mesh = getattr(mesh, "ep_mesh", None) if plan.ep_size > 1 else None
+    return tp_mesh, cp_mesh, ep_mesh
+
+
+def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installed) -> None:
+    tp_mesh, cp_mesh, ep_mesh = _mesh_axes(mesh, plan)
+    for t in plan.cp_targets:
+        module = t.inner_module
+        field = t.spec.field(t.kind)
+        if module.__dict__.get("__hp_cp_wrapped__"):
+            raise CPConfigError(field, f"already wrapped by {module.__hp_cp_wrapped__}", module=t.fqn,
+                                fix="apply a plan to a fresh model (one wrapper per attention)")
+        if t.kind == "local_compute_fn":
+            fn = t.fn
+            installed.replace_forward(module, functools.partial(fn, module))
+        else:
+            prev = module.__dict__.get("forward", _MISSING)
+            prev_forward = module.forward
+            try:
+                with applying(t.inner_fqn, mode):
+                    ret = t.fn(module, mesh, tp_mesh, cp_mesh, ep_mesh, **t.params)
+            except CPConfigError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()}: {exc}", module=t.fqn) from exc
+            if ret is not None:
+                if not callable(ret):
+                    raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()} returned a "
+                                        f"{type(ret).__name__}, expected a forward callable or None", module=t.fqn)
+                installed.replace_forward(module, ret, getattr(ret, "__hp_undo__", None))
+            else:
+                installed.record_external(module, prev)
+                if module.forward == prev_forward:
+                    raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()} returned None but did not "
+                                        "replace the module's forward", module=t.fqn,
+                                        fix="return the replacement forward, or assign target_module.forward")
+        module.__hp_cp_wrapped__ = (t.spec.inner_wrapper or t.spec.local_compute_fn).describe()
+        log.info("CP: %s", t.describe())
+
+
+def _checkpointed_forward(original: Callable) -> Callable:
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta(required=False)
+
+        def run(*a, **kw):
+            if meta is None:
+                return original(*a, **kw)
+            with cp_batch_context(meta):     # recomputation in backward sees this step's CP meta
+                return original(*a, **kw)
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+def _apply_ac(model, plan: ShardingPlan, installed: _Installed) -> None:
+    names = dict(model.named_modules())
+    layers = plan.decoder_layers
+    if not layers:
+        raise CPConfigError("schedule.activation_checkpointing", f"no decoder layers found in {type(model).__name__}")
+    for fqn in layers:
+        layer = names[fqn]
+        installed.replace_forward(layer, _checkpointed_forward(layer.forward))
+
+
+def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forward: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    fsdp_mesh = mesh.fsdp_mesh
+    kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                  reshard_after_forward=reshard_after_forward)
+    names = dict(model.named_modules())
+    for fqn in plan.decoder_layers:
+        fully_shard(names[fqn], **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, *, mode: str = "production",
+                        fsdp: Optional[bool] = None, mp_policy=None, reshard_after_forward: bool = True,
+                        activation_checkpointing: bool = False) -> tuple[nn.Module, TPGradInfo]:
+    """Apply TP -> CP -> activation checkpointing -> FSDP2; return ``(model, tp_grad_info)``.
+
+    ``device_mesh``: the :class:`~.mesh.MeshContext` (required unless tp = cp = 1 and fsdp off).
+    ``fsdp``: None = on when ``mesh.fsdp_mesh`` has more than one rank. ``mp_policy``: an FSDP2
+    ``MixedPrecisionPolicy`` (default: none). ``tp_grad_info``: a :class:`~.tensor_parallel.TPGradInfo`.
+    """
+    if mode not in MODES:
+        raise CPConfigError("mode", f"unknown apply mode {mode!r}", fix=f"use one of {MODES}")
+    mesh = device_mesh
+    if mesh is not None and not hasattr(mesh, "cp_mesh"):
+        raise CPConfigError("device_mesh", f"expected the MeshContext (DistributedSetup.mesh), got "
+                            f"{type(mesh).__name__}")
+    if mesh is None and (plan.tp_size > 1 or plan.cp_size > 1 or fsdp):
+        raise CPConfigError("device_mesh", "a MeshContext is required when tp_size > 1, cp_size > 1 or fsdp=True")
+    if mesh is not None:
+        s = mesh.sizes
+        for name, want, have in (("cp_size", plan.cp_size, s.cp), ("tp_size", plan.tp_size, s.tp)):
+            if want != have:
+                raise CPConfigError(f"accelerator.{name}", f"the plan was made for {name}={want} but the mesh has "
+                                    f"{have}")
+        degrees = plan.hybrid_degrees()
+        if degrees:
+            mesh.ensure_hybrid(degrees)   # set-up time, collective; no-op when already built
+
+    # 1. TP placement
+    if plan.tp_size > 1:
+        tp_info = apply_tensor_parallel(model, mesh.tp_mesh, plan.decoder_layers, plan.tp_layer_plan)
+    else:
+        tp_info = replicated_grad_info(model)
+
+    installed = _Installed()
+    try:
+        # 2. declared CP methods
+        _install_cp(model, plan, mesh, mode, installed)
+        # 3. activation checkpointing
+        if activation_checkpointing:
+            _apply_ac(model, plan, installed)
+        # 4. FSDP2 / HSDP
+        use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
+        if use_fsdp:
+            if not plan.decoder_layers:
+                raise CPConfigError("fsdp", f"no decoder layers found in {type(model).__name__}")
+            _apply_fsdp(model, plan, mesh, mp_policy, reshard_after_forward)
+    except BaseException:
+        installed.rollback()
+        raise
+    model.__hp_sharding_plan__ = plan
+    model.__hp_apply_mode__ = mode
+    return model, tp_info
+
+
+def remove_cp_wrappers(model: nn.Module) -> int:
+    """Restore the original forward of every module wrapped by a built-in CP wrapper (debugging aid)."""
+    n = 0
+    for mod in model.modules():
+        fwd = mod.__dict__.get("forward")
+        if fwd is not None and "__hp_cp_wrapped__" in mod.__dict__:
+            for u in reversed(getattr(fwd, "__hp_undo__", [])):
+                u()
+            mod.__dict__.pop("forward", None)
+            del mod.__dict__["__hp_cp_wrapped__"]
+            n += 1
+    return n
