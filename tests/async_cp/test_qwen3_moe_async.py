@@ -129,3 +129,19 @@ def run_reject_llama():
 def test_async_wrapper_rejects_non_adapter_model():
     with pytest.raises(ValueError, match="Qwen3-MoE model adapter but the target is LlamaAttention"):
         run_reject_llama()
+
+
+def yaml_parity(path, padding):
+    from tests.wrappers._workers import cp_parity
+
+    return cp_parity(path, grads=True, padding=padding)
+
+
+@pytest.mark.parametrize("path,cp", [("examples/cp/async_colossal.yaml", 2), ("examples/cp/async_ulysses.yaml", 2),
+                                     ("examples/cp/async_hybrid.yaml", 4)])
+def test_design_async_yaml_through_planner_and_fsdp(ranks, path, cp):
+    """The design's async snippets, unchanged, through ShardingPlanner + apply_sharding_plan (FSDP2 on)."""
+    for r in ranks(cp).run(yaml_parity, path, True):
+        assert r["logits"] < TOL, f"{path}: logits max abs err {r['logits']:.3e} (tol {TOL})"
+        assert r["grads"] < 1e-4, f"{path}: grad max rel err {r['grads']:.3e} (tol 1e-4)"
+        assert "async" in r["summary"]
