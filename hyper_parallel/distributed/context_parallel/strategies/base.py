@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ....platform import group_rank, group_size
+
 from .... import ops as _ops
 from ..meta import CPBatchMeta
 
@@ -73,6 +75,32 @@ class ContextParallelStrategy:
             raise ValueError(f"{who}: meta.key_doc has shape {tuple(meta.key_doc.shape)}, expected "
                              f"[B={q.shape[0]}, S={meta.global_seq_len}]")
         self.validate(num_q_heads=q.shape[1], num_kv_heads=k.shape[1], cp_size=cp_size)
+
+
+class CPGroupStrategy(ContextParallelStrategy):
+    """A strategy that communicates on one CP group (1-D DeviceMesh, ProcessGroup, or None = cp 1)."""
+
+    def __init__(self, cp_group=None):
+        from ..collectives import resolve_group
+
+        self.group = resolve_group(cp_group)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.group)
+
+    @property
+    def cp_rank(self) -> int:
+        return group_rank(self.group)
+
+    def check_cp_size(self, cp_size: int, num_q_heads: int, num_kv_heads: int) -> None:
+        """Raise ValueError when the declared cp_size is not this strategy's group size."""
+        if cp_size != self.cp_size:
+            from ..collectives import group_desc
+
+            raise ValueError(f"{type(self).__name__}: cp_size={cp_size} but the strategy's "
+                             f"{group_desc(self.group)} has size {self.cp_size} "
+                             f"(num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads})")
 
 
 def check_gqa(who: str, num_q_heads: int, num_kv_heads: int) -> None:

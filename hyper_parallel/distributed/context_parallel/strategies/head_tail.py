@@ -23,29 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from ....platform import group_rank, group_size
-from ..collectives import (flex_cp_allgather, group_desc, head_tail_combine, head_tail_dispatch,
-                           head_tail_sub_chunks, resolve_group)
+from ..collectives import (flex_cp_allgather, head_tail_combine, head_tail_dispatch,
+                           head_tail_sub_chunks)
 from ..meta import CPBatchMeta
-from .base import ContextParallelStrategy, check_gqa, engine_attention
+from .base import CPGroupStrategy, check_gqa, engine_attention
 
 
-class HeadTailStrategy(ContextParallelStrategy):
+class HeadTailStrategy(CPGroupStrategy):
     """Sync Colossal CP with Head-Tail load balance on ``cp_group`` (1-D mesh, group, or None)."""
 
     name = "load_balance"
     method = "load_balance"
-
-    def __init__(self, cp_group=None):
-        self.group = resolve_group(cp_group)
-
-    @property
-    def cp_size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def cp_rank(self) -> int:
-        return group_rank(self.group)
 
     def padding_multiple(self, cp_size: int) -> int:
         return 2 * cp_size
@@ -53,9 +41,7 @@ class HeadTailStrategy(ContextParallelStrategy):
     def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
         who = type(self).__name__
         check_gqa(who, num_q_heads, num_kv_heads)
-        if cp_size != self.cp_size:
-            raise ValueError(f"{who}: cp_size={cp_size} but the strategy's {group_desc(self.group)} "
-                             f"has size {self.cp_size} (num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads})")
+        self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None) -> torch.Tensor:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ....platform import group_rank, group_size
-from ..collectives import group_desc, resolve_group, ulysses_head_to_seq, ulysses_seq_to_head
+from ..collectives import ulysses_head_to_seq, ulysses_seq_to_head
 from ..meta import CPBatchMeta
-from .base import ContextParallelStrategy, check_gqa, engine_attention
+from .base import CPGroupStrategy, check_gqa, engine_attention
 
 
 def check_head_split(who: str, num_q_heads: int, num_kv_heads: int, degree: int, what: str) -> None:
@@ -33,22 +32,11 @@ def check_head_split(who: str, num_q_heads: int, num_kv_heads: int, degree: int,
                          f"(num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads})")
 
 
-class UlyssesStrategy(ContextParallelStrategy):
+class UlyssesStrategy(CPGroupStrategy):
     """Sync Pure Ulysses CP on ``cp_group``: ulysses_degree is the CP size."""
 
     name = "ulysses"
     method = "ulysses"
-
-    def __init__(self, cp_group=None):
-        self.group = resolve_group(cp_group)
-
-    @property
-    def cp_size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def cp_rank(self) -> int:
-        return group_rank(self.group)
 
     @property
     def ulysses_degree(self) -> int:
@@ -56,9 +44,7 @@ class UlyssesStrategy(ContextParallelStrategy):
 
     def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
         who = type(self).__name__
-        if cp_size != self.cp_size:
-            raise ValueError(f"{who}: cp_size={cp_size} but the strategy's {group_desc(self.group)} "
-                             f"has size {self.cp_size} (num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads})")
+        self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
         check_head_split(who, num_q_heads, num_kv_heads, cp_size, "cp_size (ulysses_degree)")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
