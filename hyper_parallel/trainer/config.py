@@ -48,6 +48,8 @@ class DataConfig:
     min_doc_len: int | None = None    # shorter sequences -> padding (padding-heavy batches)
     pad_to_multiple: int | None = None
     seed: int = 0
+    pad_token_id: int = 0             # byte 0 never occurs in text
+    ignore_index: int = -100          # label value of tokens that carry no loss
 
 
 @dataclasses.dataclass
@@ -58,6 +60,7 @@ class OptimizerConfig:
     betas: Sequence[float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float | None = 1.0
+    foreach: bool | None = None       # torch.optim foreach implementation (None: torch default)
 
 
 @dataclasses.dataclass
@@ -70,6 +73,9 @@ class ScheduleConfig:
     mixed_precision: str | None = None   # None | "bf16"
     save_every: int | None = None
     resume_from: str | None = None
+    lr_schedule: str = "constant"        # constant | cosine (after linear warmup)
+    min_lr_ratio: float = 0.1            # cosine floor, as a fraction of optimizer.lr
+    checkpoint_dir: str | None = None    # default: <logging.out_dir>/checkpoints
 
 
 @dataclasses.dataclass
@@ -79,6 +85,18 @@ class LoggingConfig:
     progress: bool = True
     plot: bool = True
     level: str = "INFO"
+    json_log: str = "train_log.json"     # written under out_dir
+    plot_file: str = "loss_curve.png"    # written under out_dir
+
+
+MIXED_PRECISION = (None, "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _check_int(value, field: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CPConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
 
 
 TOP_LEVEL = ("model", "data", "optimizer", "schedule", "accelerator", "plan_overrides", "logging")
@@ -112,7 +130,54 @@ class TrainerConfig:
             plan_overrides=parse_plan_overrides(data.get("plan_overrides")),
             logging=_section(LoggingConfig, data.get("logging"), "logging"),
             source=source,
-        )
+        ).validate()
+
+    def validate(self) -> "TrainerConfig":
+        """Value checks for the trainer-owned sections (accelerator/plan_overrides check themselves)."""
+        _check_int(self.data.seq_len, "data.seq_len", 2)
+        _check_int(self.data.micro_batch_size, "data.micro_batch_size", 1)
+        if self.data.min_doc_len is not None:
+            _check_int(self.data.min_doc_len, "data.min_doc_len", 2)
+            if self.data.min_doc_len > self.data.seq_len:
+                raise CPConfigError("data.min_doc_len", f"{self.data.min_doc_len} exceeds data.seq_len="
+                                    f"{self.data.seq_len}", fix="use min_doc_len <= seq_len")
+        if self.data.pad_to_multiple is not None:
+            _check_int(self.data.pad_to_multiple, "data.pad_to_multiple", 1)
+        _check_int(self.schedule.steps, "schedule.steps", 0)
+        _check_int(self.schedule.warmup_steps, "schedule.warmup_steps", 0)
+        _check_int(self.schedule.grad_accum_steps, "schedule.grad_accum_steps", 1)
+        if self.schedule.save_every is not None:
+            _check_int(self.schedule.save_every, "schedule.save_every", 1)
+        if self.schedule.mixed_precision not in MIXED_PRECISION:
+            raise CPConfigError("schedule.mixed_precision", f"unknown value {self.schedule.mixed_precision!r}",
+                                fix="use bf16 or omit it (fp32)")
+        if self.schedule.lr_schedule not in LR_SCHEDULES:
+            raise CPConfigError("schedule.lr_schedule", f"unknown value {self.schedule.lr_schedule!r}",
+                                fix=f"use one of {list(LR_SCHEDULES)}")
+        if self.optimizer.name.lower() not in OPTIMIZERS:
+            raise CPConfigError("optimizer.name", f"unknown optimizer {self.optimizer.name!r}",
+                                fix=f"use one of {list(OPTIMIZERS)}")
+        if self.optimizer.grad_clip is not None and not self.optimizer.grad_clip > 0:
+            raise CPConfigError("optimizer.grad_clip", f"must be > 0 or null, got {self.optimizer.grad_clip!r}")
+        if len(tuple(self.optimizer.betas)) != 2:
+            raise CPConfigError("optimizer.betas", f"must be two numbers, got {self.optimizer.betas!r}")
+        _check_int(self.logging.log_every, "logging.log_every", 1)
+        return self
+
+    def to_dict(self) -> dict:
+        """Plain-data view (JSON-able) for logs and checkpoint metadata."""
+        out = {}
+        for name in ("model", "data", "optimizer", "schedule", "accelerator", "logging"):
+            out[name] = dataclasses.asdict(getattr(self, name))
+        out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
+        out["plan_overrides"] = [
+            {"match": s.match, "when": s.when, "inner_target": s.inner_target,
+             "region_dispatch": s.region_dispatch,
+             "inner_wrapper": s.inner_wrapper.describe() if s.inner_wrapper is not None else None,
+             "local_compute_fn": s.local_compute_fn.describe() if s.local_compute_fn is not None else None}
+            for s in self.plan_overrides
+        ]
+        return out
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "TrainerConfig":

@@ -1,0 +1,145 @@
+"""Byte-level text data: a corpus file -> deterministic global micro-batches per DP rank.
+
+Tokens are the UTF-8 bytes of the file (vocab 256; byte 0, which never occurs in text, is the
+pad id). Every *global micro-batch* is a pure function of ``(data.seed, dp_rank, index)``:
+
+* every CP rank (and TP rank) of one DP rank builds the **same** global micro-batch — the CP
+  shard is cut from it afterwards by ``shard_batch_for_cp`` — while different DP ranks read
+  different rows (``dp_rank`` enters the seed);
+* the data position is a single integer (micro-batches consumed), so a checkpoint restores the
+  stream exactly.
+
+A row is a window of the corpus of length ``seq_len``, or — with ``data.min_doc_len`` — a
+shorter "document" of random length in ``[min_doc_len, seq_len]``, right-padded. Rows are never
+packed, so there are no document boundaries inside a row. Batch fields (all ``[B, S]``):
+
+  input_ids       int64, pad_token_id after the document
+  labels          int64, = input_ids on the document, ignore_index on padding (unshifted, HF style)
+  attention_mask  int64, 1 on the document, 0 on padding
+  position_ids    int64, 0..S-1 (global positions)
+
+``S = seq_len`` rounded up to ``data.pad_to_multiple``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..distributed.errors import CPConfigError
+from .config import DataConfig
+from .model import resolve_path
+
+VOCAB_SIZE = 256
+DEFAULT_CORPUS = "examples/data/corpus.txt"
+
+
+def _mix(*parts: int) -> int:
+    """Deterministic 63-bit seed from integers (splitmix64-style)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x ^= (int(p) + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2)) & 0xFFFFFFFFFFFFFFFF
+        x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+class ByteCorpus:
+    """The bytes of a text file as int64 tokens."""
+
+    def __init__(self, path: str | Path):
+        self.path = resolve_path(path)
+        if not self.path.is_file():
+            raise CPConfigError("data.path", f"{path} is not a file",
+                                fix=f"point it at a text file, e.g. {DEFAULT_CORPUS}")
+        raw = self.path.read_bytes()
+        if len(raw) < 4:
+            raise CPConfigError("data.path", f"{path} holds only {len(raw)} bytes")
+        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+
+    @classmethod
+    def from_text(cls, text: str) -> "ByteCorpus":
+        obj = cls.__new__(cls)
+        obj.path = None
+        obj.tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+        return obj
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclasses.dataclass
+class TextBatcher:
+    """Builds global micro-batch ``index`` for ``dp_rank`` (see module doc)."""
+
+    corpus: ByteCorpus
+    seq_len: int
+    micro_batch_size: int
+    dp_rank: int = 0
+    seed: int = 0
+    min_doc_len: int | None = None
+    pad_to_multiple: int | None = None
+    pad_token_id: int = 0
+    ignore_index: int = -100
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, dp_rank: int = 0, corpus: ByteCorpus | None = None) -> "TextBatcher":
+        corpus = corpus or ByteCorpus(cfg.path or DEFAULT_CORPUS)
+        if len(corpus) < cfg.seq_len + 1:
+            raise CPConfigError("data.seq_len", f"{cfg.seq_len} exceeds the corpus length {len(corpus)} bytes")
+        return cls(corpus, cfg.seq_len, cfg.micro_batch_size, dp_rank, cfg.seed, cfg.min_doc_len,
+                   cfg.pad_to_multiple, cfg.pad_token_id, cfg.ignore_index)
+
+    @property
+    def padded_len(self) -> int:
+        m = self.pad_to_multiple or 1
+        return -(-self.seq_len // m) * m
+
+    def batch(self, index: int) -> dict:
+        B, S = self.micro_batch_size, self.padded_len
+        tokens = self.corpus.tokens
+        input_ids = torch.full((B, S), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((B, S), dtype=torch.int64)
+        for row in range(B):
+            g = torch.Generator().manual_seed(_mix(self.seed, self.dp_rank, index, row))
+            if self.min_doc_len is not None:
+                length = int(torch.randint(self.min_doc_len, self.seq_len + 1, (1,), generator=g))
+            else:
+                length = self.seq_len
+            start = int(torch.randint(0, len(tokens) - length + 1, (1,), generator=g))
+            input_ids[row, :length] = tokens[start:start + length]
+            mask[row, :length] = 1
+        labels = torch.where(mask.bool(), input_ids, torch.full_like(input_ids, self.ignore_index))
+        position_ids = torch.arange(S, dtype=torch.int64).unsqueeze(0).expand(B, S).contiguous()
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "position_ids": position_ids}
+
+
+class DataStream:
+    """Iterator over global micro-batches with an integer position (checkpointed)."""
+
+    def __init__(self, batcher: TextBatcher, position: int = 0):
+        self.batcher = batcher
+        self.position = position
+
+    def next_micro_batches(self, n: int) -> list[dict]:
+        out = [self.batcher.batch(self.position + i) for i in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "dp_rank": self.batcher.dp_rank, "seed": self.batcher.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def concat_batches(batches: list[dict]) -> dict:
+    """Row-concatenate micro-batches (e.g. every DP rank's batch -> the CP=1 reference batch)."""
+    return {k: torch.cat([b[k] for b in batches], dim=0) for k in batches[0]}
+
+
+def count_valid_targets(batch: dict, ignore_index: int = -100) -> int:
+    """Number of next-token targets (global shift) that carry loss."""
+    labels = batch["labels"]
+    return int((labels[:, 1:] != ignore_index).sum())
