@@ -104,12 +104,18 @@ class TPGradInfo(Mapping):
 
     Gradient-norm clipping: ``norm^2 = sum_tp(sum_{sharded} |g_local|^2) + sum_{replicated} |g|^2``
     (replicated gradients are identical on every tp rank; count them once).
+
+    ``partial_grad``: replicated parameters that act on TP-local heads (inside an attention
+    module, between the colwise q/k/v and the rowwise o projection, e.g. Qwen3's
+    ``q_norm``/``k_norm``). Each tp rank's gradient of such a parameter covers only its own
+    heads, so the trainer must SUM-all-reduce it over the tp group before clipping/stepping.
     """
 
-    def __init__(self, infos: dict, tp_mesh=None, tp_size: int = 1):
+    def __init__(self, infos: dict, tp_mesh=None, tp_size: int = 1, partial_grad=()):
         self._infos = dict(infos)
         self.tp_mesh = tp_mesh
         self.tp_size = tp_size
+        self.partial_grad: list[str] = list(partial_grad)
 
     def __getitem__(self, fqn: str) -> TPParamInfo:
         return self._infos[fqn]
@@ -182,4 +188,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, layers: list[str], plan: Ma
     for n, _ in model.named_parameters():
         sharded, style, dim = placed.get(n, (False, "replicate", None))
         infos[n] = TPParamInfo(n, sharded, style, dim)
-    return TPGradInfo(infos, tp_mesh, tp_size)
+    partial = []
+    for layer_fqn in layers:
+        for sub, mod in names[layer_fqn].named_modules():
+            if not (hasattr(mod, "q_proj") and hasattr(mod, "k_proj")):
+                continue                              # attention modules only: heads are TP-local inside
+            base = f"{layer_fqn}.{sub}" if sub else layer_fqn
+            partial += [f"{base}.{n}" for n, _ in mod.named_parameters() if f"{base}.{n}" not in placed]
+    return TPGradInfo(infos, tp_mesh, tp_size, partial_grad=partial)

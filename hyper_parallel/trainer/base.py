@@ -316,31 +316,13 @@ class BaseTrainer:
             offset += n
 
     def _tp_head_local_params(self) -> list:
-        """Parameters replicated over TP that act on TP-local heads (e.g. Qwen3 ``q_norm``/``k_norm``).
-
-        Inside an attention module everything between the colwise q/k/v and the rowwise o
-        projection sees only this rank's heads, so each TP rank's gradient of such a
-        parameter is a partial sum: the full gradient is the SUM over the tp group. Uses the
-        TP record's ``partial_grad`` list when the TP layer declares one.
-        """
+        """Parameters whose per-TP-rank gradient is a partial sum (``TPGradInfo.partial_grad``,
+        e.g. Qwen3 ``q_norm``/``k_norm`` acting on TP-local heads)."""
         plan = self.sharding_plan
         if plan is None or plan.tp_size == 1:
             return []
-        declared = getattr(self.tp_grad_info, "partial_grad", None)
         params = dict(self.model.named_parameters())
-        if declared is not None:
-            return [params[n] for n in declared if n in params]
-        planned = {f"{layer}.{rel}" for layer in plan.decoder_layers for rel in plan.tp_layer_plan}
-        modules = dict(self.model.named_modules())
-        out = []
-        for attn in plan.attention_boundaries:
-            for sub, mod in modules[attn].named_modules():
-                fqn = f"{attn}.{sub}" if sub else attn
-                if fqn in planned or any(fqn.startswith(p + ".") for p in planned):
-                    continue
-                for pname, _ in mod.named_parameters(recurse=False):
-                    out.append(params[f"{fqn}.{pname}"])
-        return out
+        return [params[n] for n in self.tp_grad_info.partial_grad if n in params]
 
     def sync_tp_partial_grads(self) -> None:
         """SUM over the tp group the gradients of :meth:`_tp_head_local_params` (one all-reduce)."""
