@@ -308,9 +308,16 @@ def _make_handler(strategy, owner: str, validate_attention: bool, cp_group, chec
         if validate_attention or check_repeat:
             _check_repeat(call, owner)
         k, v = _unrepeat(call)
-        out = strategy.attention(call.q, k, v, meta=meta, scale=call.scale)
+        q = call.q
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            # autocast casts SDPA's inputs to its fast dtype; the engine is a custom op that
+            # autocast does not see, so apply the same cast here (q/k/v may arrive mixed).
+            dt = torch.get_autocast_dtype(device_type)
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        out = strategy.attention(q, k, v, meta=meta, scale=call.scale)
         if validate_attention:
-            _validate_attention(out, call.q, k, v, call.scale, meta, cp_group, owner)
+            _validate_attention(out, q, k, v, call.scale, meta, cp_group, owner)
         return out
 
     return handler
