@@ -8,6 +8,10 @@
 
 #include <string>
 
+namespace hp_attn {
+std::string cpu_engine_info();  // csrc/attention/attention_cpu.cpp
+}
+
 namespace hyper_parallel {
 
 std::string engine_info() {
@@ -15,11 +19,7 @@ std::string engine_info() {
 #ifdef _OPENMP
   info += "; openmp";
 #endif
-#if defined(CPU_CAPABILITY_AVX512)
-  info += "; avx512";
-#elif defined(CPU_CAPABILITY_AVX2) || defined(__AVX2__)
-  info += "; avx2";
-#endif
+  info += "; " + hp_attn::cpu_engine_info();
   return info;
 }
 

@@ -1,0 +1,543 @@
+// CPU implementation and registration of the position-masked attention ops.
+//
+//   hyper_parallel::attn_fwd(q, k, v, q_pos, k_pos, q_doc?, k_doc?, causal, scale)
+//       -> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 (float64 for float64 q))
+//   hyper_parallel::attn_bwd(dout, dlse?, q, k, v, out, lse, q_pos, k_pos, q_doc?, k_doc?,
+//                            causal, scale) -> (dq, dk, dv)
+//
+// q [B, Hq, Sq, D], k / v [B, Hk, Sk, D], Hq % Hk == 0 (query head h reads kv head
+// h / (Hq / Hk)). Positions: integer [S] (shared over the batch) or [B, S]. Documents: same
+// shapes, optional (both or neither). Key j is visible to query i iff
+// (!causal || k_pos[j] <= q_pos[i]) && (no docs || (q_doc[i] == k_doc[j] && k_doc[j] >= 0)).
+// Queries that see no key get out = 0, lse = -inf and zero gradients.
+//
+// The host side here converts / pads / transposes the inputs once (O(S * D) extra memory, never
+// O(Sq * Sk)), summarises positions per tile, and runs the ISA-specific workers from
+// kernel_impl.h under at::parallel_for with a shared work queue. The backward recomputes the
+// probabilities from q, k and the saved lse (no stored probability matrix).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention/kernel_api.h"
+
+namespace hp_attn {
+namespace {
+
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+constexpr int64_t kBlockK = 64;
+constexpr int64_t kBlockQMax = 64;
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+// HYPER_PARALLEL_ATTN_ISA = auto (default) | avx512bf16 | avx512 | avx2 | base selects the
+// kernel build (avx512bf16 adds bf16 dot-product kernels for bf16 inputs; the others convert
+// bf16 / fp16 inputs to fp32).
+const KernelTable* select_kernels() {
+  const char* env = std::getenv("HYPER_PARALLEL_ATTN_ISA");
+  const std::string want = (env && *env) ? env : "auto";
+  if (want == "avx512bf16") {
+    TORCH_CHECK_VALUE(cpu_has_avx512bf16() && kernels_avx512bf16(),
+                      "HYPER_PARALLEL_ATTN_ISA=avx512bf16 but this CPU/build has no AVX512_BF16 "
+                      "kernels");
+    return kernels_avx512bf16();
+  }
+  if (want == "avx512") {
+    TORCH_CHECK_VALUE(cpu_has_avx512() && kernels_avx512(),
+                      "HYPER_PARALLEL_ATTN_ISA=avx512 but this CPU/build has no AVX-512 kernels");
+    return kernels_avx512();
+  }
+  if (want == "avx2") {
+    TORCH_CHECK_VALUE(cpu_has_avx2() && kernels_avx2(),
+                      "HYPER_PARALLEL_ATTN_ISA=avx2 but this CPU/build has no AVX2 kernels");
+    return kernels_avx2();
+  }
+  if (want == "base") return kernels_base();
+  TORCH_CHECK_VALUE(want == "auto",
+                    "HYPER_PARALLEL_ATTN_ISA must be auto, avx512bf16, avx512, avx2 or base, got '",
+                    want, "'");
+  if (cpu_has_avx512bf16() && kernels_avx512bf16()) return kernels_avx512bf16();
+  if (cpu_has_avx512() && kernels_avx512()) return kernels_avx512();
+  if (cpu_has_avx2() && kernels_avx2()) return kernels_avx2();
+  return kernels_base();
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------
+// Argument checks (the Python front checks the same things first with nicer context; these
+// protect direct torch.ops calls). TORCH_CHECK_VALUE raises ValueError in Python.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "attention: q must be [B, Hq, Sq, D], got ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, "attention: k must be [B, Hk, Sk, D], got ", k.sizes());
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "attention: v must have k's shape ", k.sizes(),
+                    ", got ", v.sizes());
+  const auto st = q.scalar_type();
+  TORCH_CHECK_VALUE(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,
+                    "attention: q dtype must be float32, float64, bfloat16 or float16, got ", st);
+  TORCH_CHECK_VALUE(k.scalar_type() == st && v.scalar_type() == st,
+                    "attention: q, k, v must share a dtype, got ", st, ", ", k.scalar_type(), ", ",
+                    v.scalar_type());
+  TORCH_CHECK_VALUE(q.size(0) == k.size(0), "attention: batch mismatch: q has ", q.size(0),
+                    ", k has ", k.size(0));
+  TORCH_CHECK_VALUE(q.size(3) == k.size(3), "attention: head dim mismatch: q has ", q.size(3),
+                    ", k has ", k.size(3));
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attention: Hq=", q.size(1),
+                    " must be a multiple of Hk=", k.size(1));
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+                    "attention: the CPU engine got tensors on ", q.device());
+}
+
+// ---------------------------------------------------------------------------------------
+// Positions / documents -> int32 [B, Sp] arrays (padding entries carry the "none" doc id) and
+// per-tile summaries.
+struct PosPack {
+  std::vector<int32_t> pos, doc;
+  std::vector<TileInfo> tiles;
+};
+
+PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& doc, int64_t B,
+                       int64_t S, int64_t Sp, int64_t tile, bool is_key, const char* pname,
+                       const char* dname) {
+  auto check_shape = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()) &&
+                          t.scalar_type() != at::kBool,
+                      "attention: ", name, " must be an integer tensor, got ", t.scalar_type());
+    TORCH_CHECK_VALUE((t.dim() == 1 && t.size(0) == S) ||
+                          (t.dim() == 2 && (t.size(0) == B || t.size(0) == 1) && t.size(1) == S),
+                      "attention: ", name, " must have shape [", S, "] or [", B, ", ", S,
+                      "], got ", t.sizes());
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "attention: ", name, " must be on the CPU like q, got ",
+                      t.device());
+  };
+  check_shape(pos, pname);
+  if (doc.has_value()) check_shape(*doc, dname);
+  const int32_t none = is_key ? kDocKeyNone : kDocQueryNone;
+  PosPack pk;
+  pk.pos.assign(B * Sp, 0);
+  pk.doc.assign(B * Sp, none);
+  const at::Tensor p64 = pos.to(at::kLong).contiguous();
+  const int64_t* pp = p64.data_ptr<int64_t>();
+  const bool pb = p64.dim() == 2 && p64.size(0) == B && B > 1;
+  at::Tensor d64;
+  const int64_t* dp = nullptr;
+  bool db = false;
+  if (doc.has_value()) {
+    d64 = doc->to(at::kLong).contiguous();
+    dp = d64.data_ptr<int64_t>();
+    db = d64.dim() == 2 && d64.size(0) == B && B > 1;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* prow = pp + (pb ? b * S : 0);
+    const int64_t* drow = dp ? dp + (db ? b * S : 0) : nullptr;
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t p = prow[i];
+      TORCH_CHECK_VALUE(p >= std::numeric_limits<int32_t>::min() &&
+                            p <= std::numeric_limits<int32_t>::max(),
+                        "attention: ", pname, " values must fit in int32, got ", p);
+      pk.pos[b * Sp + i] = (int32_t)p;
+      int32_t d = 0;
+      if (drow) {
+        const int64_t dv = drow[i];
+        TORCH_CHECK_VALUE(dv <= std::numeric_limits<int32_t>::max(), "attention: ", dname,
+                          " values must fit in int32, got ", dv);
+        d = dv < 0 ? none : (int32_t)dv;
+      }
+      pk.doc[b * Sp + i] = d;
+    }
+  }
+  const int64_t nt = Sp / tile;
+  pk.tiles.resize(B * nt);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < nt; ++t) {
+      TileInfo ti{std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(),
+                  std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(), 0, 1};
+      for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
+        const int32_t d = pk.doc[b * Sp + i];
+        if (d == none) {
+          ti.all = 0;
+          continue;
+        }
+        const int32_t p = pk.pos[b * Sp + i];
+        ti.any = 1;
+        ti.pmin = std::min(ti.pmin, p);
+        ti.pmax = std::max(ti.pmax, p);
+        ti.dmin = std::min(ti.dmin, d);
+        ti.dmax = std::max(ti.dmax, d);
+      }
+      pk.tiles[b * nt + t] = ti;
+    }
+  }
+  return pk;
+}
+
+int classify_host(const TileInfo& q, const TileInfo& k, bool causal) {
+  if (!q.any || !k.any) return kTileSkip;
+  if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
+  return kTilePartial;
+}
+
+// x [B, H, S, D] -> contiguous acc-dtype [B, H, Sp, Dp] zero padded (a view when nothing to do).
+at::Tensor pad_rows(const at::Tensor& x, int64_t Sp, int64_t Dp, at::ScalarType acc) {
+  const int64_t S = x.size(2), D = x.size(3);
+  if (S == Sp && D == Dp && x.scalar_type() == acc && x.is_contiguous()) return x;
+  at::Tensor buf = (S == Sp && D == Dp)
+                       ? at::empty({x.size(0), x.size(1), Sp, Dp}, x.options().dtype(acc))
+                       : at::zeros({x.size(0), x.size(1), Sp, Dp}, x.options().dtype(acc));
+  buf.narrow(2, 0, S).narrow(3, 0, D).copy_(x);
+  return buf;
+}
+
+// x [B, H, S, D] -> contiguous acc-dtype [B, H, Dp, Sp] (transposed, zero padded).
+at::Tensor pad_transposed(const at::Tensor& x, int64_t Sp, int64_t Dp, at::ScalarType acc) {
+  const int64_t S = x.size(2), D = x.size(3);
+  at::Tensor buf = at::zeros({x.size(0), x.size(1), Dp, Sp}, x.options().dtype(acc));
+  buf.narrow(2, 0, D).narrow(3, 0, S).copy_(x.transpose(2, 3));
+  return buf;
+}
+
+at::Tensor scaled_queries(const at::Tensor& q, int64_t Sqp, int64_t Dp, at::ScalarType acc,
+                          double scale) {
+  const int64_t Sq = q.size(2), D = q.size(3);
+  at::Tensor buf = (Sq == Sqp && D == Dp)
+                       ? at::empty({q.size(0), q.size(1), Sqp, Dp}, q.options().dtype(acc))
+                       : at::zeros({q.size(0), q.size(1), Sqp, Dp}, q.options().dtype(acc));
+  at::Tensor view = buf.narrow(2, 0, Sq).narrow(3, 0, D);
+  view.copy_(q);
+  view.mul_(scale * kLog2e);
+  return buf;
+}
+
+// Below this many multiply-adds a call runs on the calling thread: waking a thread team costs
+// more than the work, and on a loaded machine an OpenMP barrier can wait for a whole
+// scheduler time slice.
+constexpr int64_t kSerialWork = int64_t(1) << 22;
+
+// bf16 operand layouts for the avx512bf16 kernels (see kernel_avx512bf16.cpp).
+// xb [B, H, Sp, Dp] bf16 -> [B, H, Dp/2, Sp] 32-bit pairs along D (transposed).
+at::Tensor bf16_pairs_transposed(const at::Tensor& xb) {
+  return xb.view(at::kInt).transpose(2, 3).contiguous();
+}
+// xb [B, H, Sp, Dp] bf16 -> [B, H, Sp/2, Dp, 2]: pairs along S.
+at::Tensor bf16_pairs_rows(const at::Tensor& xb) {
+  return xb.view({xb.size(0), xb.size(1), xb.size(2) / 2, 2, xb.size(3)}).transpose(3, 4).contiguous();
+}
+
+template <typename Args, typename Fn>
+void run_workers(Fn fn, Args& args, int64_t work) {
+  int64_t counter = 0;
+  args.counter = &counter;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), args.nitems);
+  if (nt <= 1 || work < kSerialWork || at::in_parallel_region()) {
+    fn(args);
+    return;
+  }
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) fn(args);
+  });
+}
+
+struct Geometry {
+  int64_t B, Hq, Hk, Sq, Sk, D, Bq, Bk, Sqp, Skp, Dp, nqt, nkt;
+};
+
+Geometry geometry(const at::Tensor& q, const at::Tensor& k) {
+  Geometry g{};
+  g.B = q.size(0);
+  g.Hq = q.size(1);
+  g.Sq = q.size(2);
+  g.D = q.size(3);
+  g.Hk = k.size(1);
+  g.Sk = k.size(2);
+  g.Bq = std::min<int64_t>(kBlockQMax, round_up(std::max<int64_t>(g.Sq, 1), 4));
+  g.Bk = kBlockK;
+  g.Sqp = round_up(g.Sq, g.Bq);
+  g.Skp = round_up(g.Sk, g.Bk);
+  g.Dp = round_up(g.D, 16);
+  g.nqt = g.Sqp / g.Bq;
+  g.nkt = g.Skp / g.Bk;
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const at::Tensor& q_pos,
+                                                const at::Tensor& k_pos,
+                                                const c10::optional<at::Tensor>& q_doc,
+                                                const c10::optional<at::Tensor>& k_doc,
+                                                bool causal, double scale) {
+  check_qkv(q, k, v);
+  TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
+                    "attention: q_doc and k_doc must be given together");
+  const Geometry g = geometry(q, k);
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor out = at::empty({g.B, g.Hq, g.Sq, g.D}, q.options());
+  at::Tensor lse = at::empty({g.B, g.Hq, g.Sq}, q.options().dtype(acc));
+  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
+  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  if (out.numel() == 0 || g.Sk == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  const KernelTable* kt = select_kernels();
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && kt->fwd_bf16 != nullptr;
+  at::Tensor Qs, KT, Vp;
+  if (bf16) {
+    Qs = pad_rows(q, g.Sqp, g.Dp, at::kBFloat16);
+    const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
+    KT = bf16_pairs_transposed(Kb);
+    Vp = bf16_pairs_rows(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
+  } else {
+    Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
+    KT = pad_transposed(k, g.Skp, g.Dp, acc);
+    Vp = pad_rows(v, g.Skp, g.Dp, acc);
+  }
+  const bool direct = g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
+  at::Tensor obuf = direct ? out : at::empty({g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
+  at::Tensor lbuf = g.Sq == g.Sqp ? lse : at::empty({g.B, g.Hq, g.Sqp}, q.options().dtype(acc));
+
+  // Work items (b, h, q tile), heaviest first (longest-processing-time scheduling).
+  std::vector<int64_t> cost(g.B * g.nqt, 0);
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t qt = 0; qt < g.nqt; ++qt)
+      for (int64_t kt = 0; kt < g.nkt; ++kt)
+        cost[b * g.nqt + qt] +=
+            classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt], causal) != kTileSkip;
+  std::vector<int64_t> order(g.B * g.Hq * g.nqt);
+  std::iota(order.begin(), order.end(), 0);
+  auto item_cost = [&](int64_t it) {
+    const int64_t qt = it % g.nqt, b = it / g.nqt / g.Hq;
+    return cost[b * g.nqt + qt];
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return item_cost(x) > item_cost(y); });
+
+  FwdArgs a{};
+  a.q = Qs.data_ptr();
+  a.kt = KT.data_ptr();
+  a.v = Vp.data_ptr();
+  a.out = obuf.data_ptr();
+  a.lse = lbuf.data_ptr();
+  a.qpos = qp.pos.data();
+  a.qdoc = qp.doc.data();
+  a.kpos = kp.pos.data();
+  a.kdoc = kp.doc.data();
+  a.qti = qp.tiles.data();
+  a.kti = kp.tiles.data();
+  a.B = g.B;
+  a.Hq = g.Hq;
+  a.Hk = g.Hk;
+  a.Sqp = g.Sqp;
+  a.Skp = g.Skp;
+  a.Dp = g.Dp;
+  a.Bq = g.Bq;
+  a.Bk = g.Bk;
+  a.nqt = g.nqt;
+  a.nkt = g.nkt;
+  a.causal = causal ? 1 : 0;
+  a.sscale = scale * kLog2e;
+  a.order = order.data();
+  a.nitems = (int64_t)order.size();
+  const int64_t pairs = std::accumulate(cost.begin(), cost.end(), int64_t(0)) * g.Hq;
+  run_workers(bf16 ? kt->fwd_bf16 : acc == at::kDouble ? kt->fwd_f64 : kt->fwd_f32, a,
+              pairs * 2 * g.Bq * g.Bk * g.Dp);
+
+  if (!direct) out.copy_(obuf.narrow(2, 0, g.Sq).narrow(3, 0, g.D));
+  if (g.Sq != g.Sqp) lse.copy_(lbuf.narrow(2, 0, g.Sq));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
+    const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& q_pos, const at::Tensor& k_pos, const c10::optional<at::Tensor>& q_doc,
+    const c10::optional<at::Tensor>& k_doc, bool causal, double scale) {
+  check_qkv(q, k, v);
+  TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
+                    "attention: q_doc and k_doc must be given together");
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+                    "attn_bwd: dout and out must have q's shape ", q.sizes());
+  const Geometry g = geometry(q, k);
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == g.B && lse.size(1) == g.Hq && lse.size(2) == g.Sq,
+                    "attn_bwd: lse must be [B, Hq, Sq], got ", lse.sizes());
+  if (dlse.has_value())
+    TORCH_CHECK_VALUE(dlse->sizes() == lse.sizes(), "attn_bwd: dlse must have lse's shape");
+  const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
+  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  const KernelTable* kt = select_kernels();
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && kt->bwd_bf16 != nullptr;
+  at::Tensor Qs, KT, Kp, VT, dOp, Qv, dOv;
+  if (bf16) {
+    Qs = pad_rows(q, g.Sqp, g.Dp, at::kBFloat16);
+    Qv = bf16_pairs_rows(Qs);
+    const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
+    KT = bf16_pairs_transposed(Kb);
+    Kp = bf16_pairs_rows(Kb);
+    VT = bf16_pairs_transposed(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
+    dOp = pad_rows(dout, g.Sqp, g.Dp, at::kBFloat16);
+    dOv = bf16_pairs_rows(dOp);
+  } else {
+    Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
+    KT = pad_transposed(k, g.Skp, g.Dp, acc);
+    Kp = pad_rows(k, g.Skp, g.Dp, acc);
+    VT = pad_transposed(v, g.Skp, g.Dp, acc);
+    dOp = pad_rows(dout, g.Sqp, g.Dp, acc);
+  }
+
+  // delta_i = sum_d dO_i O_i - dlse_i (the lse gradient enters dS like -delta); rows that see
+  // nothing get lse2 = +inf so that P = 2^(S - lse2) = 0 exactly.
+  const at::Tensor lse_acc = lse.to(acc);
+  const at::Tensor finite = at::isfinite(lse_acc);
+  at::Tensor delta = (dout.to(acc) * out.to(acc)).sum(-1);
+  if (dlse.has_value()) delta = delta - dlse->to(acc);
+  delta = at::where(finite, delta, at::zeros({}, delta.options()));
+  at::Tensor lse2 = at::where(finite, lse_acc * kLog2e,
+                              at::full({}, std::numeric_limits<double>::infinity(), delta.options()));
+  at::Tensor delta_p = at::zeros({g.B, g.Hq, g.Sqp}, delta.options());
+  at::Tensor lse2_p = at::full({g.B, g.Hq, g.Sqp}, std::numeric_limits<double>::infinity(),
+                               delta.options());
+  delta_p.narrow(2, 0, g.Sq).copy_(delta);
+  lse2_p.narrow(2, 0, g.Sq).copy_(lse2);
+
+  // Key-tile chunks per (b, kv head): enough items to keep every thread busy. Each chunk has
+  // its own dQ partial buffer, summed in a fixed order afterwards (deterministic).
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t units = g.B * g.Hk;
+  int64_t nc = 1;
+  while (nc < g.nkt && (units * nc) % nthreads != 0 && units * nc < 4 * nthreads) ++nc;
+  at::Tensor dq_part = at::zeros({nc, g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
+  at::Tensor dk_buf = at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
+  at::Tensor dv_buf = at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
+
+  BwdArgs a{};
+  a.q = Qs.data_ptr();
+  a.kt = KT.data_ptr();
+  a.k = Kp.data_ptr();
+  a.vt = VT.data_ptr();
+  a.dout = dOp.data_ptr();
+  a.qv = bf16 ? Qv.data_ptr() : nullptr;
+  a.dov = bf16 ? dOv.data_ptr() : nullptr;
+  a.lse2 = lse2_p.data_ptr();
+  a.delta = delta_p.data_ptr();
+  a.dq_part = dq_part.data_ptr();
+  a.dk = dk_buf.data_ptr();
+  a.dv = dv_buf.data_ptr();
+  a.qpos = qp.pos.data();
+  a.qdoc = qp.doc.data();
+  a.kpos = kp.pos.data();
+  a.kdoc = kp.doc.data();
+  a.qti = qp.tiles.data();
+  a.kti = kp.tiles.data();
+  a.B = g.B;
+  a.Hq = g.Hq;
+  a.Hk = g.Hk;
+  a.Sqp = g.Sqp;
+  a.Skp = g.Skp;
+  a.Dp = g.Dp;
+  a.Bq = g.Bq;
+  a.Bk = g.Bk;
+  a.nqt = g.nqt;
+  a.nkt = g.nkt;
+  a.causal = causal ? 1 : 0;
+  a.sscale = scale * kLog2e;
+  a.nc = nc;
+  a.nitems = units * nc;
+  int64_t pairs = 0;
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t qt = 0; qt < g.nqt; ++qt)
+      for (int64_t kt2 = 0; kt2 < g.nkt; ++kt2)
+        pairs += classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt2], causal) !=
+                 kTileSkip;
+  run_workers(bf16 ? kt->bwd_bf16 : acc == at::kDouble ? kt->bwd_f64 : kt->bwd_f32, a,
+              pairs * g.Hq * 5 * g.Bq * g.Bk * g.Dp);
+
+  at::Tensor dq_sum = nc > 1 ? dq_part.sum(0) : dq_part.select(0, 0);
+  dq.copy_(dq_sum.narrow(2, 0, g.Sq).narrow(3, 0, g.D).mul_(scale));
+  // fp32/fp64 kernels accumulate dS^T (q * scale * log2 e), the bf16 kernels dS^T q.
+  dk.copy_(dk_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D).mul_(bf16 ? scale : kLn2));
+  dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+// Part of hyper_parallel::engine_info() (csrc/module.cpp).
+std::string cpu_engine_info() {
+  const KernelTable* kt = select_kernels();
+  std::string s = "attention cpu kernels=";
+  s += kt->name;
+  s += " (avx512bf16 cpu=";
+  s += cpu_has_avx512bf16() ? "yes" : "no";
+  s += ", avx512 cpu=";
+  s += cpu_has_avx512() ? "yes" : "no";
+  s += ", avx2 cpu=";
+  s += cpu_has_avx2() ? "yes" : "no";
+  s += "), threads=" + std::to_string(at::get_num_threads());
+  s += ", tiles q<=" + std::to_string(kBlockQMax) + " k=" + std::to_string(kBlockK);
+  return s;
+}
+
+}  // namespace hp_attn
+
+// A fragment, like every other registration in csrc/ (engine_info lives in module.cpp).
+TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
+  m.def(
+      "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
+      "Tensor? k_doc, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale) -> "
+      "(Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hyper_parallel, CPU, m) {
+  m.impl("attn_fwd", &hp_attn::attn_fwd_cpu);
+  m.impl("attn_bwd", &hp_attn::attn_bwd_cpu);
+}

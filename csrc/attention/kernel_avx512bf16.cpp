@@ -1,0 +1,339 @@
+// AVX-512 + AVX512_BF16 build: the fp32/fp64 kernels of kernel_impl.h plus bf16-input kernels
+// whose GEMMs use vdpbf16ps (two bf16 products per fp32 lane per instruction, fp32
+// accumulation: twice the fp32-FMA rate). Only called after a runtime CPU check.
+//
+// bf16 operand layouts (prepared by the host, all zero padded; "pairs" are two consecutive
+// bf16 along the GEMM reduction index packed in one 32-bit word, lower half first):
+//   q   [B, Hq, Sqp, Dp]      bf16 row-major, NOT pre-scaled (S is scaled in fp32)
+//   kt  [B, Hk, Dp/2, Skp]    32-bit pairs (k[j][2d'], k[j][2d'+1])   -> S = Q K^T
+//   v   [B, Hk, Skp/2, Dp, 2] pairs (v[2j'][d], v[2j'+1][d])          -> O += P V
+//   k   [B, Hk, Skp/2, Dp, 2] pairs along keys                        -> dQ += dS K
+//   vt  [B, Hk, Dp/2, Skp]    32-bit pairs (v[j][2d'], v[j][2d'+1])   -> dP = dO V^T
+//   qv  [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dK += dS^T Q
+//   dout[B, Hq, Sqp, Dp]      bf16 row-major                          -> dP = dO V^T
+//   dov [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dV += P^T dO
+// P and dS are rounded to bf16 for the P V, P^T dO, dS K and dS^T Q products (as GPU flash
+// attention does); softmax statistics, S, dP and all accumulators stay fp32. dk comes out as
+// sum dS^T q (unscaled q): the host multiplies it by `scale`, not ln 2.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention/kernel_api.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 10)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,bmi2,popcnt")
+#define HP_NS isa_avx512bf16
+#define HP_VB 64
+#define HP_MR 4
+#define HP_NVMAX 6
+#include "attention/kernel_impl.h"
+
+namespace hp_attn {
+namespace HP_NS {
+namespace {
+
+// C[MR x NV*16] (+)= sum_k' A32(m, k') . B32[k'][n]   (vdpbf16ps over bf16 pairs)
+//   A32(m, k') = TA ? A[k' * lda + m] : A[m * lda + k']   (32-bit pair broadcasts)
+template <int MR, int NV, bool TA, bool ACC>
+__attribute__((noinline)) void micro_bf16(int K2, const uint32_t* __restrict A, int64_t lda,
+                                          const uint32_t* __restrict B, int64_t ldb,
+                                          float* __restrict C, int64_t ldc) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) c[m][v] = ACC ? _mm512_loadu_ps(C + m * ldc + v * 16) : _mm512_setzero_ps();
+  for (int k = 0; k < K2; ++k) {
+    __m512bh b[NV];
+    const uint32_t* bk = B + (int64_t)k * ldb;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(bk + v * 16);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t a32 = TA ? A[(int64_t)k * lda + m] : A[(int64_t)m * lda + k];
+      const __m512bh a = (__m512bh)_mm512_set1_epi32((int)a32);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) c[m][v] = _mm512_dpbf16_ps(c[m][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + v * 16, c[m][v]);
+}
+
+template <bool TA, bool ACC, int NV>
+inline void micro_bf16_dispatch(int nb, int K2, const uint32_t* A, int64_t lda,
+                                const uint32_t* B, int64_t ldb, float* C, int64_t ldc) {
+  if (nb == NV) {
+    micro_bf16<HP_MR, NV, TA, ACC>(K2, A, lda, B, ldb, C, ldc);
+  } else if constexpr (NV > 1) {
+    micro_bf16_dispatch<TA, ACC, NV - 1>(nb, K2, A, lda, B, ldb, C, ldc);
+  }
+}
+
+// C[M x N] (+)= A[M x 2*K2] B[2*K2 x N]; M % HP_MR == 0, N % 16 == 0; lda / ldb in 32-bit units.
+template <bool TA, bool ACC>
+void gemm_bf16(int M, int N, int K2, const uint32_t* A, int64_t lda, const uint32_t* B,
+               int64_t ldb, float* C, int64_t ldc) {
+  const int nvt = N / 16;
+  for (int n0 = 0; n0 < nvt;) {
+    const int left = nvt - n0;
+    const int nblk = (left + HP_NVMAX - 1) / HP_NVMAX;
+    const int nb = (left + nblk - 1) / nblk;
+    for (int m0 = 0; m0 < M; m0 += HP_MR) {
+      const uint32_t* Am = TA ? A + m0 : A + (int64_t)m0 * lda;
+      micro_bf16_dispatch<TA, ACC, HP_NVMAX>(nb, K2, Am, lda, B + n0 * 16, ldb,
+                                             C + (int64_t)m0 * ldc + n0 * 16, ldc);
+    }
+    n0 += nb;
+  }
+}
+
+// fp32 rows [R x N] -> bf16 row-major (as 32-bit pairs along N), N % 32 == 0
+inline void rows_to_bf16(const float* src, int R, int N, uint32_t* dst) {
+  for (int i = 0; i < R; ++i) {
+    const float* s = src + (int64_t)i * N;
+    uint32_t* d = dst + (int64_t)i * (N / 2);
+    for (int j = 0; j < N; j += 32) {
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + j + 16), _mm512_loadu_ps(s + j));
+      _mm512_storeu_si512(d + j / 2, (__m512i)h);
+    }
+  }
+}
+
+// fp32 rows [R x N] (R even) -> 32-bit pairs along rows: dst[i'][n] = (src[2i'][n], src[2i'+1][n])
+inline void rows_to_bf16_pairs(const float* src, int R, int N, uint32_t* dst) {
+  for (int i = 0; i < R; i += 2) {
+    const float* s0 = src + (int64_t)i * N;
+    const float* s1 = s0 + N;
+    uint32_t* d = dst + (int64_t)(i / 2) * N;
+    for (int j = 0; j < N; j += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s0 + j)));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s1 + j)));
+      _mm512_storeu_si512(d + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+inline void scale_rows(float* S, int n, float c) {
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int j = 0; j < n; j += 16) _mm512_storeu_ps(S + j, _mm512_mul_ps(_mm512_loadu_ps(S + j), cv));
+}
+
+void fwd_bf16(const FwdArgs& a) {
+  typedef VecT<float>::V V;
+  constexpr int L = 16;
+  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  float* S = scratch_alloc<float>((int64_t)Bq * Bk);
+  uint32_t* Pb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
+  float* O = scratch_alloc<float>((int64_t)Bq * Dp);
+  float* mrow = scratch_alloc<float>(Bq);
+  float* lrow = scratch_alloc<float>(Bq);
+  if (!S || !Pb || !O || !mrow || !lrow) __builtin_trap();
+  const int64_t g = a.Hq / a.Hk;
+  const float ninf = -__builtin_inff();
+  const float ln2 = 0.69314718055994530942f;
+  const float sscale = (float)a.sscale;
+  const bool pos_scale = sscale > 0;
+  const float cexp = pos_scale ? sscale : 1.0f;  // factor still to apply to S in the exponent
+  for (;;) {
+    const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
+    if (it >= a.nitems) break;
+    const int64_t item = a.order[it];
+    const int64_t qt = item % a.nqt;
+    const int64_t bh = item / a.nqt;
+    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
+    const uint32_t* Q = static_cast<const uint32_t*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp / 2;
+    const uint32_t* KT = static_cast<const uint32_t*>(a.kt) + (b * a.Hk + kvh) * (Dp / 2) * a.Skp;
+    const uint32_t* Vv = static_cast<const uint32_t*>(a.v) + (b * a.Hk + kvh) * (a.Skp / 2) * Dp;
+    const TileInfo& qi = a.qti[b * a.nqt + qt];
+    const int32_t* qp = a.qpos + b * a.Sqp + qt * Bq;
+    const int32_t* qd = a.qdoc + b * a.Sqp + qt * Bq;
+    const int32_t* kp = a.kpos + b * a.Skp;
+    const int32_t* kd = a.kdoc + b * a.Skp;
+    zero_buf(O, (int64_t)Bq * Dp);
+    for (int i = 0; i < Bq; ++i) {
+      mrow[i] = ninf;
+      lrow[i] = 0;
+    }
+    for (int64_t kt = 0; kt < a.nkt; ++kt) {
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
+      if (cls == kTileSkip) continue;
+      gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk, a.Skp, S, Bk);
+      // S stays unscaled (raw q.k) when sscale > 0: max(c*S) = c*max(S) and the scale is fused
+      // into the exponent below; a non-positive scale is applied up front.
+      if (!pos_scale) scale_rows(S, Bq * Bk, sscale);
+      if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
+      bool any = false;
+      for (int i = 0; i < Bq; ++i) {
+        float* s = S + (int64_t)i * Bk;
+        V mx = vsplat<float>(ninf);
+        for (int j = 0; j < Bk; j += L) mx = vmax<float>(mx, vload<float>(s + j));
+        const float rmax = hmax<float>(mx) * cexp;
+        const float mold = mrow[i];
+        const float mnew = rmax > mold ? rmax : mold;
+        if (mnew == ninf) {
+          zero_buf(s, Bk);
+          continue;
+        }
+        any = true;
+        const V mv = vsplat<float>(mnew);
+        const V cv = vsplat<float>(cexp);
+        V sum = {};
+        for (int j = 0; j < Bk; j += L) {
+          const V p = vexp2(vload<float>(s + j) * cv - mv);
+          vstore<float>(s + j, p);
+          sum += p;
+        }
+        if (mnew != mold) {
+          const float alpha = sexp2(mold - mnew);
+          lrow[i] = lrow[i] * alpha + hsum<float>(sum);
+          float* o = O + (int64_t)i * Dp;
+          const V av = vsplat<float>(alpha);
+          for (int d = 0; d < Dp; d += L) vstore<float>(o + d, vload<float>(o + d) * av);
+          mrow[i] = mnew;
+        } else {
+          lrow[i] += hsum<float>(sum);
+        }
+      }
+      if (!any) continue;
+      rows_to_bf16(S, Bq, Bk, Pb);
+      gemm_bf16<false, true>(Bq, Dp, Bk / 2, Pb, Bk / 2, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp);
+    }
+    float* out = static_cast<float*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
+    float* lse = static_cast<float*>(a.lse) + bh * a.Sqp + qt * Bq;
+    for (int i = 0; i < Bq; ++i) {
+      float* orow = out + (int64_t)i * Dp;
+      const float* o = O + (int64_t)i * Dp;
+      if (lrow[i] > 0) {
+        const V inv = vsplat<float>(1.0f / lrow[i]);
+        for (int d = 0; d < Dp; d += L) vstore<float>(orow + d, vload<float>(o + d) * inv);
+        lse[i] = (mrow[i] + slog2(lrow[i])) * ln2;
+      } else {
+        zero_buf(orow, Dp);
+        lse[i] = ninf;
+      }
+    }
+  }
+  free(S);
+  free(Pb);
+  free(O);
+  free(mrow);
+  free(lrow);
+}
+
+void bwd_bf16(const BwdArgs& a) {
+  typedef VecT<float>::V V;
+  constexpr int L = 16;
+  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  float* P = scratch_alloc<float>((int64_t)Bq * Bk);
+  float* dS = scratch_alloc<float>((int64_t)Bq * Bk);
+  uint32_t* PT = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
+  uint32_t* dSb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
+  uint32_t* dST = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
+  float* dK = scratch_alloc<float>((int64_t)Bk * Dp);
+  float* dV = scratch_alloc<float>((int64_t)Bk * Dp);
+  if (!P || !dS || !PT || !dSb || !dST || !dK || !dV) __builtin_trap();
+  const int64_t g = a.Hq / a.Hk;
+  const float sscale = (float)a.sscale;
+  const bool pos_scale = sscale > 0;
+  const V cv = vsplat<float>(pos_scale ? sscale : 1.0f);  // factor still to apply in the exponent
+  for (;;) {
+    const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
+    if (it >= a.nitems) break;
+    const int64_t c = it % a.nc;
+    const int64_t bkv = it / a.nc;
+    const int64_t kvh = bkv % a.Hk, b = bkv / a.Hk;
+    const uint32_t* KT = static_cast<const uint32_t*>(a.kt) + bkv * (Dp / 2) * a.Skp;
+    const uint32_t* VT = static_cast<const uint32_t*>(a.vt) + bkv * (Dp / 2) * a.Skp;
+    const uint32_t* Kv = static_cast<const uint32_t*>(a.k) + bkv * (a.Skp / 2) * Dp;
+    const int32_t* qpb = a.qpos + b * a.Sqp;
+    const int32_t* qdb = a.qdoc + b * a.Sqp;
+    const int32_t* kp = a.kpos + b * a.Skp;
+    const int32_t* kd = a.kdoc + b * a.Skp;
+    for (int64_t kt = c; kt < a.nkt; kt += a.nc) {
+      zero_buf(dK, (int64_t)Bk * Dp);
+      zero_buf(dV, (int64_t)Bk * Dp);
+      const TileInfo& ki = a.kti[b * a.nkt + kt];
+      for (int64_t hh = 0; hh < g && ki.any; ++hh) {
+        const int64_t h = kvh * g + hh;
+        const int64_t bh = b * a.Hq + h;
+        for (int64_t qt = 0; qt < a.nqt; ++qt) {
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal);
+          if (cls == kTileSkip) continue;
+          const int64_t row0 = bh * a.Sqp + qt * Bq;
+          const uint32_t* Q = static_cast<const uint32_t*>(a.q) + row0 * Dp / 2;
+          const uint32_t* Qv = static_cast<const uint32_t*>(a.qv) + (row0 / 2) * Dp;
+          const uint32_t* dO = static_cast<const uint32_t*>(a.dout) + row0 * Dp / 2;
+          const uint32_t* dOv = static_cast<const uint32_t*>(a.dov) + (row0 / 2) * Dp;
+          const float* lse2 = static_cast<const float*>(a.lse2) + row0;
+          const float* delta = static_cast<const float*>(a.delta) + row0;
+          float* dQ = static_cast<float*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
+          gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk, a.Skp, P, Bk);
+          if (!pos_scale) scale_rows(P, Bq * Bk, sscale);
+          if (cls == kTilePartial)
+            apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
+                       a.causal);
+          for (int i = 0; i < Bq; ++i) {  // P = 2^(c * S - lse2); masked -inf * c>0 -> 0
+            float* p = P + (int64_t)i * Bk;
+            const V lv = vsplat<float>(lse2[i]);
+            for (int j = 0; j < Bk; j += L)
+              vstore<float>(p + j, vexp2(vload<float>(p + j) * cv - lv));
+          }
+          // dV += P^T dO
+          rows_to_bf16_pairs(P, Bq, Bk, PT);
+          gemm_bf16<true, true>(Bk, Dp, Bq / 2, PT, Bk, dOv, Dp, dV, Dp);
+          // dP = dO V^T ; dS = P * (dP - delta)
+          gemm_bf16<false, false>(Bq, Bk, Dp / 2, dO, Dp / 2, VT + kt * Bk, a.Skp, dS, Bk);
+          for (int i = 0; i < Bq; ++i) {
+            float* ds = dS + (int64_t)i * Bk;
+            const float* p = P + (int64_t)i * Bk;
+            const V dv = vsplat<float>(delta[i]);
+            for (int j = 0; j < Bk; j += L)
+              vstore<float>(ds + j, vload<float>(p + j) * (vload<float>(ds + j) - dv));
+          }
+          // dQ_part += dS K ; dK += dS^T Q
+          rows_to_bf16(dS, Bq, Bk, dSb);
+          rows_to_bf16_pairs(dS, Bq, Bk, dST);
+          gemm_bf16<false, true>(Bq, Dp, Bk / 2, dSb, Bk / 2, Kv + (kt * Bk / 2) * Dp, Dp, dQ, Dp);
+          gemm_bf16<true, true>(Bk, Dp, Bq / 2, dST, Bk, Qv, Dp, dK, Dp);
+        }
+      }
+      float* dko = static_cast<float*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
+      float* dvo = static_cast<float*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
+      memcpy(dko, dK, sizeof(float) * Bk * Dp);
+      memcpy(dvo, dV, sizeof(float) * Bk * Dp);
+    }
+  }
+  free(P);
+  free(dS);
+  free(PT);
+  free(dSb);
+  free(dST);
+  free(dK);
+  free(dV);
+}
+
+}  // namespace
+}  // namespace HP_NS
+}  // namespace hp_attn
+#pragma GCC pop_options
+
+namespace hp_attn {
+const KernelTable* kernels_avx512bf16() {
+  static const KernelTable table = {"avx512bf16",     HP_NS::fwd_f32, HP_NS::fwd_f64,
+                                    HP_NS::bwd_f32,   HP_NS::bwd_f64, HP_NS::fwd_bf16,
+                                    HP_NS::bwd_bf16};
+  return &table;
+}
+}  // namespace hp_attn
+#else
+namespace hp_attn {
+const KernelTable* kernels_avx512bf16() { return nullptr; }
+}  // namespace hp_attn
+#endif

@@ -1,0 +1,398 @@
+// Flash-style CPU attention kernels, written once with GCC vector extensions and compiled per
+// ISA by kernel_{avx512,avx2,base}.cpp. Torch-free on purpose (see kernel_api.h).
+//
+// Before including this file a translation unit must
+//   * include <cstdint>, <cstdlib>, <cstring> and kernel_api.h (outside any target pragma),
+//   * define HP_NS (namespace for this ISA), HP_VB (vector bytes: 64 / 32 / 16),
+//     HP_MR (micro-kernel rows) and HP_NVMAX (max vectors per micro-kernel row),
+//   * then switch on its `#pragma GCC target(...)`.
+// Everything here lives in an anonymous namespace except the KernelTable accessor.
+//
+// Algorithm (per work item):
+//   forward  : one query tile of one head; loop over key tiles that the tile summaries say can
+//              be visible; S = Q K^T (log2 domain, Q pre-scaled), mask only partial tiles,
+//              online softmax (running max m, running sum l), O += P V; O /= l at the end.
+//   backward : one (batch, kv head, chunk of key tiles); for each key tile, for each query head
+//              of the GQA group and each visible query tile, recompute S and P from Q, K and the
+//              saved lse, then dV += P^T dO, dP = dO V^T, dS = P (dP - delta),
+//              dQ_part[chunk] += dS K, dK += dS^T Q. dK / dV are private to the item, dQ
+//              partials are private to the chunk, so there are no races and the result is
+//              deterministic whatever the thread count or scheduling.
+
+#ifndef HP_NS
+#error "define HP_NS before including kernel_impl.h"
+#endif
+
+namespace hp_attn {
+namespace HP_NS {
+namespace {
+
+template <typename T>
+struct VecT;
+
+template <>
+struct VecT<float> {
+  typedef float V __attribute__((vector_size(HP_VB)));
+  typedef float VU __attribute__((vector_size(HP_VB), aligned(4)));
+  typedef int32_t I __attribute__((vector_size(HP_VB)));
+  static constexpr int L = HP_VB / 4;
+};
+
+template <>
+struct VecT<double> {
+  typedef double V __attribute__((vector_size(HP_VB)));
+  typedef double VU __attribute__((vector_size(HP_VB), aligned(8)));
+  typedef int64_t I __attribute__((vector_size(HP_VB)));
+  static constexpr int L = HP_VB / 8;
+};
+
+template <typename T>
+inline typename VecT<T>::V vload(const T* p) {
+  return *reinterpret_cast<const typename VecT<T>::VU*>(p);
+}
+template <typename T>
+inline void vstore(T* p, typename VecT<T>::V x) {
+  *reinterpret_cast<typename VecT<T>::VU*>(p) = x;
+}
+template <typename T>
+inline typename VecT<T>::V vsplat(T x) {
+  typename VecT<T>::V v = {};
+  return v + x;
+}
+
+template <typename T>
+inline T neg_inf() {
+  return -__builtin_inf();
+}
+template <typename T>
+inline T hmax(typename VecT<T>::V x) {
+  T r = x[0];
+  for (int i = 1; i < VecT<T>::L; ++i) r = x[i] > r ? x[i] : r;
+  return r;
+}
+template <typename T>
+inline T hsum(typename VecT<T>::V x) {
+  T r = 0;
+  for (int i = 0; i < VecT<T>::L; ++i) r += x[i];
+  return r;
+}
+template <typename T>
+inline typename VecT<T>::V vmax(typename VecT<T>::V a, typename VecT<T>::V b) {
+  return a > b ? a : b;
+}
+
+inline float sexp2(float x) { return __builtin_exp2f(x); }
+inline double sexp2(double x) { return __builtin_exp2(x); }
+inline float slog2(float x) { return __builtin_log2f(x); }
+inline double slog2(double x) { return __builtin_log2(x); }
+
+// 2^x for x <= 0 (any x is safe; -inf -> 0). fp32: Cody-Waite split + degree-6 polynomial,
+// ~2 ulp. fp64 (gradcheck path): exact libm per lane.
+inline VecT<float>::V vexp2(VecT<float>::V x) {
+  typedef VecT<float>::V V;
+  typedef VecT<float>::I I;
+  const V lo = vsplat<float>(-127.0f), hi = vsplat<float>(127.0f);
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: rounds to nearest integer
+  V t = xc + magic;
+  V n = t - magic;
+  V f = xc - n;  // [-0.5, 0.5]
+  V p = vsplat<float>(1.5403530393381606e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  I e = ((I)t - (int32_t)0x4B400000) << 23;
+  V r = (V)((I)p + e);
+  const V zero = {};
+  return x < -126.0f ? zero : r;
+}
+inline VecT<double>::V vexp2(VecT<double>::V x) {
+  VecT<double>::V r;
+  for (int i = 0; i < VecT<double>::L; ++i) r[i] = __builtin_exp2(x[i]);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Micro-GEMM: C[MR x NV*L] (+)= sum_k A(m, k) * B[k, :]
+//   A(m, k) = TA ? A[k * lda + m] : A[m * lda + k]   (scalar broadcasts)
+//   B rows contiguous (vector loads), row stride ldb; C row stride ldc.
+template <typename T, int MR, int NV, bool TA, bool ACC>
+__attribute__((noinline)) void micro(int K, const T* __restrict A, int64_t lda,
+                                     const T* __restrict B, int64_t ldb, T* __restrict C,
+                                     int64_t ldc) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L;
+  V c[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) c[m][v] = ACC ? vload<T>(C + m * ldc + v * L) : V{};
+  for (int k = 0; k < K; ++k) {
+    V b[NV];
+    const T* bk = B + (int64_t)k * ldb;
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) b[v] = vload<T>(bk + v * L);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const T a = TA ? A[(int64_t)k * lda + m] : A[(int64_t)m * lda + k];
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) c[m][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) vstore<T>(C + m * ldc + v * L, c[m][v]);
+}
+
+template <typename T, bool TA, bool ACC, int NV>
+inline void micro_dispatch(int nb, int K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                           T* C, int64_t ldc) {
+  if (nb == NV) {
+    micro<T, HP_MR, NV, TA, ACC>(K, A, lda, B, ldb, C, ldc);
+  } else if constexpr (NV > 1) {
+    micro_dispatch<T, TA, ACC, NV - 1>(nb, K, A, lda, B, ldb, C, ldc);
+  }
+}
+
+// C[M x N] (+)= op(A)[M x K] * B[K x N]; M % HP_MR == 0, N % L == 0.
+template <typename T, bool TA, bool ACC>
+void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+          int64_t ldc) {
+  constexpr int L = VecT<T>::L;
+  const int nvt = N / L;
+  for (int n0 = 0; n0 < nvt;) {
+    const int left = nvt - n0;
+    const int nblk = (left + HP_NVMAX - 1) / HP_NVMAX;
+    const int nb = (left + nblk - 1) / nblk;
+    for (int m0 = 0; m0 < M; m0 += HP_MR) {
+      const T* Am = TA ? A + m0 : A + (int64_t)m0 * lda;
+      micro_dispatch<T, TA, ACC, HP_NVMAX>(nb, K, Am, lda, B + n0 * L, ldb,
+                                           C + (int64_t)m0 * ldc + n0 * L, ldc);
+    }
+    n0 += nb;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+inline int classify(const TileInfo& q, const TileInfo& k, int causal) {
+  if (!q.any || !k.any) return kTileSkip;
+  if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
+  const bool one_doc = q.dmin == q.dmax && k.dmin == k.dmax && q.dmin == k.dmin;
+  if (q.all && k.all && one_doc && (!causal || k.pmax <= q.pmin)) return kTileFull;
+  return kTilePartial;
+}
+
+// S[i, j] = -inf where key j is invisible to query i.
+template <typename T>
+inline void apply_mask(T* S, int Bq, int Bk, const int32_t* qp, const int32_t* qd,
+                       const int32_t* kp, const int32_t* kd, int causal) {
+  const T ninf = neg_inf<T>();
+  for (int i = 0; i < Bq; ++i) {
+    T* s = S + (int64_t)i * Bk;
+    const int32_t p = qp[i], d = qd[i];
+    if (causal) {
+      for (int j = 0; j < Bk; ++j) s[j] = (kd[j] == d && kp[j] <= p) ? s[j] : ninf;
+    } else {
+      for (int j = 0; j < Bk; ++j) s[j] = (kd[j] == d) ? s[j] : ninf;
+    }
+  }
+}
+
+template <typename T>
+T* scratch_alloc(int64_t n) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, (size_t)(n > 0 ? n : 1) * sizeof(T)) != 0) return nullptr;
+  return static_cast<T*>(p);
+}
+
+template <typename T>
+inline void zero_buf(T* p, int64_t n) {
+  memset(p, 0, (size_t)n * sizeof(T));
+}
+
+// ---------------------------------------------------------------------------------------
+template <typename T>
+void fwd_worker(const FwdArgs& a) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L;
+  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  T* S = scratch_alloc<T>((int64_t)Bq * Bk);
+  T* O = scratch_alloc<T>((int64_t)Bq * Dp);
+  T* mrow = scratch_alloc<T>(Bq);
+  T* lrow = scratch_alloc<T>(Bq);
+  if (!S || !O || !mrow || !lrow) __builtin_trap();
+  const int64_t g = a.Hq / a.Hk;
+  const T ninf = neg_inf<T>();
+  const T ln2 = (T)0.69314718055994530942;
+  for (;;) {
+    const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
+    if (it >= a.nitems) break;
+    const int64_t item = a.order[it];
+    const int64_t qt = item % a.nqt;
+    const int64_t bh = item / a.nqt;
+    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
+    const T* Q = static_cast<const T*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp;
+    const T* KT = static_cast<const T*>(a.kt) + (b * a.Hk + kvh) * Dp * a.Skp;
+    const T* Vv = static_cast<const T*>(a.v) + (b * a.Hk + kvh) * a.Skp * Dp;
+    const TileInfo& qi = a.qti[b * a.nqt + qt];
+    const int32_t* qp = a.qpos + b * a.Sqp + qt * Bq;
+    const int32_t* qd = a.qdoc + b * a.Sqp + qt * Bq;
+    const int32_t* kp = a.kpos + b * a.Skp;
+    const int32_t* kd = a.kdoc + b * a.Skp;
+    zero_buf(O, (int64_t)Bq * Dp);
+    for (int i = 0; i < Bq; ++i) {
+      mrow[i] = ninf;
+      lrow[i] = 0;
+    }
+    for (int64_t kt = 0; kt < a.nkt; ++kt) {
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
+      if (cls == kTileSkip) continue;
+      gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk, a.Skp, S, Bk);
+      if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
+      bool any = false;
+      for (int i = 0; i < Bq; ++i) {
+        T* s = S + (int64_t)i * Bk;
+        V mx = vsplat<T>(ninf);
+        for (int j = 0; j < Bk; j += L) mx = vmax<T>(mx, vload<T>(s + j));
+        const T rmax = hmax<T>(mx);
+        const T mold = mrow[i];
+        const T mnew = rmax > mold ? rmax : mold;
+        if (mnew == ninf) {  // nothing visible yet for this row
+          zero_buf(s, Bk);
+          continue;
+        }
+        any = true;
+        const V mv = vsplat<T>(mnew);
+        V sum = {};
+        for (int j = 0; j < Bk; j += L) {
+          const V p = vexp2(vload<T>(s + j) - mv);
+          vstore<T>(s + j, p);
+          sum += p;
+        }
+        if (mnew != mold) {
+          const T alpha = sexp2(mold - mnew);  // 0 when mold == -inf
+          lrow[i] = lrow[i] * alpha + hsum<T>(sum);
+          T* o = O + (int64_t)i * Dp;
+          const V av = vsplat<T>(alpha);
+          for (int d = 0; d < Dp; d += L) vstore<T>(o + d, vload<T>(o + d) * av);
+          mrow[i] = mnew;
+        } else {
+          lrow[i] += hsum<T>(sum);
+        }
+      }
+      if (any) gemm<T, false, true>(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, O, Dp);
+    }
+    T* out = static_cast<T*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
+    T* lse = static_cast<T*>(a.lse) + bh * a.Sqp + qt * Bq;
+    for (int i = 0; i < Bq; ++i) {
+      T* orow = out + (int64_t)i * Dp;
+      const T* o = O + (int64_t)i * Dp;
+      if (lrow[i] > 0) {
+        const V inv = vsplat<T>((T)1 / lrow[i]);
+        for (int d = 0; d < Dp; d += L) vstore<T>(orow + d, vload<T>(o + d) * inv);
+        lse[i] = (mrow[i] + slog2(lrow[i])) * ln2;
+      } else {
+        zero_buf(orow, Dp);
+        lse[i] = ninf;
+      }
+    }
+  }
+  free(S);
+  free(O);
+  free(mrow);
+  free(lrow);
+}
+
+// ---------------------------------------------------------------------------------------
+template <typename T>
+void bwd_worker(const BwdArgs& a) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L;
+  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  T* P = scratch_alloc<T>((int64_t)Bq * Bk);
+  T* dS = scratch_alloc<T>((int64_t)Bq * Bk);
+  T* dK = scratch_alloc<T>((int64_t)Bk * Dp);
+  T* dV = scratch_alloc<T>((int64_t)Bk * Dp);
+  if (!P || !dS || !dK || !dV) __builtin_trap();
+  const int64_t g = a.Hq / a.Hk;
+  for (;;) {
+    const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
+    if (it >= a.nitems) break;
+    const int64_t c = it % a.nc;
+    const int64_t bkv = it / a.nc;
+    const int64_t kvh = bkv % a.Hk, b = bkv / a.Hk;
+    const T* KT = static_cast<const T*>(a.kt) + bkv * Dp * a.Skp;
+    const T* VT = static_cast<const T*>(a.vt) + bkv * Dp * a.Skp;
+    const T* Kr = static_cast<const T*>(a.k) + bkv * a.Skp * Dp;
+    const int32_t* qpb = a.qpos + b * a.Sqp;
+    const int32_t* qdb = a.qdoc + b * a.Sqp;
+    const int32_t* kp = a.kpos + b * a.Skp;
+    const int32_t* kd = a.kdoc + b * a.Skp;
+    for (int64_t kt = c; kt < a.nkt; kt += a.nc) {
+      zero_buf(dK, (int64_t)Bk * Dp);
+      zero_buf(dV, (int64_t)Bk * Dp);
+      const TileInfo& ki = a.kti[b * a.nkt + kt];
+      for (int64_t hh = 0; hh < g && ki.any; ++hh) {
+        const int64_t h = kvh * g + hh;
+        const int64_t bh = b * a.Hq + h;
+        for (int64_t qt = 0; qt < a.nqt; ++qt) {
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal);
+          if (cls == kTileSkip) continue;
+          const int64_t row0 = bh * a.Sqp + qt * Bq;
+          const T* Q = static_cast<const T*>(a.q) + row0 * Dp;
+          const T* dO = static_cast<const T*>(a.dout) + row0 * Dp;
+          const T* lse2 = static_cast<const T*>(a.lse2) + row0;
+          const T* delta = static_cast<const T*>(a.delta) + row0;
+          T* dQ = static_cast<T*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
+          // S = Q K^T (log2 domain), P = 2^(S - lse2)
+          gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk, a.Skp, P, Bk);
+          if (cls == kTilePartial)
+            apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
+                       a.causal);
+          for (int i = 0; i < Bq; ++i) {
+            T* p = P + (int64_t)i * Bk;
+            const V lv = vsplat<T>(lse2[i]);
+            for (int j = 0; j < Bk; j += L) vstore<T>(p + j, vexp2(vload<T>(p + j) - lv));
+          }
+          // dV += P^T dO
+          gemm<T, true, true>(Bk, Dp, Bq, P, Bk, dO, Dp, dV, Dp);
+          // dP = dO V^T ; dS = P * (dP - delta)
+          gemm<T, false, false>(Bq, Bk, Dp, dO, Dp, VT + kt * Bk, a.Skp, dS, Bk);
+          for (int i = 0; i < Bq; ++i) {
+            T* ds = dS + (int64_t)i * Bk;
+            const T* p = P + (int64_t)i * Bk;
+            const V dv = vsplat<T>(delta[i]);
+            for (int j = 0; j < Bk; j += L)
+              vstore<T>(ds + j, vload<T>(p + j) * (vload<T>(ds + j) - dv));
+          }
+          // dQ_part += dS K ; dK += dS^T Q
+          gemm<T, false, true>(Bq, Dp, Bk, dS, Bk, Kr + kt * Bk * Dp, Dp, dQ, Dp);
+          gemm<T, true, true>(Bk, Dp, Bq, dS, Bk, Q, Dp, dK, Dp);
+        }
+      }
+      T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
+      T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
+      memcpy(dko, dK, sizeof(T) * Bk * Dp);
+      memcpy(dvo, dV, sizeof(T) * Bk * Dp);
+    }
+  }
+  free(P);
+  free(dS);
+  free(dK);
+  free(dV);
+}
+
+void fwd_f32(const FwdArgs& a) { fwd_worker<float>(a); }
+void fwd_f64(const FwdArgs& a) { fwd_worker<double>(a); }
+void bwd_f32(const BwdArgs& a) { bwd_worker<float>(a); }
+void bwd_f64(const BwdArgs& a) { bwd_worker<double>(a); }
+
+}  // namespace
+}  // namespace HP_NS
+}  // namespace hp_attn

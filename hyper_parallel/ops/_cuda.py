@@ -1,0 +1,80 @@
+"""CUDA backend of :func:`hyper_parallel.ops.attention`: FlexAttention with a position block mask.
+
+The visibility rule becomes a ``mask_mod`` closing over the ``[B, S]`` position / doc vectors;
+``create_block_mask`` turns it into a sparse block mask, so fully invisible blocks are skipped and
+nothing of size ``Sq x Sk`` is kept. Block masks are cached by (shapes, dtypes, causal, device) and
+re-used only when the position / doc tensors are equal to the cached ones (one device compare).
+FlexAttention itself is differentiable (also through the returned lse) and compiled once.
+
+Untested in this repository's CI (no GPU); covered by tests marked skipif(not cuda).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+_CACHE_SIZE = 8
+_block_masks: "OrderedDict[tuple, tuple]" = OrderedDict()
+_compiled = None
+
+
+def _flex():
+    global _compiled
+    if _compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
+    t = t.to(torch.int64)
+    return t.unsqueeze(0).expand(batch, -1) if t.dim() == 1 else t.expand(batch, -1)
+
+
+def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    tensors = tuple(t for t in (q_pos, k_pos, q_doc, k_doc) if t is not None)
+    key = (B, Sq, Sk, causal, str(device), q_doc is not None,
+           tuple((tuple(t.shape), t.dtype) for t in tensors))
+    hit = _block_masks.get(key)
+    if hit is not None and all(torch.equal(a, b) for a, b in zip(hit[0], tensors)):
+        _block_masks.move_to_end(key)
+        return hit[1]
+    qp, kp = _rows(q_pos, B), _rows(k_pos, B)
+    qd = _rows(q_doc, B) if q_doc is not None else None
+    kd = _rows(k_doc, B) if k_doc is not None else None
+
+    def mask_mod(b, h, qi, ki):
+        vis = kp[b, ki] <= qp[b, qi] if causal else qi >= 0
+        if qd is not None:
+            vis = vis & (qd[b, qi] == kd[b, ki]) & (kd[b, ki] >= 0)
+        return vis
+
+    try:
+        bm = create_block_mask(mask_mod, B, None, Sq, Sk, device=device, _compile=True)
+    except Exception:  # noqa: BLE001 - older / unusual builds: eager construction
+        bm = create_block_mask(mask_mod, B, None, Sq, Sk, device=device)
+    _block_masks[key] = (tuple(t.clone() for t in tensors), bm)
+    while len(_block_masks) > _CACHE_SIZE:
+        _block_masks.popitem(last=False)
+    return bm
+
+
+def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale):
+    """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    B, Hq, Sq, D = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    if q.numel() == 0 or Sk == 0:
+        lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=torch.float32)
+        return q.new_zeros(q.shape), lse
+    block_mask = None
+    if causal or q_doc is not None:
+        block_mask = _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, q.device)
+    out, aux = _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hq != Hk,
+                       return_aux=AuxRequest(lse=True))
+    return out, aux.lse.to(torch.float32 if q.dtype != torch.float64 else torch.float64)

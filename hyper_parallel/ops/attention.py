@@ -1,0 +1,207 @@
+"""Position-masked attention: the one computation every context-parallel strategy ends in.
+
+See ``docs/attention_engine.md`` for the full contract. In short::
+
+    out = attention(q, k, v, q_pos=..., k_pos=..., causal=True, q_doc=None, k_doc=None,
+                    scale=None, return_lse=False)
+
+* ``q`` ``[B, Hq, Sq, D]``, ``k`` / ``v`` ``[B, Hk, Sk, D]`` (any strides), one floating dtype
+  (float16, bfloat16, float32, float64), ``Hq % Hk == 0``; query head ``h`` reads kv head
+  ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory).
+* ``q_pos`` ``[Sq]`` or ``[B, Sq]``, ``k_pos`` ``[Sk]`` or ``[B, Sk]``: integer *global*
+  sequence positions, in any order (contiguous, zigzag, several ranges).
+* ``q_doc`` / ``k_doc`` (optional, together, same shapes as the positions): document ids for
+  packed sequences; a key with a negative doc id (``-1``: padding) is never attended.
+* Key ``j`` is visible to query ``i`` iff ``(not causal or k_pos[j] <= q_pos[i])`` and (no
+  docs, or ``q_doc[i] == k_doc[j] >= 0``).
+* Returns ``out`` ``[B, Hq, Sq, D]`` (contiguous, q's dtype) and, with ``return_lse``, the
+  natural-log ``lse`` ``[B, Hq, Sq]`` in float32 (float64 for float64 inputs). Queries that see no
+  key get ``out = 0``, ``lse = -inf`` and zero gradients (never NaN).
+* Differentiable in q, k, v (and through ``lse``); positions / docs get no gradient. The
+  backward recomputes the probabilities from q, k, v, out and lse; it stores no ``Sq x Sk``
+  matrix.
+
+Devices: CPU runs the C++ engine (``hyper_parallel._C``: ``torch.ops.hyper_parallel.attn_fwd`` /
+``attn_bwd``, registered with fake kernels and autograd so it works under ``torch.compile`` and
+``torch.autograd.gradcheck``); CUDA runs FlexAttention with a block mask built from the
+positions; NPU runs ``torch_npu.npu_fusion_attention``; anything else raises.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+try:  # loading the shared library runs its TORCH_LIBRARY registrations
+    from hyper_parallel import _C  # noqa: F401
+    _EXT_ERROR: Exception | None = None
+except ImportError as exc:  # pragma: no cover - exercised only on an unbuilt checkout
+    _C = None
+    _EXT_ERROR = exc
+
+_BUILD_HINT = (
+    "hyper_parallel.ops.attention needs the C++ attention engine (hyper_parallel._C) on CPU, "
+    "but it is not built or failed to load{why}. Build it from the repository root with "
+    "`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`)."
+)
+
+
+def _require_extension() -> None:
+    if _C is None:
+        why = f" ({_EXT_ERROR})" if _EXT_ERROR is not None else ""
+        raise ImportError(_BUILD_HINT.format(why=why)) from _EXT_ERROR
+
+
+def engine_info() -> str:
+    """One line describing the CPU engine (kernel ISA, threads, tile sizes)."""
+    _require_extension()
+    return torch.ops.hyper_parallel.engine_info()
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+def _check_index(t, name: str, batch: int, length: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"attention: {name} must be an integer tensor, got {t.dtype}")
+    ok = (t.dim() == 1 and t.shape[0] == length) or (
+        t.dim() == 2 and t.shape[0] in (1, batch) and t.shape[1] == length)
+    if not ok:
+        raise ValueError(
+            f"attention: {name} must have shape [{length}] or [{batch}, {length}], "
+            f"got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
+
+
+def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must be 4-D [B, H, S, D], got shape {list(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"attention: {name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"attention: q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(
+            f"attention: q, k, v must be on one device, got q={q.device}, k={k.device}, "
+            f"v={v.device}")
+    B, Hq, Sq, D = q.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"attention: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    if k.shape[0] != B:
+        raise ValueError(f"attention: k has batch {k.shape[0]} but q has batch {B}")
+    if k.shape[3] != D:
+        raise ValueError(f"attention: k has head dim {k.shape[3]} but q has head dim {D}")
+    Hk, Sk = k.shape[1], k.shape[2]
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"attention: q heads Hq={Hq} must be a multiple of k/v heads Hk={Hk}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"attention: causal must be a bool, got {type(causal).__name__}")
+    _check_index(q_pos, "q_pos", B, Sq, q.device)
+    _check_index(k_pos, "k_pos", B, Sk, q.device)
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("attention: q_doc and k_doc must be given together (or both None)")
+    if q_doc is not None:
+        _check_index(q_doc, "q_doc", B, Sq, q.device)
+        _check_index(k_doc, "k_doc", B, Sk, q.device)
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(float(scale)):
+        raise ValueError(f"attention: scale must be a finite real number or None, got {scale!r}")
+    return float(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# public op
+def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, scale=None,
+              return_lse=False):
+    """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]`` queries. k, v: ``[B, Hk, Sk, D]``; ``Hq % Hk == 0`` and query
+            head ``h`` uses kv head ``h // (Hq // Hk)``. Any strides; one floating dtype.
+        q_pos, k_pos: integer global positions, ``[S]`` (shared over the batch) or ``[B, S]``.
+        causal: key ``j`` needs ``k_pos[j] <= q_pos[i]`` to be visible to query ``i``.
+        q_doc, k_doc: optional document ids (same shapes as the positions, both or neither);
+            visibility also needs ``q_doc[i] == k_doc[j]`` and ``k_doc[j] >= 0``.
+        scale: score scale, default ``1 / sqrt(D)``.
+        return_lse: also return the natural-log logsumexp of the visible scaled scores.
+
+    Returns:
+        ``out`` ``[B, Hq, Sq, D]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
+        ``[B, Hq, Sq]`` float32 (float64 for float64 inputs). Queries with no visible key give
+        ``out = 0``, ``lse = -inf`` and zero gradients.
+
+    Backward (CPU): recomputes ``P = exp(q k^T * scale - lse)`` tile by tile from the saved
+    q, k, v, out, lse and returns dq, dk, dv (dk / dv summed over each GQA group); positions and
+    docs get ``None``. Raises ``ValueError`` naming the argument for bad shapes / dtypes, and
+    ``NotImplementedError`` naming the device when it has no backend.
+    """
+    scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
+    dev = q.device.type
+    if dev == "cpu":
+        _require_extension()
+        out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
+                                                     causal, scale_f)
+    elif dev == "cuda":
+        from ._cuda import cuda_attention
+
+        out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f)
+    elif dev == "npu":
+        from ._npu import npu_attention
+
+        out, lse = npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f)
+    else:
+        raise NotImplementedError(
+            f"hyper_parallel.ops.attention has no backend for device '{q.device}' "
+            "(supported: cpu, cuda, npu)")
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library glue for the C++ ops: fake kernels (torch.compile / meta) and autograd.
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale):
+    B, Hq, Sq, D = q.shape
+    return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
+
+
+def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attn_setup_context(ctx, inputs, output):
+    q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc)
+    ctx.causal = causal
+    ctx.scale = scale
+
+
+def _attn_backward(ctx, dout, dlse):
+    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.hyper_parallel.attn_bwd(dout, dlse, q, k, v, out, lse, q_pos, k_pos,
+                                                   q_doc, k_doc, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+if _C is not None:
+    torch.library.register_fake("hyper_parallel::attn_fwd")(_attn_fwd_fake)
+    torch.library.register_fake("hyper_parallel::attn_bwd")(_attn_bwd_fake)
+    torch.library.register_autograd("hyper_parallel::attn_fwd", _attn_backward,
+                                    setup_context=_attn_setup_context)

@@ -1,0 +1,100 @@
+"""Shared parity helpers: run the engine and the float64 reference on the same data, compare.
+
+Every comparison reports ``max_abs`` (max |engine - reference|) and ``rel`` (max_abs divided by
+max |reference|, floored at 1) and asserts ``rel <= tol`` for the stated per-dtype tolerance.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hyper_parallel.ops import attention, reference_attention
+
+# normalized max error allowed vs the float64 reference, per input dtype
+TOL = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 5e-3,
+    torch.bfloat16: 1.5e-2,
+}
+
+
+@dataclass
+class Case:
+    B: int = 1
+    Hq: int = 4
+    Hk: int = 2
+    D: int = 64
+    q_pos: torch.Tensor = None
+    k_pos: torch.Tensor = None
+    q_doc: torch.Tensor | None = None
+    k_doc: torch.Tensor | None = None
+    causal: bool = True
+    dtype: torch.dtype = torch.float32
+    scale: float | None = None
+    with_lse_grad: bool = True
+    seed: int = 0
+
+
+def error(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    a, ref = a.double(), ref.double()
+    if a.numel() == 0:
+        return 0.0, 0.0
+    max_abs = (a - ref).abs().max().item()
+    return max_abs, max_abs / max(1.0, ref.abs().max().item())
+
+
+def make_inputs(c: Case):
+    g = torch.Generator().manual_seed(c.seed)
+    Sq, Sk = c.q_pos.shape[-1], c.k_pos.shape[-1]
+    q = torch.randn(c.B, c.Hq, Sq, c.D, generator=g, dtype=torch.float64).to(c.dtype)
+    k = torch.randn(c.B, c.Hk, Sk, c.D, generator=g, dtype=torch.float64).to(c.dtype)
+    v = torch.randn(c.B, c.Hk, Sk, c.D, generator=g, dtype=torch.float64).to(c.dtype)
+    dout = torch.randn(c.B, c.Hq, Sq, c.D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(c.B, c.Hq, Sq, generator=g, dtype=torch.float64)
+    return q, k, v, dout, dlse
+
+
+def run_parity(c: Case, label: str = "") -> dict:
+    """Forward out/lse and backward dq/dk/dv of the engine vs reference_attention (float64)."""
+    q, k, v, dout, dlse = make_inputs(c)
+    kw = dict(q_pos=c.q_pos, k_pos=c.k_pos, causal=c.causal, q_doc=c.q_doc, k_doc=c.k_doc,
+              scale=c.scale, return_lse=True)
+
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention(qe, ke, ve, **kw)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    rout, rlse = reference_attention(qr, kr, vr, **kw)
+
+    finite = torch.isfinite(rlse)
+    assert out.dtype == c.dtype and out.shape == q.shape and out.is_contiguous()
+    assert lse.dtype == (torch.float64 if c.dtype == torch.float64 else torch.float32)
+    assert torch.equal(torch.isfinite(lse), finite), "engine and reference disagree on empty rows"
+    assert torch.all(lse[~finite] == -math.inf)
+
+    def loss(o, l, lse_grad):
+        val = (o.double() * dout).sum()
+        if lse_grad:
+            val = val + (torch.where(finite, l.double(), 0.0) * dlse).sum()
+        return val
+
+    loss(out, lse, c.with_lse_grad).backward()
+    loss(rout, rlse, c.with_lse_grad).backward()
+
+    tol = TOL[c.dtype]
+    errs = {
+        "out": error(out, rout),
+        "lse": error(lse[finite], rlse[finite]),
+        "dq": error(qe.grad, qr.grad),
+        "dk": error(ke.grad, kr.grad),
+        "dv": error(ve.grad, vr.grad),
+    }
+    for t in (out, lse, qe.grad, ke.grad, ve.grad):
+        assert not torch.isnan(t).any(), "NaN in engine result"
+    line = " ".join(f"{n}: abs={a:.2e} rel={r:.2e}" for n, (a, r) in errs.items())
+    print(f"[parity {label} {str(c.dtype).replace('torch.', '')} tol={tol:.0e}] {line}")
+    bad = {n: r for n, (a, r) in errs.items() if not r <= tol}
+    assert not bad, f"{label}: errors above tol={tol:g}: {line}"
+    return errs
