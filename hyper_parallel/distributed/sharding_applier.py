@@ -11,8 +11,8 @@ Installing a CP method on ``inner_module``:
   becomes ``inner_module.forward``; a wrapper returning None must have replaced
   ``inner_module.forward`` itself. While it runs, :func:`~.context_parallel.interception.current_apply_context`
   gives the module FQN and the mode.
-* ``local_compute_fn``: ``inner_module.forward = lambda *a, **kw: fn(inner_module, *a, **kw)``
-  (the function takes over the whole local-region compute, collectives included).
+* ``local_compute_fn``: ``inner_module.forward = lambda *a, **kw: fn(inner_module, *a, cp_mesh=cp_mesh,
+  **named_params, **kw)`` — the function owns the whole local-region compute, collectives included.
 
 If anything fails after the first CP install (another wrapper, a check, activation
 checkpointing, FSDP), every forward replaced by this call is restored before the error
@@ -90,8 +90,8 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
             raise CPConfigError(field, f"already wrapped by {module.__hp_cp_wrapped__}", module=t.fqn,
                                 fix="apply a plan to a fresh model (one wrapper per attention)")
         if t.kind == "local_compute_fn":
-            fn = t.fn
-            installed.replace_forward(module, functools.partial(fn, module))
+            # fn(module, *forward_args, cp_mesh=<1-D cp DeviceMesh>, **named_params, **forward_kwargs)
+            installed.replace_forward(module, functools.partial(t.fn, module, cp_mesh=cp_mesh, **t.params))
         else:
             prev = module.__dict__.get("forward", _MISSING)
             prev_forward = module.forward
