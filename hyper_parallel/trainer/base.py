@@ -303,17 +303,8 @@ class BaseTrainer:
         """Without FSDP: one SUM all-reduce of every gradient over dp_cp_mesh (grad_scale=1)."""
         if self.uses_fsdp or self.mesh.dp_cp_mesh.size() == 1:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        local = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in local])
-        flat = all_reduce(flat, self.mesh.dp_cp_mesh.get_group(), op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in local:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+        _sum_grads_in_place([p.grad for p in self.model.parameters() if p.grad is not None],
+                            self.mesh.dp_cp_mesh.get_group())
 
     def _tp_head_local_params(self) -> list:
         """Parameters whose per-TP-rank gradient is a partial sum (``TPGradInfo.partial_grad``,
@@ -326,17 +317,8 @@ class BaseTrainer:
 
     def sync_tp_partial_grads(self) -> None:
         """SUM over the tp group the gradients of :meth:`_tp_head_local_params` (one all-reduce)."""
-        grads = [p.grad for p in self.tp_partial_params if p.grad is not None]
-        if not grads:
-            return
-        local = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        flat = torch.cat([g.reshape(-1) for g in local])
-        flat = all_reduce(flat, self.mesh.tp_mesh.get_group(), op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in local:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+        _sum_grads_in_place([p.grad for p in self.tp_partial_params if p.grad is not None],
+                            self.mesh.tp_mesh.get_group())
 
     def named_full(self, what: str) -> dict:
         out = {}
@@ -487,3 +469,16 @@ def _check_right_padded(mask) -> None:
     if bool((m[:, 1:] > m[:, :-1]).any()):
         raise ValueError("attention_mask has padding before valid tokens: the trainer's batches must be "
                          "right-padded documents (no left padding, no packing)")
+
+
+def _sum_grads_in_place(grads: list, group) -> None:
+    """SUM-all-reduce ``grads`` (local shards of DTensor grads) over ``group`` in one flat collective."""
+    if not grads:
+        return
+    local = [g.to_local() if _is_dtensor(g) else g for g in grads]
+    flat = all_reduce(torch.cat([g.reshape(-1) for g in local]), group, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in local:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n

@@ -13,7 +13,7 @@ import torch
 
 from ..collectives import flex_cp_allgather
 from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_gqa, engine_attention
+from .base import CPGroupStrategy, engine_attention
 
 
 class AllGatherStrategy(CPGroupStrategy):
@@ -21,11 +21,6 @@ class AllGatherStrategy(CPGroupStrategy):
 
     name = "all_gather"
     method = "colossal"
-
-    def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
-        who = type(self).__name__
-        check_gqa(who, num_q_heads, num_kv_heads)
-        self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None) -> torch.Tensor:

@@ -93,6 +93,11 @@ class CPGroupStrategy(ContextParallelStrategy):
     def cp_rank(self) -> int:
         return group_rank(self.group)
 
+    def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        """Colossal semantics (Q stays local, K/V gathered): any GQA ratio, no head divisibility."""
+        check_gqa(type(self).__name__, num_q_heads, num_kv_heads)
+        self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
+
     def check_cp_size(self, cp_size: int, num_q_heads: int, num_kv_heads: int) -> None:
         """Raise ValueError when the declared cp_size is not this strategy's group size."""
         if cp_size != self.cp_size:

@@ -26,7 +26,7 @@ import torch
 from ..collectives import (flex_cp_allgather, head_tail_combine, head_tail_dispatch,
                            head_tail_sub_chunks)
 from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_gqa, engine_attention
+from .base import CPGroupStrategy, engine_attention
 
 
 class HeadTailStrategy(CPGroupStrategy):
@@ -37,11 +37,6 @@ class HeadTailStrategy(CPGroupStrategy):
 
     def padding_multiple(self, cp_size: int) -> int:
         return 2 * cp_size
-
-    def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
-        who = type(self).__name__
-        check_gqa(who, num_q_heads, num_kv_heads)
-        self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None) -> torch.Tensor:
