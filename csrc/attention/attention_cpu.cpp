@@ -17,6 +17,7 @@
 // probabilities from q, k and the saved lse (no stored probability matrix).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -95,6 +96,95 @@ const KernelTable* select_kernels() {
   if (cpu_has_avx512() && kernels_avx512()) return kernels_avx512();
   if (cpu_has_avx2() && kernels_avx2()) return kernels_avx2();
   return kernels_base();
+}
+
+// ---------------------------------------------------------------------------------------
+// Tile-GEMM provider: oneDNN brgemm through ATen's cpublas (the micro-kernel PyTorch's own CPU
+// flash attention uses). It JITs for the running CPU: AVX-512 fp32, and AMX tiles for bf16 on
+// CPUs that have them, which the built-in register-tiled kernels cannot match. The softmax,
+// masking, tile skipping and scheduling stay ours; only the tile products are delegated.
+//
+// HYPER_PARALLEL_ATTN_GEMM = auto (default) | brgemm | builtin.
+//   auto:    fp32 -> brgemm with the AVX-512 kernel builds; bf16 -> brgemm where AMX-BF16 is
+//            present (else the avx512bf16 vdpbf16ps kernels); fp64 always builtin.
+//   brgemm:  require it (error if this CPU / torch build cannot run it).
+//   builtin: never use it.
+void ext_gemm_f32(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
+                  int64_t ldb, float* C, int64_t ldc, int acc) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, acc != 0, static_cast<const float*>(A),
+                              static_cast<const float*>(B), C, false);
+}
+void ext_release_f32() { at::native::cpublas::brgemm_release(false); }
+void ext_gemm_bf16(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
+                   int64_t ldb, float* C, int64_t ldc, int acc) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, acc != 0,
+                              static_cast<const at::BFloat16*>(A),
+                              static_cast<const at::BFloat16*>(B), C, true);
+}
+void ext_release_bf16() { at::native::cpublas::brgemm_release(true); }
+
+// One 16 x 32 x 32 product against a scalar reference; any exception or mismatch -> unusable.
+bool probe_brgemm(bool bf16) {
+  constexpr int M = 16, N = 32, K = 32;
+  std::vector<float> a(M * K), b(K * N), c(M * N, 0.f), ref(M * N, 0.f);
+  for (int i = 0; i < M * K; ++i) a[i] = (float)((i * 7) % 5 - 2);
+  for (int i = 0; i < K * N; ++i) b[i] = (float)((i * 3) % 7 - 3);
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n)
+      for (int k = 0; k < K; ++k) ref[m * N + n] += a[m * K + k] * b[k * N + n];
+  try {
+    if (bf16) {
+      std::vector<at::BFloat16> ab(M * K), bv(K * N);  // bv: VNNI pairs [K/2][N][2]
+      for (int i = 0; i < M * K; ++i) ab[i] = at::BFloat16(a[i]);
+      for (int k = 0; k < K; ++k)
+        for (int n = 0; n < N; ++n) bv[(k / 2) * N * 2 + n * 2 + (k % 2)] = at::BFloat16(b[k * N + n]);
+      ext_gemm_bf16(M, N, K, ab.data(), K, bv.data(), N, c.data(), N, 0);
+      ext_release_bf16();
+    } else {
+      ext_gemm_f32(M, N, K, a.data(), K, b.data(), N, c.data(), N, 0);
+      ext_release_f32();
+    }
+  } catch (...) {
+    return false;
+  }
+  for (int i = 0; i < M * N; ++i)
+    if (c[i] != ref[i]) return false;  // small integers: exact in fp32 and bf16
+  return true;
+}
+
+bool brgemm_f32_available() {
+  static const bool ok = probe_brgemm(false);
+  return ok;
+}
+bool brgemm_bf16_available() {
+  static const bool ok = at::native::cpublas::could_pack(at::kBFloat16) && probe_brgemm(true);
+  return ok;
+}
+
+// The provider for a call: `bf16` = the avx512bf16 bf16 kernels run (else fp32 / fp64 ones).
+TileGemmFn select_gemm(const KernelTable* kt, at::ScalarType acc, bool bf16,
+                       TileGemmReleaseFn* release) {
+  *release = nullptr;
+  const char* env = std::getenv("HYPER_PARALLEL_ATTN_GEMM");
+  const std::string want = (env && *env) ? env : "auto";
+  TORCH_CHECK_VALUE(want == "auto" || want == "brgemm" || want == "builtin",
+                    "HYPER_PARALLEL_ATTN_GEMM must be auto, brgemm or builtin, got '", want, "'");
+  if (want == "builtin" || acc == at::kDouble) return nullptr;
+  const bool avail = bf16 ? brgemm_bf16_available() : brgemm_f32_available();
+  if (want == "brgemm") {
+    TORCH_CHECK_VALUE(avail, "HYPER_PARALLEL_ATTN_GEMM=brgemm but ATen's cpublas::brgemm is not usable "
+                      "here for ", bf16 ? "bf16 (needs AMX-BF16)" : "fp32");
+  } else {
+    const std::string name = kt->name;
+    if (!avail || name.rfind("avx512", 0) != 0) return nullptr;
+  }
+  *release = bf16 ? ext_release_bf16 : ext_release_f32;
+  return bf16 ? ext_gemm_bf16 : ext_gemm_f32;
+}
+
+// Per query tile transposed copy: [B, H, Sqp, Dp] -> [B, H, Sqp/Bq, Dp, Bq].
+at::Tensor tile_transposed(const at::Tensor& x, int64_t Bq) {
+  return x.view({x.size(0), x.size(1), x.size(2) / Bq, Bq, x.size(3)}).transpose(3, 4).contiguous();
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -224,12 +314,14 @@ at::Tensor pad_rows(const at::Tensor& x, int64_t Sp, int64_t Dp, at::ScalarType 
   return buf;
 }
 
-// x [B, H, S, D] -> contiguous acc-dtype [B, H, Dp, Sp] (transposed, zero padded).
-at::Tensor pad_transposed(const at::Tensor& x, int64_t Sp, int64_t Dp, at::ScalarType acc) {
-  const int64_t S = x.size(2), D = x.size(3);
-  at::Tensor buf = at::zeros({x.size(0), x.size(1), Dp, Sp}, x.options().dtype(acc));
-  buf.narrow(2, 0, D).narrow(3, 0, S).copy_(x.transpose(2, 3));
-  return buf;
+// x [B, H, S, D] -> contiguous acc-dtype [B, H, Sp/Bk, Dp, Bk]: transposed *per key tile*, zero
+// padded. Each key tile's K^T block is one contiguous Dp x Bk slab, so the micro-GEMM streams
+// rows Bk apart. (A plain [Dp, Sp] transpose puts consecutive rows Sp*4 bytes apart: at long Sp
+// that is a power-of-two stride mapping every row to the same L1/L2 sets, and the kernel thrashes.)
+at::Tensor pad_transposed(const at::Tensor& x, int64_t Sp, int64_t Dp, int64_t Bk,
+                          at::ScalarType acc) {
+  const at::Tensor r = pad_rows(x, Sp, Dp, acc);
+  return r.view({x.size(0), x.size(1), Sp / Bk, Bk, Dp}).transpose(3, 4).contiguous();
 }
 
 at::Tensor scaled_queries(const at::Tensor& q, int64_t Sqp, int64_t Dp, at::ScalarType acc,
@@ -251,8 +343,9 @@ constexpr int64_t kSerialWork = int64_t(1) << 22;
 
 // bf16 operand layouts for the avx512bf16 kernels (see kernel_avx512bf16.cpp).
 // xb [B, H, Sp, Dp] bf16 -> [B, H, Dp/2, Sp] 32-bit pairs along D (transposed).
-at::Tensor bf16_pairs_transposed(const at::Tensor& xb) {
-  return xb.view(at::kInt).transpose(2, 3).contiguous();
+at::Tensor bf16_pairs_transposed(const at::Tensor& xb, int64_t Bk) {
+  const at::Tensor w = xb.view(at::kInt);  // [B, H, Sp, Dp/2]
+  return w.view({w.size(0), w.size(1), w.size(2) / Bk, Bk, w.size(3)}).transpose(3, 4).contiguous();
 }
 // xb [B, H, Sp, Dp] bf16 -> [B, H, Sp/2, Dp, 2]: pairs along S.
 at::Tensor bf16_pairs_rows(const at::Tensor& xb) {
@@ -322,11 +415,11 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   if (bf16) {
     Qs = pad_rows(q, g.Sqp, g.Dp, at::kBFloat16);
     const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
-    KT = bf16_pairs_transposed(Kb);
+    KT = bf16_pairs_transposed(Kb, g.Bk);
     Vp = bf16_pairs_rows(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
-    KT = pad_transposed(k, g.Skp, g.Dp, acc);
+    KT = pad_transposed(k, g.Skp, g.Dp, g.Bk, acc);
     Vp = pad_rows(v, g.Skp, g.Dp, acc);
   }
   const bool direct = g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
@@ -375,6 +468,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.sscale = scale * kLog2e;
   a.order = order.data();
   a.nitems = (int64_t)order.size();
+  a.ext_gemm = select_gemm(kt, acc, bf16, &a.ext_release);
   const int64_t pairs = std::accumulate(cost.begin(), cost.end(), int64_t(0)) * g.Hq;
   run_workers(bf16 ? kt->fwd_bf16 : acc == at::kDouble ? kt->fwd_f64 : kt->fwd_f32, a,
               pairs * 2 * g.Bq * g.Bk * g.Dp);
@@ -413,22 +507,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   }
   const KernelTable* kt = select_kernels();
   const bool bf16 = q.scalar_type() == at::kBFloat16 && kt->bwd_bf16 != nullptr;
-  at::Tensor Qs, KT, Kp, VT, dOp, Qv, dOv;
+  TileGemmReleaseFn ext_release = nullptr;
+  const TileGemmFn ext_gemm = select_gemm(kt, acc, bf16, &ext_release);
+  at::Tensor Qs, KT, Kp, VT, dOp, Qv, dOv, Qt, dOt;
   if (bf16) {
     Qs = pad_rows(q, g.Sqp, g.Dp, at::kBFloat16);
-    Qv = bf16_pairs_rows(Qs);
+    if (!ext_gemm) Qv = bf16_pairs_rows(Qs);
     const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
-    KT = bf16_pairs_transposed(Kb);
+    KT = bf16_pairs_transposed(Kb, g.Bk);
     Kp = bf16_pairs_rows(Kb);
-    VT = bf16_pairs_transposed(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
+    VT = bf16_pairs_transposed(pad_rows(v, g.Skp, g.Dp, at::kBFloat16), g.Bk);
     dOp = pad_rows(dout, g.Sqp, g.Dp, at::kBFloat16);
-    dOv = bf16_pairs_rows(dOp);
+    if (!ext_gemm) dOv = bf16_pairs_rows(dOp);
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
-    KT = pad_transposed(k, g.Skp, g.Dp, acc);
+    KT = pad_transposed(k, g.Skp, g.Dp, g.Bk, acc);
     Kp = pad_rows(k, g.Skp, g.Dp, acc);
-    VT = pad_transposed(v, g.Skp, g.Dp, acc);
+    VT = pad_transposed(v, g.Skp, g.Dp, g.Bk, acc);
     dOp = pad_rows(dout, g.Sqp, g.Dp, acc);
+  }
+  if (ext_gemm) {
+    Qt = tile_transposed(Qs, g.Bq);
+    dOt = tile_transposed(dOp, g.Bq);
   }
 
   // delta_i = sum_d dO_i O_i - dlse_i (the lse gradient enters dS like -delta); rows that see
@@ -462,8 +562,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.k = Kp.data_ptr();
   a.vt = VT.data_ptr();
   a.dout = dOp.data_ptr();
-  a.qv = bf16 ? Qv.data_ptr() : nullptr;
-  a.dov = bf16 ? dOv.data_ptr() : nullptr;
+  a.qv = Qv.defined() ? Qv.data_ptr() : nullptr;
+  a.dov = dOv.defined() ? dOv.data_ptr() : nullptr;
+  a.qt = Qt.defined() ? Qt.data_ptr() : nullptr;
+  a.dot = dOt.defined() ? dOt.data_ptr() : nullptr;
+  a.ext_gemm = ext_gemm;
+  a.ext_release = ext_release;
   a.lse2 = lse2_p.data_ptr();
   a.delta = delta_p.data_ptr();
   a.dq_part = dq_part.data_ptr();
@@ -521,6 +625,13 @@ std::string cpu_engine_info() {
   s += cpu_has_avx2() ? "yes" : "no";
   s += "), threads=" + std::to_string(at::get_num_threads());
   s += ", tiles q<=" + std::to_string(kBlockQMax) + " k=" + std::to_string(kBlockK);
+  TileGemmReleaseFn rel = nullptr;
+  const bool f32x = select_gemm(kt, at::kFloat, false, &rel) != nullptr;
+  const bool bf16x = kt->fwd_bf16 && select_gemm(kt, at::kFloat, true, &rel) != nullptr;
+  s += std::string(", tile gemm fp32=") + (f32x ? "brgemm" : "builtin") +
+       " bf16=" + (kt->fwd_bf16 ? (bf16x ? "brgemm(amx)" : "builtin(vdpbf16ps)") : "via fp32") +
+       " (brgemm usable: fp32=" + (brgemm_f32_available() ? "yes" : "no") +
+       " bf16-amx=" + (brgemm_bf16_available() ? "yes" : "no") + ")";
   return s;
 }
 

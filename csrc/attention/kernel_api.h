@@ -8,10 +8,11 @@
 //
 // Layouts (all buffers contiguous, T = float or double, padded with zeros):
 //   q      [B, Hq, Sqp, Dp]  queries pre-multiplied by scale * log2(e)
-//   kt     [B, Hk, Dp, Skp]  keys, transposed (for S = Q K^T)
+//   kt     [B, Hk, nkt, Dp, Bk]  keys, transposed per key tile (for S = Q K^T; each tile's
+//                                 K^T is one contiguous slab, rows Bk apart)
 //   k      [B, Hk, Skp, Dp]  keys (for dQ = dS K)
 //   v      [B, Hk, Skp, Dp]  values (for O = P V)
-//   vt     [B, Hk, Dp, Skp]  values, transposed (for dP = dO V^T)
+//   vt     [B, Hk, nkt, Dp, Bk]  values, transposed per key tile (for dP = dO V^T)
 //   qpos/qdoc [B, Sqp], kpos/kdoc [B, Skp]: int32 positions and mapped document ids
 //     (kDocKeyNone for keys that are never attended, kDocQueryNone for queries that see
 //     nothing); padding rows/columns carry the "none" ids, so they are always masked.
@@ -34,6 +35,16 @@ struct TileInfo {
 
 enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTilePartial = 2 };
 
+// Optional tile GEMM supplied by the host (oneDNN brgemm through ATen's cpublas, which JITs
+// AVX-512 / AMX micro-kernels for the running CPU; see attention_cpu.cpp). Row-major:
+//   C[M x N] = (acc ? C : 0) + A[M x K] B[K x N], leading dimensions in elements.
+// fp32 provider: A, B float. bf16 provider: A bf16 row-major (lda in bf16 elements), B in
+// VNNI pairs [K/2][ldb][2] (ldb = columns per pair row), C float.
+// Workers that use a provider call `ext_release` before returning (frees per-thread AMX state).
+typedef void (*TileGemmFn)(int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                           const void* B, int64_t ldb, float* C, int64_t ldc, int acc);
+typedef void (*TileGemmReleaseFn)();
+
 struct FwdArgs {
   const void* q;
   const void* kt;
@@ -48,11 +59,17 @@ struct FwdArgs {
   const int64_t* order;  // work items (b * Hq + h) * nqt + qt, heaviest first
   int64_t nitems;
   int64_t* counter;      // shared work-queue cursor (atomic)
+  TileGemmFn ext_gemm;   // null: built-in micro-kernels (always null for fp64)
+  TileGemmReleaseFn ext_release;
 };
 
 struct BwdArgs {
   const void *q, *kt, *k, *vt, *dout;  // dout [B, Hq, Sqp, Dp]
-  const void *qv, *dov;  // bf16 kernels only: q / dout as pairs along queries
+  const void *qv, *dov;  // bf16 kernels without ext_gemm: q / dout as pairs along queries
+  const void *qt, *dot;  // with ext_gemm only: q / dout transposed per query tile,
+                         //   [B, Hq, nqt, Dp, Bq] (fp32, or bf16 for the bf16 kernels); the
+                         //   kernel then accumulates dK^T = Q^T dS and dV^T = dO^T P (no
+                         //   per-tile transposes) and transposes once per key tile
   const void* lse2;   // [B, Hq, Sqp] lse * log2(e); +inf for queries that see nothing
   const void* delta;  // [B, Hq, Sqp] rowsum(dout * out) - dlse
   void* dq_part;      // [nc, B, Hq, Sqp, Dp] zero-initialised; += dS K (unscaled)
@@ -66,6 +83,8 @@ struct BwdArgs {
   int64_t nc;        // key-tile chunks per (b, kv head): chunk c owns key tiles c, c+nc, ...
   int64_t nitems;    // B * Hk * nc, item = (b * Hk + kvh) * nc + c
   int64_t* counter;
+  TileGemmFn ext_gemm;  // see FwdArgs
+  TileGemmReleaseFn ext_release;
 };
 
 using FwdFn = void (*)(const FwdArgs&);

@@ -5,10 +5,10 @@
 // bf16 operand layouts (prepared by the host, all zero padded; "pairs" are two consecutive
 // bf16 along the GEMM reduction index packed in one 32-bit word, lower half first):
 //   q   [B, Hq, Sqp, Dp]      bf16 row-major, NOT pre-scaled (S is scaled in fp32)
-//   kt  [B, Hk, Dp/2, Skp]    32-bit pairs (k[j][2d'], k[j][2d'+1])   -> S = Q K^T
+//   kt  [B, Hk, nkt, Dp/2, Bk] 32-bit pairs (k[j][2d'], k[j][2d'+1]), per key tile -> S = Q K^T
 //   v   [B, Hk, Skp/2, Dp, 2] pairs (v[2j'][d], v[2j'+1][d])          -> O += P V
 //   k   [B, Hk, Skp/2, Dp, 2] pairs along keys                        -> dQ += dS K
-//   vt  [B, Hk, Dp/2, Skp]    32-bit pairs (v[j][2d'], v[j][2d'+1])   -> dP = dO V^T
+//   vt  [B, Hk, nkt, Dp/2, Bk] 32-bit pairs (v[j][2d'], v[j][2d'+1]), per key tile -> dP = dO V^T
 //   qv  [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dK += dS^T Q
 //   dout[B, Hq, Sqp, Dp]      bf16 row-major                          -> dP = dO V^T
 //   dov [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dV += P^T dO
@@ -133,14 +133,15 @@ void fwd_bf16(const FwdArgs& a) {
   uint32_t* Pb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
   float* O = scratch_alloc<float>((int64_t)Bq * Dp);
   float* mrow = scratch_alloc<float>(Bq);
-  float* lrow = scratch_alloc<float>(Bq);
-  if (!S || !Pb || !O || !mrow || !lrow) __builtin_trap();
+  V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<float>((int64_t)Bq * L)));
+  if (!S || !Pb || !O || !mrow || !lvec) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const float ninf = -__builtin_inff();
   const float ln2 = 0.69314718055994530942f;
   const float sscale = (float)a.sscale;
   const bool pos_scale = sscale > 0;
   const float cexp = pos_scale ? sscale : 1.0f;  // factor still to apply to S in the exponent
+  const TileGemmFn xg = a.ext_gemm;  // AMX brgemm when the host found it (see kernel_api.h)
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
     if (it >= a.nitems) break;
@@ -159,12 +160,15 @@ void fwd_bf16(const FwdArgs& a) {
     zero_buf(O, (int64_t)Bq * Dp);
     for (int i = 0; i < Bq; ++i) {
       mrow[i] = ninf;
-      lrow[i] = 0;
+      lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
       const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
       if (cls == kTileSkip) continue;
-      gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk, a.Skp, S, Bk);
+      if (xg)
+        xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * (Dp / 2), Bk, S, Bk, 0);
+      else
+        gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, S, Bk);
       // S stays unscaled (raw q.k) when sscale > 0: max(c*S) = c*max(S) and the scale is fused
       // into the exponent below; a non-positive scale is applied up front.
       if (!pos_scale) scale_rows(S, Bq * Bk, sscale);
@@ -192,39 +196,44 @@ void fwd_bf16(const FwdArgs& a) {
         }
         if (mnew != mold) {
           const float alpha = sexp2(mold - mnew);
-          lrow[i] = lrow[i] * alpha + hsum<float>(sum);
+          lvec[i] = lvec[i] * alpha + sum;
           float* o = O + (int64_t)i * Dp;
           const V av = vsplat<float>(alpha);
           for (int d = 0; d < Dp; d += L) vstore<float>(o + d, vload<float>(o + d) * av);
           mrow[i] = mnew;
         } else {
-          lrow[i] += hsum<float>(sum);
+          lvec[i] += sum;
         }
       }
       if (!any) continue;
       rows_to_bf16(S, Bq, Bk, Pb);
-      gemm_bf16<false, true>(Bq, Dp, Bk / 2, Pb, Bk / 2, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp);
+      if (xg)
+        xg(Bq, Dp, Bk, Pb, Bk, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp, 1);
+      else
+        gemm_bf16<false, true>(Bq, Dp, Bk / 2, Pb, Bk / 2, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp);
     }
     float* out = static_cast<float*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
     float* lse = static_cast<float*>(a.lse) + bh * a.Sqp + qt * Bq;
     for (int i = 0; i < Bq; ++i) {
       float* orow = out + (int64_t)i * Dp;
       const float* o = O + (int64_t)i * Dp;
-      if (lrow[i] > 0) {
-        const V inv = vsplat<float>(1.0f / lrow[i]);
+      const float l = hsum<float>(lvec[i]);
+      if (l > 0) {
+        const V inv = vsplat<float>(1.0f / l);
         for (int d = 0; d < Dp; d += L) vstore<float>(orow + d, vload<float>(o + d) * inv);
-        lse[i] = (mrow[i] + slog2(lrow[i])) * ln2;
+        lse[i] = (mrow[i] + slog2(l)) * ln2;
       } else {
         zero_buf(orow, Dp);
         lse[i] = ninf;
       }
     }
   }
+  if (xg && a.ext_release) a.ext_release();
   free(S);
   free(Pb);
   free(O);
   free(mrow);
-  free(lrow);
+  free(lvec);
 }
 
 void bwd_bf16(const BwdArgs& a) {
@@ -243,6 +252,9 @@ void bwd_bf16(const BwdArgs& a) {
   const float sscale = (float)a.sscale;
   const bool pos_scale = sscale > 0;
   const V cv = vsplat<float>(pos_scale ? sscale : 1.0f);  // factor still to apply in the exponent
+  // With the AMX provider dK / dV hold dK^T, dV^T [Dp x Bk] (= Q^T dS, dO^T P from the host's
+  // per-tile transposed q / dout), transposed once per key tile.
+  const TileGemmFn xg = a.ext_gemm;
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
     if (it >= a.nitems) break;
@@ -268,13 +280,18 @@ void bwd_bf16(const BwdArgs& a) {
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const uint32_t* Q = static_cast<const uint32_t*>(a.q) + row0 * Dp / 2;
-          const uint32_t* Qv = static_cast<const uint32_t*>(a.qv) + (row0 / 2) * Dp;
+          const uint32_t* Qv = xg ? nullptr : static_cast<const uint32_t*>(a.qv) + (row0 / 2) * Dp;
+          const uint16_t* Qt = xg ? static_cast<const uint16_t*>(a.qt) + row0 * Dp : nullptr;
+          const uint16_t* dOt = xg ? static_cast<const uint16_t*>(a.dot) + row0 * Dp : nullptr;
           const uint32_t* dO = static_cast<const uint32_t*>(a.dout) + row0 * Dp / 2;
-          const uint32_t* dOv = static_cast<const uint32_t*>(a.dov) + (row0 / 2) * Dp;
+          const uint32_t* dOv = xg ? nullptr : static_cast<const uint32_t*>(a.dov) + (row0 / 2) * Dp;
           const float* lse2 = static_cast<const float*>(a.lse2) + row0;
           const float* delta = static_cast<const float*>(a.delta) + row0;
           float* dQ = static_cast<float*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
-          gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk, a.Skp, P, Bk);
+          if (xg)
+            xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * (Dp / 2), Bk, P, Bk, 0);
+          else
+            gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, P, Bk);
           if (!pos_scale) scale_rows(P, Bq * Bk, sscale);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
@@ -287,9 +304,15 @@ void bwd_bf16(const BwdArgs& a) {
           }
           // dV += P^T dO
           rows_to_bf16_pairs(P, Bq, Bk, PT);
-          gemm_bf16<true, true>(Bk, Dp, Bq / 2, PT, Bk, dOv, Dp, dV, Dp);
+          if (xg)
+            xg(Dp, Bk, Bq, dOt, Bq, PT, Bk, dV, Bk, 1);  // dV^T += dO^T P
+          else
+            gemm_bf16<true, true>(Bk, Dp, Bq / 2, PT, Bk, dOv, Dp, dV, Dp);
           // dP = dO V^T ; dS = P * (dP - delta)
-          gemm_bf16<false, false>(Bq, Bk, Dp / 2, dO, Dp / 2, VT + kt * Bk, a.Skp, dS, Bk);
+          if (xg)
+            xg(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * (Dp / 2), Bk, dS, Bk, 0);
+          else
+            gemm_bf16<false, false>(Bq, Bk, Dp / 2, dO, Dp / 2, VT + kt * Bk * (Dp / 2), Bk, dS, Bk);
           for (int i = 0; i < Bq; ++i) {
             float* ds = dS + (int64_t)i * Bk;
             const float* p = P + (int64_t)i * Bk;
@@ -300,16 +323,27 @@ void bwd_bf16(const BwdArgs& a) {
           // dQ_part += dS K ; dK += dS^T Q
           rows_to_bf16(dS, Bq, Bk, dSb);
           rows_to_bf16_pairs(dS, Bq, Bk, dST);
-          gemm_bf16<false, true>(Bq, Dp, Bk / 2, dSb, Bk / 2, Kv + (kt * Bk / 2) * Dp, Dp, dQ, Dp);
-          gemm_bf16<true, true>(Bk, Dp, Bq / 2, dST, Bk, Qv, Dp, dK, Dp);
+          if (xg) {
+            xg(Bq, Dp, Bk, dSb, Bk, Kv + (kt * Bk / 2) * Dp, Dp, dQ, Dp, 1);
+            xg(Dp, Bk, Bq, Qt, Bq, dST, Bk, dK, Bk, 1);  // dK^T += Q^T dS
+          } else {
+            gemm_bf16<false, true>(Bq, Dp, Bk / 2, dSb, Bk / 2, Kv + (kt * Bk / 2) * Dp, Dp, dQ, Dp);
+            gemm_bf16<true, true>(Bk, Dp, Bq / 2, dST, Bk, Qv, Dp, dK, Dp);
+          }
         }
       }
       float* dko = static_cast<float*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
       float* dvo = static_cast<float*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
-      memcpy(dko, dK, sizeof(float) * Bk * Dp);
-      memcpy(dvo, dV, sizeof(float) * Bk * Dp);
+      if (xg) {
+        transpose_block<float>(dK, Dp, Bk, dko, Dp);
+        transpose_block<float>(dV, Dp, Bk, dvo, Dp);
+      } else {
+        memcpy(dko, dK, sizeof(float) * Bk * Dp);
+        memcpy(dvo, dV, sizeof(float) * Bk * Dp);
+      }
     }
   }
+  if (xg && a.ext_release) a.ext_release();
   free(P);
   free(dS);
   free(PT);

@@ -30,6 +30,24 @@ namespace {
 template <typename T>
 struct VecT;
 
+template <typename T>
+struct IsF32 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsF32<float> {
+  static constexpr bool value = true;
+};
+
+// Transposed copy of a row-major [R x C] block into [C x R] (dst row stride ldd).
+template <typename T>
+inline void transpose_block(const T* __restrict src, int R, int C, T* __restrict dst, int64_t ldd) {
+  for (int r0 = 0; r0 < R; r0 += 16)
+    for (int c0 = 0; c0 < C; c0 += 16)
+      for (int c = c0; c < c0 + 16 && c < C; ++c)
+        for (int r = r0; r < r0 + 16 && r < R; ++r) dst[(int64_t)c * ldd + r] = src[(int64_t)r * C + c];
+}
+
 template <>
 struct VecT<float> {
   typedef float V __attribute__((vector_size(HP_VB)));
@@ -64,17 +82,48 @@ template <typename T>
 inline T neg_inf() {
   return -__builtin_inf();
 }
+// Horizontal max / sum by halving (log2(L) dependent steps instead of L - 1).
+template <typename T, int N>
+inline T tree_max(const T* x) {
+  if constexpr (N == 2) {
+    return x[0] > x[1] ? x[0] : x[1];
+  } else {
+    typedef T H __attribute__((vector_size(N / 2 * sizeof(T))));
+    H a, b;
+    memcpy(&a, x, sizeof(H));
+    memcpy(&b, x + N / 2, sizeof(H));
+    const H m = a > b ? a : b;
+    T t[N / 2];
+    memcpy(t, &m, sizeof(H));
+    return tree_max<T, N / 2>(t);
+  }
+}
+template <typename T, int N>
+inline T tree_sum(const T* x) {
+  if constexpr (N == 2) {
+    return x[0] + x[1];
+  } else {
+    typedef T H __attribute__((vector_size(N / 2 * sizeof(T))));
+    H a, b;
+    memcpy(&a, x, sizeof(H));
+    memcpy(&b, x + N / 2, sizeof(H));
+    const H m = a + b;
+    T t[N / 2];
+    memcpy(t, &m, sizeof(H));
+    return tree_sum<T, N / 2>(t);
+  }
+}
 template <typename T>
 inline T hmax(typename VecT<T>::V x) {
-  T r = x[0];
-  for (int i = 1; i < VecT<T>::L; ++i) r = x[i] > r ? x[i] : r;
-  return r;
+  T t[VecT<T>::L];
+  memcpy(t, &x, sizeof(x));
+  return tree_max<T, VecT<T>::L>(t);
 }
 template <typename T>
 inline T hsum(typename VecT<T>::V x) {
-  T r = 0;
-  for (int i = 0; i < VecT<T>::L; ++i) r += x[i];
-  return r;
+  T t[VecT<T>::L];
+  memcpy(t, &x, sizeof(x));
+  return tree_sum<T, VecT<T>::L>(t);
 }
 template <typename T>
 inline typename VecT<T>::V vmax(typename VecT<T>::V a, typename VecT<T>::V b) {
@@ -225,11 +274,12 @@ void fwd_worker(const FwdArgs& a) {
   T* S = scratch_alloc<T>((int64_t)Bq * Bk);
   T* O = scratch_alloc<T>((int64_t)Bq * Dp);
   T* mrow = scratch_alloc<T>(Bq);
-  T* lrow = scratch_alloc<T>(Bq);
-  if (!S || !O || !mrow || !lrow) __builtin_trap();
+  V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<T>((int64_t)Bq * L)));
+  if (!S || !O || !mrow || !lvec) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const T ninf = neg_inf<T>();
   const T ln2 = (T)0.69314718055994530942;
+  const TileGemmFn xg = IsF32<T>::value ? a.ext_gemm : nullptr;
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
     if (it >= a.nitems) break;
@@ -248,12 +298,15 @@ void fwd_worker(const FwdArgs& a) {
     zero_buf(O, (int64_t)Bq * Dp);
     for (int i = 0; i < Bq; ++i) {
       mrow[i] = ninf;
-      lrow[i] = 0;
+      lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
       const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
       if (cls == kTileSkip) continue;
-      gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk, a.Skp, S, Bk);
+      if (xg)
+        xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, reinterpret_cast<float*>(S), Bk, 0);
+      else
+        gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, S, Bk);
       if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
       bool any = false;
       for (int i = 0; i < Bq; ++i) {
@@ -277,36 +330,41 @@ void fwd_worker(const FwdArgs& a) {
         }
         if (mnew != mold) {
           const T alpha = sexp2(mold - mnew);  // 0 when mold == -inf
-          lrow[i] = lrow[i] * alpha + hsum<T>(sum);
+          lvec[i] = lvec[i] * alpha + sum;
           T* o = O + (int64_t)i * Dp;
           const V av = vsplat<T>(alpha);
           for (int d = 0; d < Dp; d += L) vstore<T>(o + d, vload<T>(o + d) * av);
           mrow[i] = mnew;
         } else {
-          lrow[i] += hsum<T>(sum);
+          lvec[i] += sum;
         }
       }
-      if (any) gemm<T, false, true>(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, O, Dp);
+      if (any && xg)
+        xg(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, reinterpret_cast<float*>(O), Dp, 1);
+      else if (any)
+        gemm<T, false, true>(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, O, Dp);
     }
     T* out = static_cast<T*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
     T* lse = static_cast<T*>(a.lse) + bh * a.Sqp + qt * Bq;
     for (int i = 0; i < Bq; ++i) {
       T* orow = out + (int64_t)i * Dp;
       const T* o = O + (int64_t)i * Dp;
-      if (lrow[i] > 0) {
-        const V inv = vsplat<T>((T)1 / lrow[i]);
+      const T l = hsum<T>(lvec[i]);
+      if (l > 0) {
+        const V inv = vsplat<T>((T)1 / l);
         for (int d = 0; d < Dp; d += L) vstore<T>(orow + d, vload<T>(o + d) * inv);
-        lse[i] = (mrow[i] + slog2(lrow[i])) * ln2;
+        lse[i] = (mrow[i] + slog2(l)) * ln2;
       } else {
         zero_buf(orow, Dp);
         lse[i] = ninf;
       }
     }
   }
+  if (xg && a.ext_release) a.ext_release();
   free(S);
   free(O);
   free(mrow);
-  free(lrow);
+  free(lvec);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -321,6 +379,13 @@ void bwd_worker(const BwdArgs& a) {
   T* dV = scratch_alloc<T>((int64_t)Bk * Dp);
   if (!P || !dS || !dK || !dV) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
+  // With a tile-GEMM provider dK / dV hold the transposes dK^T, dV^T [Dp x Bk] (accumulated
+  // as Q^T dS and dO^T P from the host's per-tile transposed q / dout), transposed at the end.
+  const TileGemmFn xg = IsF32<T>::value ? a.ext_gemm : nullptr;
+  float* const dKf = reinterpret_cast<float*>(dK);
+  float* const dVf = reinterpret_cast<float*>(dV);
+  float* const Pf = reinterpret_cast<float*>(P);
+  float* const dSf = reinterpret_cast<float*>(dS);
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
     if (it >= a.nitems) break;
@@ -350,8 +415,13 @@ void bwd_worker(const BwdArgs& a) {
           const T* lse2 = static_cast<const T*>(a.lse2) + row0;
           const T* delta = static_cast<const T*>(a.delta) + row0;
           T* dQ = static_cast<T*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
+          const T* Qt = xg ? static_cast<const T*>(a.qt) + row0 * Dp : nullptr;
+          const T* dOt = xg ? static_cast<const T*>(a.dot) + row0 * Dp : nullptr;
           // S = Q K^T (log2 domain), P = 2^(S - lse2)
-          gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk, a.Skp, P, Bk);
+          if (xg)
+            xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, Pf, Bk, 0);
+          else
+            gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, P, Bk);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
                        a.causal);
@@ -360,10 +430,16 @@ void bwd_worker(const BwdArgs& a) {
             const V lv = vsplat<T>(lse2[i]);
             for (int j = 0; j < Bk; j += L) vstore<T>(p + j, vexp2(vload<T>(p + j) - lv));
           }
-          // dV += P^T dO
-          gemm<T, true, true>(Bk, Dp, Bq, P, Bk, dO, Dp, dV, Dp);
+          // dV += P^T dO   (provider: dV^T += dO^T P)
+          if (xg)
+            xg(Dp, Bk, Bq, dOt, Bq, Pf, Bk, dVf, Bk, 1);
+          else
+            gemm<T, true, true>(Bk, Dp, Bq, P, Bk, dO, Dp, dV, Dp);
           // dP = dO V^T ; dS = P * (dP - delta)
-          gemm<T, false, false>(Bq, Bk, Dp, dO, Dp, VT + kt * Bk, a.Skp, dS, Bk);
+          if (xg)
+            xg(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * Dp, Bk, dSf, Bk, 0);
+          else
+            gemm<T, false, false>(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * Dp, Bk, dS, Bk);
           for (int i = 0; i < Bq; ++i) {
             T* ds = dS + (int64_t)i * Bk;
             const T* p = P + (int64_t)i * Bk;
@@ -371,17 +447,28 @@ void bwd_worker(const BwdArgs& a) {
             for (int j = 0; j < Bk; j += L)
               vstore<T>(ds + j, vload<T>(p + j) * (vload<T>(ds + j) - dv));
           }
-          // dQ_part += dS K ; dK += dS^T Q
-          gemm<T, false, true>(Bq, Dp, Bk, dS, Bk, Kr + kt * Bk * Dp, Dp, dQ, Dp);
-          gemm<T, true, true>(Bk, Dp, Bq, dS, Bk, Q, Dp, dK, Dp);
+          // dQ_part += dS K ; dK += dS^T Q   (provider: dK^T += Q^T dS)
+          if (xg) {
+            xg(Bq, Dp, Bk, dSf, Bk, Kr + kt * Bk * Dp, Dp, reinterpret_cast<float*>(dQ), Dp, 1);
+            xg(Dp, Bk, Bq, Qt, Bq, dSf, Bk, dKf, Bk, 1);
+          } else {
+            gemm<T, false, true>(Bq, Dp, Bk, dS, Bk, Kr + kt * Bk * Dp, Dp, dQ, Dp);
+            gemm<T, true, true>(Bk, Dp, Bq, dS, Bk, Q, Dp, dK, Dp);
+          }
         }
       }
       T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
       T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
-      memcpy(dko, dK, sizeof(T) * Bk * Dp);
-      memcpy(dvo, dV, sizeof(T) * Bk * Dp);
+      if (xg) {
+        transpose_block<T>(dK, Dp, Bk, dko, Dp);
+        transpose_block<T>(dV, Dp, Bk, dvo, Dp);
+      } else {
+        memcpy(dko, dK, sizeof(T) * Bk * Dp);
+        memcpy(dvo, dV, sizeof(T) * Bk * Dp);
+      }
     }
   }
+  if (xg && a.ext_release) a.ext_release();
   free(P);
   free(dS);
   free(dK);

@@ -6,7 +6,9 @@ nothing of size ``Sq x Sk`` is kept. Block masks are cached by (shapes, dtypes, 
 re-used only when the position / doc tensors are equal to the cached ones (one device compare).
 FlexAttention itself is differentiable (also through the returned lse) and compiled once.
 
-Untested in this repository's CI (no GPU); covered by tests marked skipif(not cuda).
+The mask / lse / cache logic is tested on CPU through FlexAttention's eager implementation
+(tests/ops/test_device_backends_on_cpu.py); the compiled CUDA kernel and its backward only by
+the tests marked skipif(not cuda), which this repository's CI (no GPU) does not run.
 """
 from __future__ import annotations
 
@@ -28,14 +30,29 @@ def _flex():
     return _compiled
 
 
+_compiled_builder = None
+
+
+def _block_mask_builder(device):
+    """``torch.compile(create_block_mask)`` on CUDA: the compiled builder evaluates the mask
+    block by block, the eager one evaluates ``mask_mod`` over the whole ``Sq x Sk`` grid (an
+    O(S^2) temporary). Eager elsewhere (CPU tests of this module's logic)."""
+    global _compiled_builder
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if torch.device(device).type != "cuda":
+        return create_block_mask
+    if _compiled_builder is None:
+        _compiled_builder = torch.compile(create_block_mask)
+    return _compiled_builder
+
+
 def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
     t = t.to(torch.int64)
     return t.unsqueeze(0).expand(batch, -1) if t.dim() == 1 else t.expand(batch, -1)
 
 
 def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     tensors = tuple(t for t in (q_pos, k_pos, q_doc, k_doc) if t is not None)
     key = (B, Sq, Sk, causal, str(device), q_doc is not None,
            tuple((tuple(t.shape), t.dtype) for t in tensors))
@@ -53,10 +70,7 @@ def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
             vis = vis & (qd[b, qi] == kd[b, ki]) & (kd[b, ki] >= 0)
         return vis
 
-    try:
-        bm = create_block_mask(mask_mod, B, None, Sq, Sk, device=device, _compile=True)
-    except Exception:  # noqa: BLE001 - older / unusual builds: eager construction
-        bm = create_block_mask(mask_mod, B, None, Sq, Sk, device=device)
+    bm = _block_mask_builder(device)(mask_mod, B, None, Sq, Sk, device=device)
     _block_masks[key] = (tuple(t.clone() for t in tensors), bm)
     while len(_block_masks) > _CACHE_SIZE:
         _block_masks.popitem(last=False)

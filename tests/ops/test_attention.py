@@ -246,6 +246,48 @@ def test_every_kernel_build(isa, monkeypatch):
                         dtype=dtype, seed=15), f"isa={isa}")
 
 
+_PROVIDER_CASES = [
+    ("offset causal C=4 r=3, Sk=4 tiles", dict(q_pos=ar(192, 256), k_pos=ar(256), Hq=8, Hk=2)),
+    ("zigzag two-range q", dict(q_pos=torch.cat([ar(0, 24), ar(168, 192)]), k_pos=ar(192),
+                                Hq=4, Hk=4, D=80)),
+    ("docs + padding, MQA", dict(q_pos=ar(100, 200), k_pos=ar(200), Hq=4, Hk=1,
+                                 q_doc=packed_docs([50, 7, 90, 33], pad=20)[100:],
+                                 k_doc=packed_docs([50, 7, 90, 33], pad=20))),
+    ("non-causal odd sizes", dict(q_pos=ar(77), k_pos=ar(131), causal=False, D=72)),
+    ("Sq=1", dict(q_pos=ar(199, 200), k_pos=ar(200), D=64)),
+]
+
+
+@pytest.mark.parametrize("provider", ["builtin", "brgemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tile_gemm_providers(provider, dtype, monkeypatch):
+    """Both tile-GEMM providers (built-in micro-kernels, ATen/oneDNN brgemm) against float64.
+
+    Where brgemm cannot run (no AVX-512 for fp32, no AMX for the bf16 kernels) forcing it must
+    raise a ValueError that names the variable, instead of silently using the other provider.
+    """
+    monkeypatch.setenv("HYPER_PARALLEL_ATTN_GEMM", provider)
+    info = engine_info()
+    if provider == "brgemm":
+        uses_bf16_kernels = dtype == torch.bfloat16 and "bf16=via fp32" not in info
+        usable = ("bf16-amx=yes" if uses_bf16_kernels else "fp32=yes") in info
+        if not usable:
+            with pytest.raises(ValueError, match="HYPER_PARALLEL_ATTN_GEMM=brgemm"):
+                attention(torch.randn(1, 1, 4, 16, dtype=dtype),
+                          torch.randn(1, 1, 4, 16, dtype=dtype),
+                          torch.randn(1, 1, 4, 16, dtype=dtype), q_pos=ar(4), k_pos=ar(4))
+            return
+    for i, (name, kw) in enumerate(_PROVIDER_CASES):
+        run_parity(Case(dtype=dtype, seed=40 + i, **kw), f"gemm={provider} {dtype} {name}")
+
+
+def test_bad_gemm_env_raises(monkeypatch):
+    monkeypatch.setenv("HYPER_PARALLEL_ATTN_GEMM", "mkl")
+    with pytest.raises(ValueError, match="HYPER_PARALLEL_ATTN_GEMM"):
+        attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8),
+                  q_pos=ar(4), k_pos=ar(4))
+
+
 def test_bad_isa_env_raises(monkeypatch):
     monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", "sse9")
     with pytest.raises(ValueError, match="HYPER_PARALLEL_ATTN_ISA"):
