@@ -332,15 +332,7 @@ void bwd_bf16(const BwdArgs& a) {
           }
         }
       }
-      float* dko = static_cast<float*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
-      float* dvo = static_cast<float*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
-      if (xg) {
-        transpose_block<float>(dK, Dp, Bk, dko, Dp);
-        transpose_block<float>(dV, Dp, Bk, dvo, Dp);
-      } else {
-        memcpy(dko, dK, sizeof(float) * Bk * Dp);
-        memcpy(dvo, dV, sizeof(float) * Bk * Dp);
-      }
+      store_dkdv<float>(a, bkv, kt, dK, dV, xg != nullptr);
     }
   }
   if (xg && a.ext_release) a.ext_release();

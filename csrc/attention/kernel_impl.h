@@ -367,6 +367,23 @@ void fwd_worker(const FwdArgs& a) {
   free(lvec);
 }
 
+// Write one key tile's dK / dV (private to the work item) to the outputs [B, Hk, Skp, Dp];
+// `transposed`: the buffers hold dK^T / dV^T [Dp x Bk] (tile-GEMM provider path).
+template <typename T>
+inline void store_dkdv(const BwdArgs& a, int64_t bkv, int64_t kt, const T* dK, const T* dV,
+                       bool transposed) {
+  const int Bk = (int)a.Bk, Dp = (int)a.Dp;
+  T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
+  T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
+  if (transposed) {
+    transpose_block<T>(dK, Dp, Bk, dko, Dp);
+    transpose_block<T>(dV, Dp, Bk, dvo, Dp);
+  } else {
+    memcpy(dko, dK, sizeof(T) * Bk * Dp);
+    memcpy(dvo, dV, sizeof(T) * Bk * Dp);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 template <typename T>
 void bwd_worker(const BwdArgs& a) {
@@ -457,15 +474,7 @@ void bwd_worker(const BwdArgs& a) {
           }
         }
       }
-      T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
-      T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
-      if (xg) {
-        transpose_block<T>(dK, Dp, Bk, dko, Dp);
-        transpose_block<T>(dV, Dp, Bk, dvo, Dp);
-      } else {
-        memcpy(dko, dK, sizeof(T) * Bk * Dp);
-        memcpy(dvo, dV, sizeof(T) * Bk * Dp);
-      }
+      store_dkdv<T>(a, bkv, kt, dK, dV, xg != nullptr);
     }
   }
   if (xg && a.ext_release) a.ext_release();
