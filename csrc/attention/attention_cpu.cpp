@@ -182,9 +182,13 @@ TileGemmFn select_gemm(const KernelTable* kt, at::ScalarType acc, bool bf16,
   return bf16 ? ext_gemm_bf16 : ext_gemm_f32;
 }
 
-// Per query tile transposed copy: [B, H, Sqp, Dp] -> [B, H, Sqp/Bq, Dp, Bq].
-at::Tensor tile_transposed(const at::Tensor& x, int64_t Bq) {
-  return x.view({x.size(0), x.size(1), x.size(2) / Bq, Bq, x.size(3)}).transpose(3, 4).contiguous();
+// Contiguous [B, H, S, D] (S a multiple of blk) -> [B, H, S/blk, D, blk]: transposed *per tile*,
+// so each tile's transpose is one contiguous D x blk slab and the GEMMs read rows blk apart. (A
+// plain [D, S] transpose puts consecutive rows S * elem bytes apart: at long S that is a
+// power-of-two stride mapping every row to the same L1/L2 sets, and the kernels thrash.)
+// Used for K^T / V^T per key tile and, with brgemm, Q^T / dO^T per query tile.
+at::Tensor tile_transposed(const at::Tensor& x, int64_t blk) {
+  return x.view({x.size(0), x.size(1), x.size(2) / blk, blk, x.size(3)}).transpose(3, 4).contiguous();
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -314,16 +318,6 @@ at::Tensor pad_rows(const at::Tensor& x, int64_t Sp, int64_t Dp, at::ScalarType 
   return buf;
 }
 
-// x [B, H, S, D] -> contiguous acc-dtype [B, H, Sp/Bk, Dp, Bk]: transposed *per key tile*, zero
-// padded. Each key tile's K^T block is one contiguous Dp x Bk slab, so the micro-GEMM streams
-// rows Bk apart. (A plain [Dp, Sp] transpose puts consecutive rows Sp*4 bytes apart: at long Sp
-// that is a power-of-two stride mapping every row to the same L1/L2 sets, and the kernel thrashes.)
-at::Tensor pad_transposed(const at::Tensor& x, int64_t Sp, int64_t Dp, int64_t Bk,
-                          at::ScalarType acc) {
-  const at::Tensor r = pad_rows(x, Sp, Dp, acc);
-  return r.view({x.size(0), x.size(1), Sp / Bk, Bk, Dp}).transpose(3, 4).contiguous();
-}
-
 at::Tensor scaled_queries(const at::Tensor& q, int64_t Sqp, int64_t Dp, at::ScalarType acc,
                           double scale) {
   const int64_t Sq = q.size(2), D = q.size(3);
@@ -342,10 +336,9 @@ at::Tensor scaled_queries(const at::Tensor& q, int64_t Sqp, int64_t Dp, at::Scal
 constexpr int64_t kSerialWork = int64_t(1) << 22;
 
 // bf16 operand layouts for the avx512bf16 kernels (see kernel_avx512bf16.cpp).
-// xb [B, H, Sp, Dp] bf16 -> [B, H, Dp/2, Sp] 32-bit pairs along D (transposed).
+// xb [B, H, Sp, Dp] bf16 -> [B, H, Sp/Bk, Dp/2, Bk] 32-bit pairs along D, transposed per key tile.
 at::Tensor bf16_pairs_transposed(const at::Tensor& xb, int64_t Bk) {
-  const at::Tensor w = xb.view(at::kInt);  // [B, H, Sp, Dp/2]
-  return w.view({w.size(0), w.size(1), w.size(2) / Bk, Bk, w.size(3)}).transpose(3, 4).contiguous();
+  return tile_transposed(xb.view(at::kInt), Bk);
 }
 // xb [B, H, Sp, Dp] bf16 -> [B, H, Sp/2, Dp, 2]: pairs along S.
 at::Tensor bf16_pairs_rows(const at::Tensor& xb) {
@@ -419,7 +412,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
     Vp = bf16_pairs_rows(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
-    KT = pad_transposed(k, g.Skp, g.Dp, g.Bk, acc);
+    KT = tile_transposed(pad_rows(k, g.Skp, g.Dp, acc), g.Bk);
     Vp = pad_rows(v, g.Skp, g.Dp, acc);
   }
   const bool direct = g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
@@ -521,9 +514,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     if (!ext_gemm) dOv = bf16_pairs_rows(dOp);
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
-    KT = pad_transposed(k, g.Skp, g.Dp, g.Bk, acc);
     Kp = pad_rows(k, g.Skp, g.Dp, acc);
-    VT = pad_transposed(v, g.Skp, g.Dp, g.Bk, acc);
+    KT = tile_transposed(Kp, g.Bk);
+    VT = tile_transposed(pad_rows(v, g.Skp, g.Dp, acc), g.Bk);
     dOp = pad_rows(dout, g.Sqp, g.Dp, acc);
   }
   if (ext_gemm) {

@@ -135,8 +135,8 @@ inline double sexp2(double x) { return __builtin_exp2(x); }
 inline float slog2(float x) { return __builtin_log2f(x); }
 inline double slog2(double x) { return __builtin_log2(x); }
 
-// 2^x for x <= 0 (x < -126, -inf included, -> 0; x > 127 is out of contract). fp32: Cody-Waite split + degree-6 polynomial,
-// ~2 ulp. fp64 (gradcheck path): exact libm per lane.
+// 2^x for x <= 0 (x < -126, -inf included, -> 0; x > 127 is out of contract).
+// fp32: Cody-Waite split + degree-6 polynomial, ~2 ulp. fp64 (gradcheck path): exact libm per lane.
 inline VecT<float>::V vexp2(VecT<float>::V x) {
   typedef VecT<float>::V V;
   typedef VecT<float>::I I;
