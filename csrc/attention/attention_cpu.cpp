@@ -36,7 +36,7 @@ namespace {
 
 constexpr double kLog2e = 1.4426950408889634074;
 constexpr double kLn2 = 0.69314718055994530942;
-constexpr int64_t kBlockK = 64;
+constexpr int64_t kBlockK = kTileK;  // compile-time in the kernels (kernel_api.h)
 constexpr int64_t kBlockQMax = 64;
 
 bool cpu_has_avx512() {

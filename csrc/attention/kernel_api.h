@@ -16,11 +16,17 @@
 //   qpos/qdoc [B, Sqp], kpos/kdoc [B, Skp]: int32 positions and mapped document ids
 //     (kDocKeyNone for keys that are never attended, kDocQueryNone for queries that see
 //     nothing); padding rows/columns carry the "none" ids, so they are always masked.
-//   Sqp is a multiple of Bq, Skp a multiple of Bk, Dp a multiple of 16.
+//   Sqp is a multiple of Bq, Skp a multiple of Bk (= kTileK), Dp a multiple of 16.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <utility>  // std::index_sequence (kernel_impl.h)
 
 namespace hp_attn {
+
+// Key-tile width, fixed at compile time so that the score-row loops unroll into registers
+// (FwdArgs::Bk / BwdArgs::Bk must equal it). Query tiles are sized by the host (<= 64).
+constexpr int kTileK = 64;
 
 constexpr int32_t kDocKeyNone = INT32_MIN;        // key never attended (doc < 0 or padding)
 constexpr int32_t kDocQueryNone = INT32_MIN + 1;  // query sees no key (doc < 0 or padding)

@@ -128,7 +128,8 @@ inline void scale_rows(float* S, int n, float c) {
 void fwd_bf16(const FwdArgs& a) {
   typedef VecT<float>::V V;
   constexpr int L = 16;
-  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  constexpr int Bk = kTileK;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
   float* S = scratch_alloc<float>((int64_t)Bq * Bk);
   uint32_t* Pb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
   float* O = scratch_alloc<float>((int64_t)Bq * Dp);
@@ -173,38 +174,7 @@ void fwd_bf16(const FwdArgs& a) {
       // into the exponent below; a non-positive scale is applied up front.
       if (!pos_scale) scale_rows(S, Bq * Bk, sscale);
       if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
-      bool any = false;
-      for (int i = 0; i < Bq; ++i) {
-        float* s = S + (int64_t)i * Bk;
-        V mx = vsplat<float>(ninf);
-        for (int j = 0; j < Bk; j += L) mx = vmax<float>(mx, vload<float>(s + j));
-        const float rmax = hmax<float>(mx) * cexp;
-        const float mold = mrow[i];
-        const float mnew = rmax > mold ? rmax : mold;
-        if (mnew == ninf) {
-          zero_buf(s, Bk);
-          continue;
-        }
-        any = true;
-        const V mv = vsplat<float>(mnew);
-        const V cv = vsplat<float>(cexp);
-        V sum = {};
-        for (int j = 0; j < Bk; j += L) {
-          const V p = vexp2(vload<float>(s + j) * cv - mv);
-          vstore<float>(s + j, p);
-          sum += p;
-        }
-        if (mnew != mold) {
-          const float alpha = sexp2(mold - mnew);
-          lvec[i] = lvec[i] * alpha + sum;
-          float* o = O + (int64_t)i * Dp;
-          const V av = vsplat<float>(alpha);
-          for (int d = 0; d < Dp; d += L) vstore<float>(o + d, vload<float>(o + d) * av);
-          mrow[i] = mnew;
-        } else {
-          lvec[i] += sum;
-        }
-      }
+      const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dp, cexp);
       if (!any) continue;
       rows_to_bf16(S, Bq, Bk, Pb);
       if (xg)
@@ -239,7 +209,8 @@ void fwd_bf16(const FwdArgs& a) {
 void bwd_bf16(const BwdArgs& a) {
   typedef VecT<float>::V V;
   constexpr int L = 16;
-  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  constexpr int Bk = kTileK;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
   float* P = scratch_alloc<float>((int64_t)Bq * Bk);
   float* dS = scratch_alloc<float>((int64_t)Bq * Bk);
   uint32_t* PT = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);

@@ -82,48 +82,44 @@ template <typename T>
 inline T neg_inf() {
   return -__builtin_inf();
 }
-// Horizontal max / sum by halving (log2(L) dependent steps instead of L - 1).
-template <typename T, int N>
-inline T tree_max(const T* x) {
-  if constexpr (N == 2) {
-    return x[0] > x[1] ? x[0] : x[1];
-  } else {
-    typedef T H __attribute__((vector_size(N / 2 * sizeof(T))));
-    H a, b;
-    memcpy(&a, x, sizeof(H));
-    memcpy(&b, x + N / 2, sizeof(H));
-    const H m = a > b ? a : b;
-    T t[N / 2];
-    memcpy(t, &m, sizeof(H));
-    return tree_max<T, N / 2>(t);
-  }
+// Horizontal max / sum of one vector by halving (log2(L) dependent steps). Where the compiler
+// has __builtin_shufflevector (GCC >= 12, clang) the halves are lane shuffles that stay in
+// registers; otherwise they go through memory.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define HP_HAVE_SHUFFLEVECTOR 1
+template <typename H, typename W, size_t... I>
+inline H lower_half(W x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, I...);
 }
-template <typename T, int N>
-inline T tree_sum(const T* x) {
-  if constexpr (N == 2) {
-    return x[0] + x[1];
+template <typename H, typename W, size_t... I>
+inline H upper_half(W x, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, x, (I + sizeof...(I))...);
+}
+#endif
+template <typename T, int N, typename W>
+inline T hreduce(W x, bool is_max) {
+  if constexpr (N == 1) {
+    return x[0];
   } else {
     typedef T H __attribute__((vector_size(N / 2 * sizeof(T))));
-    H a, b;
-    memcpy(&a, x, sizeof(H));
-    memcpy(&b, x + N / 2, sizeof(H));
-    const H m = a + b;
-    T t[N / 2];
-    memcpy(t, &m, sizeof(H));
-    return tree_sum<T, N / 2>(t);
+#ifdef HP_HAVE_SHUFFLEVECTOR
+    const H lo = lower_half<H>(x, std::make_index_sequence<N / 2>{});
+    const H hi = upper_half<H>(x, std::make_index_sequence<N / 2>{});
+#else
+    H lo, hi;
+    memcpy(&lo, &x, sizeof(H));
+    memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(H), sizeof(H));
+#endif
+    return hreduce<T, N / 2>(is_max ? (lo > hi ? lo : hi) : lo + hi, is_max);
   }
 }
 template <typename T>
 inline T hmax(typename VecT<T>::V x) {
-  T t[VecT<T>::L];
-  memcpy(t, &x, sizeof(x));
-  return tree_max<T, VecT<T>::L>(t);
+  return hreduce<T, VecT<T>::L>(x, true);
 }
 template <typename T>
 inline T hsum(typename VecT<T>::V x) {
-  T t[VecT<T>::L];
-  memcpy(t, &x, sizeof(x));
-  return tree_sum<T, VecT<T>::L>(t);
+  return hreduce<T, VecT<T>::L>(x, false);
 }
 template <typename T>
 inline typename VecT<T>::V vmax(typename VecT<T>::V a, typename VecT<T>::V b) {
@@ -266,11 +262,70 @@ inline void zero_buf(T* p, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Online-softmax step for one [Bq x kTileK] score tile S (log2 domain; multiplied by `c` first
+// when kScaled), in place: per row m' = max(m, rowmax(c S)), S <- 2^(c S - m'),
+// l <- l 2^(m - m') + rowsum (l kept per lane), O row *= 2^(m - m') when m grows. Rows that
+// have seen nothing visible (m' = -inf) get S = 0. Each row is processed in registers (kTileK
+// is a compile-time constant) with independent exp chains. Returns whether any row is non-zero
+// (if not, the P V product can be skipped).
+template <typename T, bool kScaled>
+bool softmax_tile(T* __restrict S, int Bq, T* __restrict mrow, typename VecT<T>::V* __restrict lvec,
+                  T* __restrict O, int Dp, T c) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L, NV = kTileK / L;
+  static_assert(kTileK % L == 0 && NV >= 2 && NV % 2 == 0, "kTileK must be an even number of vectors");
+  const T ninf = neg_inf<T>();
+  const V cv = vsplat<T>(c);
+  bool any = false;
+  for (int i = 0; i < Bq; ++i) {
+    T* s = S + (int64_t)i * kTileK;
+    V x[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) x[v] = kScaled ? vload<T>(s + v * L) * cv : vload<T>(s + v * L);
+    V mx[NV / 2];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV / 2; ++v) mx[v] = vmax<T>(x[2 * v], x[2 * v + 1]);
+#pragma GCC unroll 16
+    for (int w = NV / 4; w >= 1; w /= 2)
+      for (int v = 0; v < w; ++v) mx[v] = vmax<T>(mx[v], mx[v + w]);
+    const T rmax = hmax<T>(mx[0]);
+    const T mold = mrow[i];
+    const T mnew = rmax > mold ? rmax : mold;
+    if (mnew == ninf) {  // nothing visible yet for this row
+      zero_buf(s, kTileK);
+      continue;
+    }
+    any = true;
+    const V mv = vsplat<T>(mnew);
+    V sum0 = {}, sum1 = {};
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; v += 2) {
+      const V p0 = vexp2(x[v] - mv), p1 = vexp2(x[v + 1] - mv);
+      vstore<T>(s + v * L, p0);
+      vstore<T>(s + (v + 1) * L, p1);
+      sum0 += p0;
+      sum1 += p1;
+    }
+    if (mnew != mold) {
+      const T alpha = sexp2(mold - mnew);  // 0 when mold == -inf
+      lvec[i] = lvec[i] * alpha + (sum0 + sum1);
+      T* o = O + (int64_t)i * Dp;
+      const V av = vsplat<T>(alpha);
+      for (int d = 0; d < Dp; d += L) vstore<T>(o + d, vload<T>(o + d) * av);
+      mrow[i] = mnew;
+    } else {
+      lvec[i] += sum0 + sum1;
+    }
+  }
+  return any;
+}
+
 template <typename T>
 void fwd_worker(const FwdArgs& a) {
   typedef typename VecT<T>::V V;
   constexpr int L = VecT<T>::L;
-  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  constexpr int Bk = kTileK;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
   T* S = scratch_alloc<T>((int64_t)Bq * Bk);
   T* O = scratch_alloc<T>((int64_t)Bq * Dp);
   T* mrow = scratch_alloc<T>(Bq);
@@ -308,37 +363,7 @@ void fwd_worker(const FwdArgs& a) {
       else
         gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, S, Bk);
       if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
-      bool any = false;
-      for (int i = 0; i < Bq; ++i) {
-        T* s = S + (int64_t)i * Bk;
-        V mx = vsplat<T>(ninf);
-        for (int j = 0; j < Bk; j += L) mx = vmax<T>(mx, vload<T>(s + j));
-        const T rmax = hmax<T>(mx);
-        const T mold = mrow[i];
-        const T mnew = rmax > mold ? rmax : mold;
-        if (mnew == ninf) {  // nothing visible yet for this row
-          zero_buf(s, Bk);
-          continue;
-        }
-        any = true;
-        const V mv = vsplat<T>(mnew);
-        V sum = {};
-        for (int j = 0; j < Bk; j += L) {
-          const V p = vexp2(vload<T>(s + j) - mv);
-          vstore<T>(s + j, p);
-          sum += p;
-        }
-        if (mnew != mold) {
-          const T alpha = sexp2(mold - mnew);  // 0 when mold == -inf
-          lvec[i] = lvec[i] * alpha + sum;
-          T* o = O + (int64_t)i * Dp;
-          const V av = vsplat<T>(alpha);
-          for (int d = 0; d < Dp; d += L) vstore<T>(o + d, vload<T>(o + d) * av);
-          mrow[i] = mnew;
-        } else {
-          lvec[i] += sum;
-        }
-      }
+      const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dp, T(1));
       if (any && xg)
         xg(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, reinterpret_cast<float*>(O), Dp, 1);
       else if (any)
@@ -372,7 +397,8 @@ void fwd_worker(const FwdArgs& a) {
 template <typename T>
 inline void store_dkdv(const BwdArgs& a, int64_t bkv, int64_t kt, const T* dK, const T* dV,
                        bool transposed) {
-  const int Bk = (int)a.Bk, Dp = (int)a.Dp;
+  constexpr int Bk = kTileK;
+  const int Dp = (int)a.Dp;
   T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
   T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
   if (transposed) {
@@ -389,7 +415,8 @@ template <typename T>
 void bwd_worker(const BwdArgs& a) {
   typedef typename VecT<T>::V V;
   constexpr int L = VecT<T>::L;
-  const int Bq = (int)a.Bq, Bk = (int)a.Bk, Dp = (int)a.Dp;
+  constexpr int Bk = kTileK;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
   T* P = scratch_alloc<T>((int64_t)Bq * Bk);
   T* dS = scratch_alloc<T>((int64_t)Bq * Bk);
   T* dK = scratch_alloc<T>((int64_t)Bk * Dp);
