@@ -381,6 +381,49 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k) {
   return g;
 }
 
+// Backward row statistics, written into [B, Hq, Sqp] buffers (T = the accumulation dtype):
+//   delta_i = sum_d dout_i[d] out_i[d] - dlse_i  (the lse gradient enters dS like -delta),
+//   lse2_i  = lse_i * log2(e).
+// Rows that see no key (lse = -inf) and padding rows get delta = 0 and lse2 = +inf, so that the
+// kernels' P = 2^(S - lse2) is exactly 0 there. One pass, no [B, Hq, Sq, D] temporaries.
+template <typename T>
+void softmax_stats(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                   const c10::optional<at::Tensor>& dlse, int64_t Sqp, at::Tensor& delta_p,
+                   at::Tensor& lse2_p) {
+  const auto acc = c10::CppTypeToScalarType<T>::value;
+  const at::Tensor d = dout.to(acc).contiguous(), o = out.to(acc).contiguous();
+  const at::Tensor l = lse.to(acc).contiguous();
+  at::Tensor dl;
+  if (dlse.has_value()) dl = dlse->to(acc).contiguous();
+  const int64_t rows = lse.size(0) * lse.size(1), Sq = lse.size(2), D = dout.size(3);
+  const T* dp = d.data_ptr<T>();
+  const T* op = o.data_ptr<T>();
+  const T* lp = l.data_ptr<T>();
+  const T* dlp = dl.defined() ? dl.data_ptr<T>() : nullptr;
+  T* delta = delta_p.data_ptr<T>();
+  T* lse2 = lse2_p.data_ptr<T>();
+  const T inf = std::numeric_limits<T>::infinity();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, Sq * D)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < Sqp; ++i) {
+        const int64_t row = r * Sq + i;
+        T& dlt = delta[r * Sqp + i];
+        T& l2 = lse2[r * Sqp + i];
+        if (i >= Sq || !std::isfinite(lp[row])) {
+          dlt = 0;
+          l2 = inf;
+          continue;
+        }
+        T s = 0;
+        for (int64_t j = 0; j < D; ++j) s += dp[row * D + j] * op[row * D + j];
+        dlt = dlp ? s - dlp[row] : s;
+        l2 = lp[row] * (T)kLog2e;
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& q_pos,
@@ -524,20 +567,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     dOt = tile_transposed(dOp, g.Bq);
   }
 
-  // delta_i = sum_d dO_i O_i - dlse_i (the lse gradient enters dS like -delta); rows that see
-  // nothing get lse2 = +inf so that P = 2^(S - lse2) = 0 exactly.
-  const at::Tensor lse_acc = lse.to(acc);
-  const at::Tensor finite = at::isfinite(lse_acc);
-  at::Tensor delta = (dout.to(acc) * out.to(acc)).sum(-1);
-  if (dlse.has_value()) delta = delta - dlse->to(acc);
-  delta = at::where(finite, delta, at::zeros({}, delta.options()));
-  at::Tensor lse2 = at::where(finite, lse_acc * kLog2e,
-                              at::full({}, std::numeric_limits<double>::infinity(), delta.options()));
-  at::Tensor delta_p = at::zeros({g.B, g.Hq, g.Sqp}, delta.options());
-  at::Tensor lse2_p = at::full({g.B, g.Hq, g.Sqp}, std::numeric_limits<double>::infinity(),
-                               delta.options());
-  delta_p.narrow(2, 0, g.Sq).copy_(delta);
-  lse2_p.narrow(2, 0, g.Sq).copy_(lse2);
+  // Per-row softmax statistics, padded to Sqp (see softmax_stats).
+  at::Tensor delta_p = at::empty({g.B, g.Hq, g.Sqp}, q.options().dtype(acc));
+  at::Tensor lse2_p = at::empty({g.B, g.Hq, g.Sqp}, q.options().dtype(acc));
+  if (acc == at::kDouble)
+    softmax_stats<double>(dout, out, lse, dlse, g.Sqp, delta_p, lse2_p);
+  else
+    softmax_stats<float>(dout, out, lse, dlse, g.Sqp, delta_p, lse2_p);
 
   // Key-tile chunks per (b, kv head): enough items to keep every thread busy. Each chunk has
   // its own dQ partial buffer, summed in a fixed order afterwards (deterministic).
@@ -545,9 +581,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   const int64_t units = g.B * g.Hk;
   int64_t nc = 1;
   while (nc < g.nkt && (units * nc) % nthreads != 0 && units * nc < 4 * nthreads) ++nc;
-  at::Tensor dq_part = at::zeros({nc, g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
-  at::Tensor dk_buf = at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
-  at::Tensor dv_buf = at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
+  // With nothing padded (and one chunk for dQ) the kernels accumulate / store straight into the
+  // outputs: fewer fresh O(S * D) buffers, each of which costs page faults on first touch.
+  const bool direct_q = nc == 1 && g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
+  const bool direct_kv = g.Sk == g.Skp && g.D == g.Dp && k.scalar_type() == acc;
+  at::Tensor dq_part = direct_q ? dq.zero_()
+                                : at::zeros({nc, g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
+  at::Tensor dk_buf = direct_kv ? dk : at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
+  at::Tensor dv_buf = direct_kv ? dv : at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
 
   BwdArgs a{};
   a.q = Qs.data_ptr();
@@ -566,6 +607,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.dq_part = dq_part.data_ptr();
   a.dk = dk_buf.data_ptr();
   a.dv = dv_buf.data_ptr();
+  // fp32/fp64 kernels accumulate dS^T (q * scale * log2 e), the bf16 kernels dS^T q.
+  a.dk_scale = bf16 ? scale : kLn2;
   a.qpos = qp.pos.data();
   a.qdoc = qp.doc.data();
   a.kpos = kp.pos.data();
@@ -595,11 +638,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   run_workers(bf16 ? kt->bwd_bf16 : acc == at::kDouble ? kt->bwd_f64 : kt->bwd_f32, a,
               pairs * g.Hq * 5 * g.Bq * g.Bk * g.Dp);
 
-  at::Tensor dq_sum = nc > 1 ? dq_part.sum(0) : dq_part.select(0, 0);
-  dq.copy_(dq_sum.narrow(2, 0, g.Sq).narrow(3, 0, g.D).mul_(scale));
-  // fp32/fp64 kernels accumulate dS^T (q * scale * log2 e), the bf16 kernels dS^T q.
-  dk.copy_(dk_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D).mul_(bf16 ? scale : kLn2));
-  dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
+  if (direct_q) {
+    dq.mul_(scale);
+  } else {
+    at::Tensor dq_sum = nc > 1 ? dq_part.sum(0) : dq_part.select(0, 0);
+    dq.copy_(dq_sum.narrow(2, 0, g.Sq).narrow(3, 0, g.D).mul_(scale));
+  }
+  if (!direct_kv) {
+    dk.copy_(dk_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
+    dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
+  }
   return {dq, dk, dv};
 }
 

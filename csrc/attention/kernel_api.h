@@ -78,9 +78,12 @@ struct BwdArgs {
                          //   per-tile transposes) and transposes once per key tile
   const void* lse2;   // [B, Hq, Sqp] lse * log2(e); +inf for queries that see nothing
   const void* delta;  // [B, Hq, Sqp] rowsum(dout * out) - dlse
-  void* dq_part;      // [nc, B, Hq, Sqp, Dp] zero-initialised; += dS K (unscaled)
+  void* dq_part;      // [nc, B, Hq, Sqp, Dp] zero-initialised; += dS K (unscaled; for nc = 1
+                      //   with nothing padded this is the caller's dq itself)
   void *dk, *dv;      // [B, Hk, Skp, Dp] fully written: sum over the GQA group of
-                      //   dS^T Qs (unscaled) and P^T dO
+                      //   dk_scale * dS^T Qs and P^T dO (with nothing padded, the outputs)
+  double dk_scale;    // ln 2 for the fp32/fp64 kernels (q pre-scaled by scale * log2 e),
+                      //   `scale` for the bf16 kernels (unscaled q)
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Bq, Bk, nqt, nkt;

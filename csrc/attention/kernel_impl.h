@@ -39,13 +39,15 @@ struct IsF32<float> {
   static constexpr bool value = true;
 };
 
-// Transposed copy of a row-major [R x C] block into [C x R] (dst row stride ldd).
+// Transposed copy of a row-major [R x C] block into [C x R] (dst row stride ldd), times `mul`.
 template <typename T>
-inline void transpose_block(const T* __restrict src, int R, int C, T* __restrict dst, int64_t ldd) {
+inline void transpose_block(const T* __restrict src, int R, int C, T* __restrict dst, int64_t ldd,
+                            T mul) {
   for (int r0 = 0; r0 < R; r0 += 16)
     for (int c0 = 0; c0 < C; c0 += 16)
       for (int c = c0; c < c0 + 16 && c < C; ++c)
-        for (int r = r0; r < r0 + 16 && r < R; ++r) dst[(int64_t)c * ldd + r] = src[(int64_t)r * C + c];
+        for (int r = r0; r < r0 + 16 && r < R; ++r)
+          dst[(int64_t)c * ldd + r] = src[(int64_t)r * C + c] * mul;
 }
 
 template <>
@@ -392,8 +394,8 @@ void fwd_worker(const FwdArgs& a) {
   free(lvec);
 }
 
-// Write one key tile's dK / dV (private to the work item) to the outputs [B, Hk, Skp, Dp];
-// `transposed`: the buffers hold dK^T / dV^T [Dp x Bk] (tile-GEMM provider path).
+// Write one key tile's dK * dk_scale / dV (private to the work item) to the outputs
+// [B, Hk, Skp, Dp]; `transposed`: the buffers hold dK^T / dV^T [Dp x Bk] (tile-GEMM provider).
 template <typename T>
 inline void store_dkdv(const BwdArgs& a, int64_t bkv, int64_t kt, const T* dK, const T* dV,
                        bool transposed) {
@@ -401,11 +403,12 @@ inline void store_dkdv(const BwdArgs& a, int64_t bkv, int64_t kt, const T* dK, c
   const int Dp = (int)a.Dp;
   T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
   T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
+  const T ks = (T)a.dk_scale;
   if (transposed) {
-    transpose_block<T>(dK, Dp, Bk, dko, Dp);
-    transpose_block<T>(dV, Dp, Bk, dvo, Dp);
+    transpose_block<T>(dK, Dp, Bk, dko, Dp, ks);
+    transpose_block<T>(dV, Dp, Bk, dvo, Dp, T(1));
   } else {
-    memcpy(dko, dK, sizeof(T) * Bk * Dp);
+    for (int64_t i = 0; i < (int64_t)Bk * Dp; ++i) dko[i] = dK[i] * ks;
     memcpy(dvo, dV, sizeof(T) * Bk * Dp);
   }
 }
