@@ -105,17 +105,28 @@ def memory_in_child(argv: list[str]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------
+def query_positions(s_local: int, rank: int, layout: str) -> torch.Tensor:
+    """Global positions of rank `rank`'s queries: one contiguous chunk, or (Head-Tail) chunks
+    rank and 2C-1-rank of 2C half-size chunks (the design's load balance for Colossal)."""
+    if layout == "contiguous":
+        return torch.arange(rank * s_local, (rank + 1) * s_local)
+    h = s_local // 2
+    tail = 2 * C - 1 - rank
+    return torch.cat([torch.arange(rank * h, (rank + 1) * h), torch.arange(tail * h, (tail + 1) * h)])
+
+
 class Problem:
-    def __init__(self, s_local: int, rank: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, s_local: int, rank: int, dtype: torch.dtype, seed: int = 0,
+                 layout: str = "contiguous"):
         g = torch.Generator().manual_seed(seed)
-        self.s_local, self.rank, self.dtype = s_local, rank, dtype
+        self.s_local, self.rank, self.dtype, self.layout = s_local, rank, dtype, layout
         self.sq, self.sk = s_local, C * s_local
         self.offset = rank * s_local
         self.q = torch.randn(B, HQ, self.sq, D, generator=g).to(dtype)
         self.k = torch.randn(B, HK, self.sk, D, generator=g).to(dtype)
         self.v = torch.randn(B, HK, self.sk, D, generator=g).to(dtype)
         self.dout = torch.randn(B, HQ, self.sq, D, generator=g).to(dtype)
-        self.q_pos = torch.arange(self.offset, self.offset + self.sq)
+        self.q_pos = query_positions(s_local, rank, layout)
         self.k_pos = torch.arange(self.sk)
 
     def leaves(self):
@@ -164,12 +175,16 @@ def flex_call(p: Problem, grad: bool):
         _FLEX.clear()
         _FLEX["cfg"] = cfg
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    key = (p.sq, p.sk, p.offset)
+    key = (p.sq, p.sk, p.layout, p.offset)
     if key not in _FLEX:
-        off = p.offset
+        off, qpos = p.offset, p.q_pos
 
-        def mask_mod(b, h, qi, ki):
-            return ki <= qi + off
+        if p.layout == "contiguous":
+            def mask_mod(b, h, qi, ki):
+                return ki <= qi + off
+        else:
+            def mask_mod(b, h, qi, ki):
+                return ki <= qpos[qi]
 
         _FLEX[key] = create_block_mask(mask_mod, 1, 1, p.sq, p.sk, device="cpu")
     with torch.no_grad():
@@ -187,7 +202,7 @@ def measure(args) -> dict:
         for dname in args.dtypes:
             dtype = dtypes[dname]
             for r in ranks:
-                p = Problem(s_local, r, dtype, seed=r)
+                p = Problem(s_local, r, dtype, seed=r, layout=args.layout)
                 reps = args.reps if s_local < 4096 else max(1, args.reps - 1)
                 impls = {
                     "engine": lambda grad: engine_call(p, grad),
@@ -196,8 +211,10 @@ def measure(args) -> dict:
                 }
                 if args.no_flex:
                     impls.pop("flex")
+                visible = float((p.k_pos[None, :] <= p.q_pos[:, None]).float().mean())
                 rows = {name: dict(impl=name, s_local=s_local, s_global=C * s_local,
-                                   dtype=dname, rank=r, visible_fraction=(r + 0.5) / C)
+                                   dtype=dname, rank=r, layout=args.layout,
+                                   visible_fraction=visible)
                         for name in impls}
                 for mode, grad in (("fwd", False), ("fwd_bwd", True)):
                     live = {}
@@ -246,25 +263,29 @@ def _fmt_s(x):
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """Per (S_local, dtype): last-rank and all-rank-average times and ratios vs the engine."""
+    """Per (S_local, dtype): times and ratios vs the engine for the last rank (contiguous layout,
+    the heaviest) or the slowest rank (Head-Tail, per implementation: what bounds a CP step),
+    and the average over all ranks."""
     out = []
     keys = sorted({(r["s_local"], r["dtype"]) for r in results}, key=lambda k: (k[1], k[0]))
     for s_local, dname in keys:
         rows = [r for r in results if r["s_local"] == s_local and r["dtype"] == dname]
         ranks = sorted({r["rank"] for r in rows})
+        head_tail = rows[0].get("layout") == "head_tail"
         for scope in ("last", "avg"):
-            sel = [r for r in rows if scope == "avg" or r["rank"] == max(ranks)]
-            if scope == "avg" and len(ranks) < C:
+            sel = [r for r in rows if scope == "avg" or head_tail or r["rank"] == max(ranks)]
+            if (scope == "avg" or head_tail) and len(ranks) < C:
                 continue
 
             def t(impl, mode):
                 vals = [r.get(f"{mode}_s") for r in sel if r["impl"] == impl]
                 if not vals or any(v is None for v in vals):
                     return None
-                return sum(vals) / len(vals)
+                return sum(vals) / len(vals) if scope == "avg" else max(vals)
 
+            label = ("HT max" if head_tail else "C-1") if scope == "last" else "avg(0..C-1)"
             entry = dict(s_local=s_local, s_global=C * s_local, dtype=dname,
-                         ranks="C-1" if scope == "last" else "avg(0..C-1)")
+                         layout=rows[0].get("layout", "contiguous"), ranks=label)
             for impl in ("engine", "sdpa", "flex"):
                 for mode in ("fwd", "fwd_bwd"):
                     entry[f"{impl}_{mode}_s"] = t(impl, mode)
@@ -331,6 +352,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--ranks", choices=["all", "last"], default="all")
+    ap.add_argument("--layout", choices=["contiguous", "head_tail"], default="contiguous",
+                    help="queries: one contiguous chunk per rank, or Head-Tail (chunks r and "
+                         "2C-1-r of 2C); head_tail reports the slowest rank instead of C-1")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sdpa-gqa", choices=["enable_gqa", "repeat"], default="enable_gqa")
     ap.add_argument("--no-flex", action="store_true")
@@ -365,6 +389,7 @@ def main(argv=None) -> int:
         print(f"  parity S_local={e['s_local']} {e['dtype']}: max |engine - sdpa| = "
               f"{e['max_abs_diff_vs_sdpa']:.2e}")
     doc = dict(machine=info, setting=dict(B=B, Hq=HQ, Hk=HK, D=D, C=C, ranks=args.ranks,
+                                          layout=args.layout,
                                           reps=args.reps, sdpa_gqa=args.sdpa_gqa,
                                           threads=torch.get_num_threads(), timer=args.timer,
                                           timing="best of reps after 1 warm-up, interleaved",
