@@ -47,7 +47,10 @@ class AcceleratorConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     device_type: str | None = None  # None: auto-detect (npu > cuda > cpu)
-    comm_timeout_s: float = 300.0
+    # seconds before a collective fails instead of hanging; None: HYPER_PARALLEL_COMM_TIMEOUT
+    # (default 300). Applied by setup_distributed to every hyper_parallel collective and every
+    # mesh sub-group (see platform.set_default_timeout).
+    comm_timeout_s: float | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, field: str = "accelerator") -> "AcceleratorConfig":
@@ -79,6 +82,9 @@ class AcceleratorConfig:
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise CPConfigError(f"{field}.{name}", f"must be true or false, got {getattr(self, name)!r}")
+        t = self.comm_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise CPConfigError(f"{field}.comm_timeout_s", f"must be a number of seconds > 0, got {t!r}")
         if self.pp_size != 1:
             raise CPConfigError(f"{field}.pp_size", f"pipeline parallelism is fixed at 1 in Phase 1, got {self.pp_size}")
 

@@ -13,7 +13,7 @@ import logging
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..platform import Platform, get_platform, init_distributed
+from ..platform import Platform, get_platform, init_distributed, set_default_timeout
 from .config import AcceleratorConfig
 from .errors import CPConfigError
 from .mesh import MeshConfigError, MeshContext
@@ -44,8 +44,14 @@ def check_world(accel: AcceleratorConfig) -> None:
 
 def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
                       platform: Platform | None = None) -> DistributedSetup:
-    """Validate (agreed across ranks), then build meshes. Prints the topology on rank 0."""
+    """Validate (agreed across ranks), then build meshes. Prints the topology on rank 0.
+
+    ``accel.comm_timeout_s`` (when set) becomes the collective timeout first, so the preflight
+    agreement, every later hyper_parallel collective and every mesh sub-group use it.
+    """
     platform = platform or get_platform(accel.device_type)
+    if accel.comm_timeout_s is not None:
+        set_default_timeout(accel.comm_timeout_s)
     init_distributed(platform)
 
     def check() -> ResolvedPlan:

@@ -24,7 +24,7 @@ from typing import Iterable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..platform import Platform, get_platform
+from ..platform import Platform, default_timeout, get_platform
 
 ROOT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -86,12 +86,16 @@ class MeshContext:
         sizes.check(world)
         self.world_size = world
         shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
-        self.root: DeviceMesh = init_device_mesh(self.platform.device_type, shape, mesh_dim_names=ROOT_DIMS)
+        # every sub-group gets the collective timeout (platform.default_timeout), not torch's
+        # 30-minute default: FSDP2 / DTensor / DCP collectives on them must not hang either
+        self._opts = self.platform.group_options(default_timeout())
+        self.root: DeviceMesh = init_device_mesh(self.platform.device_type, shape, mesh_dim_names=ROOT_DIMS,
+                                                 backend_override=self._override(ROOT_DIMS))
         self.cp_mesh: DeviceMesh = self.root["cp"]
         self.tp_mesh: DeviceMesh = self.root["tp"]
-        self.dp_cp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        self.dp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard"]._flatten("dp")
-        shard_cp = self.root["dp_shard", "cp"]._flatten("dp_shard_cp")
+        self.dp_cp_mesh: DeviceMesh = self._flatten(self.root["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        self.dp_mesh: DeviceMesh = self._flatten(self.root["dp_replicate", "dp_shard"], "dp")
+        shard_cp = self._flatten(self.root["dp_shard", "cp"], "dp_shard_cp")
         if sizes.dp_replicate > 1:
             self.fsdp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard_cp"]
         else:
@@ -99,10 +103,23 @@ class MeshContext:
         self.ep_mesh = None
         if sizes.ep > 1:
             n = sizes.dp_shard * sizes.cp
-            self.ep_mesh = shard_cp._unflatten(0, (n // sizes.ep, sizes.ep), ("ep_replicate", "ep"))["ep"]
+            names = ("ep_replicate", "ep")
+            self.ep_mesh = shard_cp._unflatten(0, (n // sizes.ep, sizes.ep), names,
+                                               backend_override=self._override(names))["ep"]
         self._hybrid: dict[int, DeviceMesh] = {}
         for u in sorted(set(int(d) for d in hybrid_degrees)):
             self._build_hybrid(u)
+
+    def _override(self, names):
+        """backend_override giving each named new dim's group the collective timeout."""
+        if self._opts is None:
+            return None
+        return {n: (self.platform.backend, self._opts) for n in names}
+
+    def _flatten(self, mesh: DeviceMesh, name: str) -> DeviceMesh:
+        if self._opts is None:
+            return mesh._flatten(name)
+        return mesh._flatten(name, backend_override=(self.platform.backend, self._opts))
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -129,7 +146,8 @@ class MeshContext:
     def _build_hybrid(self, u: int) -> DeviceMesh:
         check_ulysses_degree(self.sizes.cp, u)
         names = (f"cp_colossal_u{u}", f"cp_ulysses_u{u}")
-        mesh = self.cp_mesh._unflatten(0, (self.sizes.cp // u, u), names)
+        mesh = self.cp_mesh._unflatten(0, (self.sizes.cp // u, u), names,
+                                       backend_override=self._override(names))
         self._hybrid[u] = mesh
         return mesh
 

@@ -30,7 +30,32 @@ class CommTimeoutError(RuntimeError):
     """A collective did not complete within the configured timeout."""
 
 
+_CONFIGURED_TIMEOUT: Optional[datetime.timedelta] = None
+
+
+def set_default_timeout(seconds: Optional[float]) -> None:
+    """Set the process-wide collective timeout (``accelerator.comm_timeout_s``).
+
+    ``None`` restores the environment default. Takes effect for every later
+    :class:`CommHandle`, :func:`barrier` and every process group created afterwards by the mesh
+    (``MeshContext`` passes it as backend options); a process group that already exists keeps
+    the timeout it was created with.
+    """
+    global _CONFIGURED_TIMEOUT
+    if seconds is None:
+        _CONFIGURED_TIMEOUT = None
+        return
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"collective timeout must be > 0 seconds, got {seconds}")
+    _CONFIGURED_TIMEOUT = datetime.timedelta(seconds=seconds)
+
+
 def default_timeout() -> datetime.timedelta:
+    """The timeout of every hyper_parallel collective wait: the value given to
+    :func:`set_default_timeout` if any, else ``HYPER_PARALLEL_COMM_TIMEOUT`` seconds (300)."""
+    if _CONFIGURED_TIMEOUT is not None:
+        return _CONFIGURED_TIMEOUT
     return datetime.timedelta(seconds=float(os.environ.get("HYPER_PARALLEL_COMM_TIMEOUT", "300")))
 
 
@@ -253,8 +278,11 @@ def all_gather_object(obj, group=None) -> list:
 
 
 def barrier(group=None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
+    """Block until every rank of ``group`` (default: world) arrives; raises
+    :class:`CommTimeoutError` after :func:`default_timeout` instead of hanging."""
+    if not dist.is_initialized() or group_size(group if group is not None else dist.group.WORLD) == 1:
+        return
+    CommHandle("barrier", dist.barrier(group=group, async_op=True), lambda: None).wait()
 
 
 # ----------------------------------------------------------------------------- dependency chains

@@ -5,10 +5,12 @@ cpu -> gloo, cuda -> nccl, npu -> hccl (through ``torch_npu`` when importable).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib
 import os
 
 import torch
+import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -30,6 +32,29 @@ class Platform:
     @property
     def has_streams(self) -> bool:
         return self.device_type in ("cuda", "npu")
+
+    def group_options(self, timeout: datetime.timedelta):
+        """Backend options that give a new process group ``timeout`` (for DeviceMesh's
+        ``backend_override``), or None where this torch build has no options class for the
+        backend (the group then gets torch's default timeout)."""
+        cls = None
+        if self.backend == "gloo":
+            cls = getattr(getattr(dist, "ProcessGroupGloo", None), "_Options", None)
+        elif self.backend == "nccl":
+            cls = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+        elif self.backend == "hccl":
+            try:
+                import torch_npu  # noqa: F401
+
+                cls = getattr(getattr(torch_npu._C._distributed_c10d, "ProcessGroupHCCL", None),
+                              "Options", None)
+            except (ImportError, AttributeError):
+                cls = None
+        if cls is None:
+            return None
+        opts = cls()
+        opts._timeout = timeout
+        return opts
 
     def device_module(self):
         """torch.cuda / torch.npu, or None on CPU."""

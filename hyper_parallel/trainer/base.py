@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
-from ..platform import all_reduce, get_platform, init_distributed
+from ..platform import all_reduce, get_platform, init_distributed, set_default_timeout
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
@@ -153,6 +153,8 @@ class BaseTrainer:
         self.cfg = cfg
         self.platform = get_platform(cfg.accelerator.device_type)
         bind_local_device(self.platform)
+        if cfg.accelerator.comm_timeout_s is not None:  # before any group exists (see setup)
+            set_default_timeout(cfg.accelerator.comm_timeout_s)
         init_distributed(self.platform)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0

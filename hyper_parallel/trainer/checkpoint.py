@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.errors import CPConfigError
+from ..platform import barrier
 
 META_FILE = "hyper_meta.json"
 FORMAT = "hyper_parallel.trainer/1"
@@ -59,8 +60,7 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
         meta = {"format": FORMAT, "step": step, "data_position": data_position, "topology": topology,
                 "scheduler": scheduler_state, **(extra or {})}
         (path / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()  # platform: with the collective timeout
     return path
 
 
