@@ -269,8 +269,11 @@ class BaseTrainer:
             return PreparedBatch(inputs, shift.to(self.device), int((shift != ignore).sum()), None, seq_len)
         from ..distributed.context_parallel.batch import shard_batch_for_cp
 
-        local = shard_batch_for_cp(batch, self.mesh.cp_mesh, self.cp_policy, ignore_index=ignore,
-                                   pad_token_id=self.cfg.data.pad_token_id)
+        # a registered model spec's batch contract (register_cp_model_spec(batch_prepare_fn=...))
+        # replaces the standard one; same arguments, same CPBatch result
+        prepare = getattr(self.sharding_plan, "batch_prepare_fn", None) or shard_batch_for_cp
+        local = prepare(batch, self.mesh.cp_mesh, self.cp_policy, ignore_index=ignore,
+                        pad_token_id=self.cfg.data.pad_token_id)
         inputs = {"input_ids": _field(local, "input_ids").to(self.device),
                   "position_ids": _field(local, "position_ids").to(self.device)}
         shift = _field(local, "shift_labels").to(self.device)

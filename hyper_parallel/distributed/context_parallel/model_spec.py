@@ -27,7 +27,14 @@ def register_cp_model_spec(architecture: str, attention_targets: Sequence[str],
                            batch_prepare_fn: Callable | None = None,
                            wrappers: Sequence[str] = ()) -> CPModelSpec:
     """Record an architecture's attention targets and allowed wrapper names (registry names or
-    ``_target_`` paths). Re-registering the same architecture replaces the spec."""
+    ``_target_`` paths). Re-registering the same architecture replaces the spec.
+
+    ``batch_prepare_fn``: the architecture's batch contract, called by the trainer for CP > 1
+    instead of :func:`~hyper_parallel.distributed.context_parallel.batch.shard_batch_for_cp`
+    with the same arguments ``(global_batch, cp_mesh, policy, *, ignore_index, pad_token_id)``
+    and returning the same :class:`CPBatch` (local tensors, global positions, shifted labels,
+    ``meta``). It never changes the CP method, which stays the YAML's.
+    """
     if not attention_targets:
         raise ValueError(f"register_cp_model_spec({architecture!r}): attention_targets must not be empty")
     spec = CPModelSpec(architecture, tuple(attention_targets), batch_prepare_fn, tuple(wrappers))
