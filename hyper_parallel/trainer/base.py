@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
+from ..distributed.preflight import agree_or_raise
 from ..platform import all_reduce, get_platform, init_distributed, set_default_timeout
 from . import checkpoint as ckpt
 from .config import TrainerConfig
@@ -204,9 +205,11 @@ class BaseTrainer:
         from ..distributed.sharding_applier import apply_sharding_plan
         from ..distributed.sharding_planner import ShardingPlanner
 
-        plan = ShardingPlanner(plan_overrides=self.cfg.plan_overrides).plan(
+        # agreed across ranks like the preflight: a planning error on one rank (say a TP-local
+        # head check) fails every rank here, before TP / FSDP issue their first collective
+        plan = agree_or_raise(lambda: ShardingPlanner(plan_overrides=self.cfg.plan_overrides).plan(
             model, self.mesh, tp_size=acc.tp_size, cp_size=acc.cp_size, ep_size=acc.ep_size,
-            sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel)
+            sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel), what="sharding plan")
         mp_policy = None
         if bf16:
             if self.fsdp is False:

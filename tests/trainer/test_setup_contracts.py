@@ -1,4 +1,5 @@
-"""A registered model spec's batch_prepare_fn is the batch contract the trainer uses for CP > 1."""
+"""Trainer set-up contracts: a registered model spec's batch_prepare_fn is the CP batch contract,
+and the sharding plan is agreed across ranks (an error on one rank fails every rank)."""
 from __future__ import annotations
 
 from . import _workers as W
@@ -39,3 +40,28 @@ def test_registered_batch_prepare_fn_is_used_and_keeps_the_numbers(ranks, tmp_pa
         assert plain[r][1] == [], "no spec registered: the standard contract must not be replaced"
         assert spec[r][1] == ["all_gather", "all_gather"], spec[r][1]  # one call per step
         assert spec[r][0] == plain[r][0]  # the delegating contract gives the same losses
+
+
+def plan_fails_on_rank_1(cfg: dict):
+    """Rank 1's planning raises (injected); every rank must fail at construction, none hang."""
+    import torch.distributed as dist
+
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+    original = ShardingPlanner.plan
+    if dist.get_rank() == 1:
+        def bad_plan(self, *a, **kw):
+            raise CPConfigError("plan_overrides[0]", "injected planning failure on rank 1")
+        ShardingPlanner.plan = bad_plan
+    try:
+        return W.build_error(cfg)
+    finally:
+        ShardingPlanner.plan = original
+
+
+def test_planning_error_on_one_rank_fails_every_rank(ranks, tmp_path):
+    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path))
+    errs = ranks(2).outcomes(plan_fails_on_rank_1, cfg, timeout=60)
+    assert errs[1][0] == "CPConfigError" and "injected planning failure on rank 1" in errs[1][1], errs[1]
+    assert errs[0][0] == "PreflightError" and "sharding plan failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
