@@ -105,6 +105,17 @@ class PlanOverrideResolver:
 
     # -- main -----------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> ResolvedPlan:
+        """Bind every ``when: cp`` entry to the attention boundaries of ``model``; return a ResolvedPlan.
+
+        Runs on every rank, locally: imports/looks up each ``_target_``, checks the entry
+        (one method per boundary, ``region_dispatch: false``, ``inner_target``, named params)
+        and runs the wrapper's ``validate(inner_module, cp_size=..., **params)`` hook with the
+        model's global heads (``tp_size`` is left at its default 1; the planner re-runs it with
+        the TP degree). Issues no collective and modifies nothing. With ``cp_size == 1`` the
+        ``when: cp`` entries are skipped (``ResolvedPlan.skipped``) and no boundary needs a
+        method. Raises :class:`CPConfigError` (YAML field, module FQN, fix) on the first
+        problem.
+        """
         names = dict(model.named_modules())
         boundaries = find_attention_boundaries(model)
         cp_specs, skipped = [], []

@@ -143,6 +143,18 @@ class ShardingPlanner:
 
     def plan(self, model: nn.Module, device_mesh=None, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1,
              sequence_parallel: bool = False, loss_parallel: bool = False) -> ShardingPlan:
+        """Resolve ``plan_overrides`` on ``model`` and check everything that needs the topology.
+
+        ``device_mesh`` (a MeshContext, optional) must have been built with the same
+        ``tp_size`` / ``cp_size`` / ``ep_size``. Runs
+        :meth:`~.plan_resolver.PlanOverrideResolver.resolve` (global heads), then, when
+        ``tp_size > 1``, the TP plan checks and every wrapper ``validate`` hook that accepts
+        ``tp_size`` again with the TP degree (so head splits are checked per TP rank, probe
+        off); model-spec wrapper lists; async wrappers must be adapters for this
+        architecture; one batch policy for the whole model. Local only: no collective, the
+        model is not modified (``apply_sharding_plan`` applies the result). Raises
+        :class:`~.errors.CPConfigError` naming the field, module and fix.
+        """
         for name, val in (("tp_size", tp_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise CPConfigError(f"accelerator.{name}", f"must be an integer >= 1, got {val!r}")

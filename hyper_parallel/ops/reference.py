@@ -43,6 +43,18 @@ def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 
 
 def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
                         scale=None, return_lse=False):
+    """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
+
+    q ``[B, Hq, Sq, D]``, k/v ``[B, Hk, Sk, D]`` with ``Hq % Hk == 0``; ``q_pos`` ``[Sq]`` /
+    ``[B, Sq]`` and ``k_pos`` ``[Sk]`` / ``[B, Sk]`` integer global positions; optional
+    ``q_doc`` / ``k_doc`` (together) document ids, ``-1`` = never attended; ``scale`` defaults
+    to ``1/sqrt(D)``. Computes in float64 for float64 inputs, float32 otherwise, materializing
+    the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask. Returns ``out``
+    ``[B, Hq, Sq, D]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute dtype when
+    ``return_lse``); queries seeing no key get ``out = 0``, ``lse = -inf``. Plain autograd
+    through the dense math (backward differentiates the materialized softmax). Never called
+    on the CP path (validate mode included): use :func:`hyper_parallel.ops.attention` there.
+    """
     B, Hq, Sq, D = q.shape
     Hk = k.shape[1]
     if Hq % Hk:

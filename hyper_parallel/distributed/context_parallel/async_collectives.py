@@ -48,6 +48,23 @@ def trace_event(event: str, name: str) -> None:
 
 @dataclasses.dataclass
 class AsyncCollective:
+    """One async collective on one tensor of one attention call, with its autograd mirror.
+
+    ``forward_comm(x)`` / ``backward_comm(g)`` each start a platform collective on the caller's
+    group (closures chosen by the adapter: e.g. AllGather on the cp group along the sequence
+    dim, with ReduceScatter as its backward; seq->head all-to-all with the inverse all-to-all)
+    and return a :class:`~hyper_parallel.platform.CommHandle`. Shapes are whatever the two
+    collectives produce: ``wait`` returns ``forward_comm``'s result (e.g. ``[B, H, S_local, D]``
+    -> ``[B, H, S, D]``), and backward maps that result's gradient back to ``x``'s shape via
+    ``backward_comm``.
+
+    Use once per forward: ``tok = c.launch(x)`` then ``y = c.wait(tok)`` (launching twice or
+    waiting before launch raises). Backward: ``wait``'s node launches ``backward_comm`` on the
+    incoming gradient asynchronously; ``launch``'s node waits it and adds it to ``x``'s
+    gradient, so the inverse collective overlaps whatever autograd runs in between. All ranks
+    of the group must launch in the same order.
+    """
+
     name: str
     forward_comm: Callable[[torch.Tensor], CommHandle]
     backward_comm: Callable[[torch.Tensor], CommHandle]

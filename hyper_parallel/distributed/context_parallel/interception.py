@@ -28,6 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import logging
 import threading
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
 
 SDPA = F.scaled_dot_product_attention
 HF_CP_INTERFACE = "hyper_parallel_cp"
@@ -301,7 +304,8 @@ def probe_attention_calls(module: nn.Module, primitive: str, owner: str = "") ->
 
     The primitive is not computed (the probe handler returns zeros), nothing communicates.
     Returns None when the module cannot be probed (no HF signature, meta/DTensor parameters,
-    or its forward raised for reasons unrelated to the attention call).
+    or its forward raised for reasons unrelated to the attention call; the latter is logged as
+    a WARNING naming the module and the exception).
     """
     kwargs = hf_probe_inputs(module)
     if kwargs is None:
@@ -322,7 +326,11 @@ def probe_attention_calls(module: nn.Module, primitive: str, owner: str = "") ->
         return scope.count
     except CPInterceptionError:
         raise
-    except Exception:  # noqa: BLE001 - not probeable; runtime detection still applies
+    except Exception as exc:  # noqa: BLE001 - not probeable; runtime detection still applies
+        log.warning("%s: the probe forward of %s (primitive=%s) raised %s: %s; the misfire / "
+                    "double-interception preflight check is skipped for this module (it is still "
+                    "detected at the first real forward)", owner or "CP wrapper", type(module).__name__,
+                    primitive, type(exc).__name__, exc)
         return None
     finally:
         if undo is not None:

@@ -21,6 +21,18 @@ import torch
 
 @dataclasses.dataclass
 class CPBatchMeta:
+    """What a CP attention wrapper knows about the current step's batch on this rank.
+
+    This rank (``cp_rank`` of ``cp_size`` in the CP group) holds tokens
+    ``[cp_rank * local_seq_len, (cp_rank + 1) * local_seq_len)`` of the padded global
+    sequence of length ``global_seq_len`` (``local_seq_len == global_seq_len // cp_size``).
+    ``key_doc`` is ``[B, global_seq_len]`` int64 doc ids for *every* global key (``-1`` =
+    padding, never attended; different ids do not see each other), or None for one valid
+    document per row. ``causal`` selects the causal rule on global positions. Plain data:
+    built by ``shard_batch_for_cp`` (no collective here), read-only for wrappers, carries no
+    gradient.
+    """
+
     cp_rank: int
     cp_size: int
     global_seq_len: int                 # padded global S (multiple of the policy's multiple)
@@ -37,6 +49,7 @@ class CPBatchMeta:
 
     @property
     def k_index(self) -> torch.Tensor:
+        """Global indices of every key, ``arange(global_seq_len)`` int64."""
         return torch.arange(self.global_seq_len, dtype=torch.int64)
 
     def doc_slice(self, index: torch.Tensor) -> Optional[torch.Tensor]:
@@ -65,6 +78,11 @@ def cp_batch_context(meta: CPBatchMeta):
 
 
 def current_cp_batch_meta(required: bool = True) -> Optional[CPBatchMeta]:
+    """The innermost :func:`cp_batch_context` meta of this thread (thread-local stack).
+
+    Returns None when there is none and ``required`` is False; with ``required=True`` (the
+    default, what wrappers use) raises RuntimeError explaining how to enter the context.
+    """
     if _STACK.items:
         return _STACK.items[-1]
     if required:

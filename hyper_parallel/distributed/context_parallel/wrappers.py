@@ -45,9 +45,13 @@ attention dropout), head divisibility for the method, and for HF styles a probe 
 2-token dummy input that counts attention calls (0 = misfire, >1 = double interception).
 
 Modes (``apply_sharding_plan(mode=...)``): ``production`` runs the CP path; ``validate`` also
-runs the original path on the same (gathered) input and raises :class:`CPValidationError` on
-every CP rank when they differ by more than :data:`VALIDATE_TOLERANCE`. Outputs and gradients
-are those of the CP path in both modes.
+computes a full-sequence reference from the CP-gathered input and raises
+:class:`CPValidationError` on every CP rank when they differ by more than
+:data:`VALIDATE_TOLERANCE`. HF styles run the original forward on the gathered sequence with
+its attention primitive replaced by the engine; qkv styles attend this rank's queries to the
+gathered K/V. The reference attention is :func:`hyper_parallel.ops.attention` with global
+positions and the meta's doc ids (float32 for half inputs): no ``S x S`` mask is built in
+either mode. Outputs and gradients are those of the CP path in both modes.
 """
 from __future__ import annotations
 
@@ -368,39 +372,45 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, rows: Optional[torch.Tensor],
             f"atol={atol:g} + rtol={rtol:g} * max|ref|)")
 
 
+def _full_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
+                         meta: CPBatchMeta, scale) -> torch.Tensor:
+    """Validate mode's reference: queries at global ``q_pos`` over the *whole* key sequence.
+
+    k/v ``[B, Hk, S, D]`` hold every key (global positions ``0..S-1``, ``S ==
+    meta.global_seq_len``); q ``[B, Hq, len(q_pos), D]``. Runs the engine
+    (:func:`hyper_parallel.ops.attention`, global positions and the doc ids of ``meta``, no
+    mask is built) in float32 for half-precision inputs (float64 stays float64) and returns q's
+    dtype. Called under ``no_grad``; local only (no collective).
+    """
+    from .strategies.base import engine_attention
+
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = engine_attention(q.to(acc), k.to(acc), v.to(acc), q_pos=q_pos, k_pos=meta.k_index, meta=meta,
+                           scale=scale)
+    return out.to(q.dtype)
+
+
 def _validate_attention(out, q, k, v, scale, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
-    from ... import ops
-
+    """qkv styles: compare the CP output with this rank's queries attending to the gathered K/V."""
     group = _rank_group(cp_mesh)
-    qf, kf, vf = (_gather_seq(t, group, 2) for t in (q, k, v))
-    pos = torch.arange(qf.shape[2], dtype=torch.int64, device=qf.device)
-    doc = meta.key_doc.to(qf.device) if meta.key_doc is not None else None
+    kf, vf = (_gather_seq(t, group, 2) for t in (k, v))     # [B, Hk, S, D]: every key
     with torch.no_grad():
-        ref = ops.reference_attention(qf, kf, vf, q_pos=pos, k_pos=pos, causal=meta.causal, q_doc=doc,
-                                      k_doc=doc, scale=scale)
-    lo = meta.cp_rank * meta.local_seq_len
-    ref = ref[:, :, lo:lo + meta.local_seq_len]
+        ref = _full_sequence_attention(q.detach(), kf, vf, q_pos=meta.q_index, meta=meta, scale=scale)
     _compare(out, ref, _valid_query_rows(meta, out.shape[0]), 2, group, owner, "attention output")
-
-
-def _dense_mask(meta: CPBatchMeta, B: int, device) -> torch.Tensor:
-    pos = torch.arange(meta.global_seq_len, device=device)
-    vis = torch.ones(1, 1, meta.global_seq_len, meta.global_seq_len, dtype=torch.bool, device=device)
-    if meta.causal:
-        vis = vis & (pos[None, None, None, :] <= pos[None, None, :, None])
-    if meta.key_doc is not None:
-        d = meta.key_doc.to(device)
-        vis = vis & (d[:, None, :, None] == d[:, None, None, :]) & (d[:, None, None, :] >= 0)
-    return vis.expand(B, 1, -1, -1)
 
 
 def _hf_module_reference(original: Callable, module: nn.Module, primitive: str, args, kwargs,
                          meta: CPBatchMeta, group, owner: str):
-    """Run the original forward on the CP-gathered full sequence; return this rank's output slice."""
+    """Run the original forward on the CP-gathered full sequence; return this rank's output slice.
+
+    The module's own projections/norms/RoPE run unchanged on the full sequence; its attention
+    primitive (SDPA or the HF interface) is replaced by :func:`_full_sequence_attention` over the
+    full sequence (global positions, doc ids from ``meta``), so no ``S x S`` mask is built and
+    HF's ``attention_mask`` is passed as None.
+    """
     sig = inspect.signature(original)
     bound = sig.bind(*args, **kwargs)
     hs = bound.arguments["hidden_states"]
-    B = hs.shape[0]
     new = dict(bound.arguments)
     new["hidden_states"] = _gather_seq(hs, group, 1)
     pe = bound.arguments.get("position_embeddings")
@@ -413,30 +423,22 @@ def _hf_module_reference(original: Callable, module: nn.Module, primitive: str, 
             if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == meta.local_seq_len:
                 extra[key] = _gather_seq(val, group, val.dim() - 1)   # e.g. position_ids
         new.update(extra)
+    if "attention_mask" in new or "attention_mask" in sig.parameters:
+        new["attention_mask"] = None      # local mask: meaningless on the full sequence, never used
     with torch.no_grad():
-        if primitive == "sdpa":
-            if "attention_mask" in sig.parameters:
-                new["attention_mask"] = _dense_mask(meta, B, hs.device)
-                res = original(**new)
-            else:
-                res = _run_with_reference_attention(original, module, "sdpa", new, meta, owner)
-        else:
-            new["attention_mask"] = None
-            res = _run_with_reference_attention(original, module, primitive, new, meta, owner)
+        res = _run_with_reference_attention(original, module, primitive, new, meta, owner)
     out = res[0] if isinstance(res, tuple) else res
     lo = meta.cp_rank * meta.local_seq_len
     return out[:, lo:lo + meta.local_seq_len]
 
 
 def _run_with_reference_attention(original, module, primitive, kwargs, meta, owner):
-    from ... import ops
-
     def ref_handler(call: AttentionCall):
         k, v = _unrepeat(call)
-        pos = torch.arange(call.q.shape[2], dtype=torch.int64, device=call.q.device)
-        doc = meta.key_doc.to(call.q.device) if meta.key_doc is not None else None
-        return ops.reference_attention(call.q, k, v, q_pos=pos, k_pos=pos, causal=meta.causal, q_doc=doc,
-                                       k_doc=doc, scale=call.scale)
+        if call.q.shape[2] != meta.global_seq_len:
+            raise CPValidationError(f"module '{owner}': validate reference saw {call.q.shape[2]} query tokens "
+                                    f"after gathering, expected the global length {meta.global_seq_len}")
+        return _full_sequence_attention(call.q, k, v, q_pos=meta.k_index, meta=meta, scale=call.scale)
 
     ctx = intercept_sdpa if primitive == "sdpa" else intercept_hf_interface
     with ctx(f"{owner} (validate reference)", module, ref_handler):

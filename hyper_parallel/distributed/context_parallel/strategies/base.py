@@ -7,13 +7,11 @@ names: they receive local q/k/v, the process groups they were built with, and th
 
 Tensor layout at the boundary (in and out): q ``[B, Hq, S_local, D]``, k/v
 ``[B, Hk, S_local, D]`` on the contiguous local sequence shard; ``attention`` returns
-``[B, Hq, S_local, D]`` in the same local layout (``restore_output`` is the identity for
-strategies that restore inside ``attention``). Every strategy ends in
+``[B, Hq, S_local, D]`` in the same local layout (strategies restore the layout inside
+``attention``). Every strategy ends in
 :func:`hyper_parallel.ops.attention` with global positions — never a dense mask.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -24,8 +22,25 @@ from ..meta import CPBatchMeta
 
 
 class ContextParallelStrategy:
+    """One sync CP communication method behind the wrapper-facing ``attention`` call.
+
+    Contract (every subclass):
+
+    * built from its process group(s) only (never global config); ``cp_size`` / ``cp_rank``
+      are this rank's size/position in the CP group the strategy communicates on;
+    * ``attention(q, k, v, meta=..., scale=...)`` takes the contiguous local chunk
+      ``cp_rank`` of the sequence, q ``[B, Hq, S_local, D]`` and k/v ``[B, Hk, S_local, D]``
+      (``Hq % Hk == 0``, ``S_local == meta.local_seq_len``), and returns this rank's chunk of
+      the full-sequence attention, ``[B, Hq, S_local, D]`` in q's dtype;
+    * inputs are checked locally (:meth:`check_inputs`) before the first collective;
+    * causality, padding and packed documents come from ``meta`` (global positions, key doc
+      ids); no dense mask is built;
+    * ``attention`` is differentiable in q, k, v: backward runs the mirror of every forward
+      collective (ReduceScatter for an AllGather, the inverse all-to-all for an all-to-all) on
+      the same group(s) and returns gradients in the local input layout.
+    """
+
     name: str = "base"
-    is_async: bool = False
 
     def padding_multiple(self, cp_size: int) -> int:
         """S must be a multiple of this before sharding (see shard_batch_for_cp)."""
@@ -34,47 +49,50 @@ class ContextParallelStrategy:
     def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
         """Raise ValueError naming the heads/degree that do not fit (called at apply time)."""
 
-    def shard_batch(self, batch: dict, cp_mesh) -> dict:
-        from ..batch import shard_batch_for_cp
-
-        return shard_batch_for_cp(batch, cp_mesh, policy=self.name)
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None) -> torch.Tensor:
+        """Local-chunk attention over the global sequence (see the class contract).
+
+        q ``[B, Hq, S_local, D]``, k/v ``[B, Hk, S_local, D]`` (chunk ``meta.cp_rank``);
+        ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, S_local, D]``. Collectives run
+        on the strategy's group(s); backward mirrors them.
+        """
         raise NotImplementedError
-
-    def restore_output(self, output: torch.Tensor, *, meta: CPBatchMeta) -> torch.Tensor:
-        return output
-
-    # async strategies (model adapters) override these
-    def launch(self, q, k, v, *, meta: CPBatchMeta) -> Any:
-        raise NotImplementedError(f"{self.name} is a sync strategy: it has no launch/wait")
-
-    def wait(self, state: Any, *, meta: CPBatchMeta):
-        raise NotImplementedError(f"{self.name} is a sync strategy: it has no launch/wait")
 
     # -- shared helpers (local checks only: they never communicate) ---------------------------
     def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPBatchMeta,
                      *, cp_size: int, cp_rank: int) -> None:
         """Check the local q/k/v layout against ``meta`` and the strategy's group; raise ValueError."""
+        self.check_shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape), meta, cp_size=cp_size,
+                          cp_rank=cp_rank)
+
+    def check_shapes(self, q_shape: tuple, k_shape: tuple, v_shape: tuple, meta: CPBatchMeta,
+                     *, cp_size: int, cp_rank: int) -> None:
+        """:meth:`check_inputs` on shapes only (for callers that check before computing q).
+
+        ``cp_size`` / ``cp_rank`` are this rank's position in the strategy's group; they must
+        match ``meta``. Every shape is ``[B, H, S_local, D]`` with ``S_local ==
+        meta.local_seq_len``; then :meth:`validate` runs on the (local) head counts.
+        """
         who = type(self).__name__
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 4:
-                raise ValueError(f"{who}: {name} must be [B, H, S_local, D], got shape {tuple(t.shape)}")
-        if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[1] != v.shape[1] or q.shape[3] != k.shape[3]:
-            raise ValueError(f"{who}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree "
-                             "on batch, kv heads or head dim")
+        shapes = (("q", tuple(q_shape)), ("k", tuple(k_shape)), ("v", tuple(v_shape)))
+        for name, t in shapes:
+            if len(t) != 4:
+                raise ValueError(f"{who}: {name} must be [B, H, S_local, D], got shape {t}")
+        q, k, v = (t for _, t in shapes)
+        if not (q[0] == k[0] == v[0]) or k[1] != v[1] or q[3] != k[3]:
+            raise ValueError(f"{who}: q {q}, k {k}, v {v} disagree on batch, kv heads or head dim")
         if meta.cp_size != cp_size or meta.cp_rank != cp_rank:
             raise ValueError(f"{who}: meta was built for cp rank {meta.cp_rank} of {meta.cp_size}, but this "
                              f"strategy's group puts this rank at {cp_rank} of {cp_size}")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.shape[2] != meta.local_seq_len:
-                raise ValueError(f"{who}: {name} local sequence length {t.shape[2]} != meta.local_seq_len "
+        for name, t in shapes:
+            if t[2] != meta.local_seq_len:
+                raise ValueError(f"{who}: {name} local sequence length {t[2]} != meta.local_seq_len "
                                  f"{meta.local_seq_len} (global {meta.global_seq_len} / cp {meta.cp_size})")
-        if meta.key_doc is not None and tuple(meta.key_doc.shape) != (q.shape[0], meta.global_seq_len):
+        if meta.key_doc is not None and tuple(meta.key_doc.shape) != (q[0], meta.global_seq_len):
             raise ValueError(f"{who}: meta.key_doc has shape {tuple(meta.key_doc.shape)}, expected "
-                             f"[B={q.shape[0]}, S={meta.global_seq_len}]")
-        self.validate(num_q_heads=q.shape[1], num_kv_heads=k.shape[1], cp_size=cp_size)
+                             f"[B={q[0]}, S={meta.global_seq_len}]")
+        self.validate(num_q_heads=q[1], num_kv_heads=k[1], cp_size=cp_size)
 
 
 class CPGroupStrategy(ContextParallelStrategy):
@@ -109,6 +127,11 @@ class CPGroupStrategy(ContextParallelStrategy):
 
 
 def check_gqa(who: str, num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise ValueError unless ``num_q_heads`` is a positive multiple of ``num_kv_heads``.
+
+    Heads are the counts this rank computes (TP-local when TP is on); ``who`` prefixes the
+    message. Pure local check: no group, no collective.
+    """
     if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"{who}: num_q_heads={num_q_heads} must be a positive multiple of "
                          f"num_kv_heads={num_kv_heads} (GQA groups)")

@@ -59,6 +59,13 @@ class HybridStrategy(ContextParallelStrategy):
         return group_rank(self.colossal_group) * self.ulysses_degree + group_rank(self.ulysses_group)
 
     def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        """Raise ValueError unless Hybrid fits these heads on its (colossal, ulysses) groups.
+
+        ``num_q_heads`` / ``num_kv_heads`` are the heads this rank computes (TP-local);
+        ``cp_size`` must equal colossal size x ulysses size, with ``1 < u < cp_size`` and
+        ``cp_size % u == 0`` for ``u`` = the ulysses group size. Heads must split over ``u``:
+        ``Hq % Hk == 0``, ``Hk >= u``, ``Hq % u == Hk % u == 0``. Local check only: no collective.
+        """
         who, u = type(self).__name__, self.ulysses_degree
         if not 1 < u < cp_size or cp_size % u:
             raise ValueError(f"{who}: need 1 < ulysses_degree < cp_size and cp_size % ulysses_degree == 0, "

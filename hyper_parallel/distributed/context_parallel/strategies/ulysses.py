@@ -43,6 +43,13 @@ class UlyssesStrategy(CPGroupStrategy):
         return self.cp_size
 
     def validate(self, *, num_q_heads: int, num_kv_heads: int, cp_size: int) -> None:
+        """Raise ValueError unless pure Ulysses fits these heads on this group.
+
+        ``num_q_heads`` / ``num_kv_heads`` are the heads this rank computes (TP-local);
+        ``cp_size`` must equal the strategy's CP group size (the Ulysses degree). Needs
+        ``Hq % Hk == 0``, ``Hk >= cp_size`` and both divisible by ``cp_size`` (KV heads are never
+        repeated). Local check only: no collective.
+        """
         who = type(self).__name__
         self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
         check_head_split(who, num_q_heads, num_kv_heads, cp_size, "cp_size (ulysses_degree)")

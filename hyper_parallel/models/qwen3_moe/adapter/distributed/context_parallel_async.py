@@ -15,11 +15,24 @@ attention consumer::
     [Ulysses/Hybrid: launch Q (seq->head A2A)]
     wait K, V (, Q) -> engine attention with global positions -> [head->seq A2A] -> o_proj
 
+K's collective overlaps the V projection and the Q branch, V's the Q branch. Q
+(Ulysses/Hybrid) is the last tensor produced before the consumer, so its seq->head A2A is
+launched and waited back to back (``cq.wait(cq.launch(q))``): it overlaps only the K/V
+collectives still in flight, not compute.
+The output head->seq A2A is synchronous (its result feeds ``o_proj`` at once).
+
 Backward mirrors it: the consumer's K/V (and Q) gradients launch the inverse collectives
 (reduce-scatter / inverse A2A) asynchronously; they complete while autograd runs the Q
 branch (RoPE/norm backward and the q_proj grad GEMM); the wait happens in the handoff's
-backward, right before the K/V projection backward. There is no launch-then-wait-at-once
-path, and no fallback: a module that is not a Qwen3-MoE attention is rejected at preflight.
+backward, right before the K/V projection backward.
+
+Checks before any collective: at preflight the ``validate`` hooks reject a module that is not
+a Qwen3-MoE attention (no fallback) and a head split that does not fit the method, with the
+TP-local heads (``heads // tp_size``) when the planner re-validates under TP. At run time,
+before K's launch, the same local checks as the sync strategies
+(:meth:`~hyper_parallel.distributed.context_parallel.strategies.base.ContextParallelStrategy.check_shapes`)
+compare the local sequence length with ``meta.local_seq_len``, ``meta.cp_size``/``cp_rank``
+with the group, ``meta.key_doc``'s shape and the local heads.
 """
 from __future__ import annotations
 
@@ -29,7 +42,9 @@ from .....distributed.context_parallel.async_collectives import AsyncCollective,
 from .....distributed.context_parallel.collectives import ulysses_head_to_seq
 from .....distributed.context_parallel.meta import current_cp_batch_meta
 from .....distributed.context_parallel.registry import inner_wrapper
+from .....distributed.context_parallel.strategies import AllGatherStrategy, HybridStrategy, UlyssesStrategy
 from .....distributed.context_parallel.strategies.base import engine_attention
+from .....distributed.context_parallel.wrappers import _check_heads
 from .....platform import all_gather, all_to_all, launch_chain, reduce_scatter
 
 ADAPTER = "qwen3_moe"
@@ -61,12 +76,15 @@ class _Mark(torch.autograd.Function):
         return g, None
 
 
-def _heads(module):
-    cfg = module.config
-    return cfg.num_attention_heads, cfg.num_key_value_heads
+def _validate_adapter(module, *, cp_size, tp_size=1, ulysses_degree=None, method="colossal", who=ADAPTER):
+    """Preflight (resolver: ``tp_size=1``; planner under TP: the real ``tp_size``); raise ValueError.
 
-
-def _validate_adapter(module, *, cp_size, ulysses_degree=None, method="colossal"):
+    The target must be a ``Qwen3MoeAttention``; its heads (``num_attention_heads`` /
+    ``num_key_value_heads`` divided by ``tp_size``, or ``__hp_local_heads__`` after TP) must fit
+    the method exactly as for the sync wrappers: Colossal any GQA ratio; Ulysses both divisible
+    by ``cp_size`` with ``Hk >= cp_size``; Hybrid ``1 < ulysses_degree < cp_size``,
+    ``cp_size % ulysses_degree == 0`` and both divisible by ``ulysses_degree``. No collective.
+    """
     try:
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
     except ImportError as exc:  # pragma: no cover - transformers without Qwen3-MoE
@@ -77,15 +95,7 @@ def _validate_adapter(module, *, cp_size, ulysses_degree=None, method="colossal"
             "async needs a model adapter with explicit handoffs; use the sync wrapper "
             "(e.g. sdpa_hf_cp_wrapper) or write an @inner_wrapper adapter for this model"
         )
-    hq, hk = _heads(module)
-    degree = {"colossal": 1, "ulysses": cp_size, "hybrid": ulysses_degree}[method]
-    if method == "hybrid":
-        if not isinstance(ulysses_degree, int) or not 1 < ulysses_degree < cp_size or cp_size % ulysses_degree:
-            raise ValueError(f"ulysses_degree={ulysses_degree!r} must satisfy 1 < ulysses_degree < cp_size "
-                             f"({cp_size}) and divide it")
-    if degree > 1 and (hq % degree or hk % degree):
-        raise ValueError(f"{method} A2A over {degree} ranks needs num_attention_heads ({hq}) and "
-                         f"num_key_value_heads ({hk}) divisible by {degree}")
+    _check_heads(method, module, cp_size, tp_size, ulysses_degree, who)
 
 
 # ----------------------------------------------------------------------------- comm plans
@@ -129,7 +139,11 @@ def _query_positions(method, meta, ulysses_degree) -> torch.Tensor:
     return torch.arange(start, start + span, dtype=torch.int64)
 
 
-def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree):
+def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree, checker):
+    """The replacement forward. ``checker`` is the sync strategy of the same method on the same
+    group(s); only its local :meth:`check_shapes` is used (it never communicates)."""
+    groups = module.num_key_value_groups
+
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if cache is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
             raise ValueError(f"{ADAPTER} async CP: KV cache / use_cache is not supported in training; call the model with use_cache=False")
@@ -142,6 +156,10 @@ def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree):
 
         # K handoff: projection + norm + RoPE done -> launch
         k = _rope(module.k_norm(module.k_proj(hidden_states).view(shape)).transpose(1, 2), cos, sin)
+        # local checks before the first collective (v has k's shape; q has k's heads x groups)
+        q_shape = (k.shape[0], k.shape[1] * groups, k.shape[2], k.shape[3])
+        checker.check_shapes(q_shape, tuple(k.shape), tuple(k.shape), meta, cp_size=checker.cp_size,
+                             cp_rank=checker.cp_rank)
         ck = AsyncCollective("k", *kv_plan)
         k_tok = ck.launch(k)
         # V handoff (its projection overlaps K's collective)
@@ -152,6 +170,8 @@ def _make_forward(module, method, kv_plan, q_plan, out_group, ulysses_degree):
         q = _Mark.apply(module.q_proj(hidden_states), "q_proj")
         q = _rope(module.q_norm(q.view(shape)).transpose(1, 2), cos, sin)
         if q_plan is not None:
+            # Q is the last tensor before the consumer: launched and waited back to back (it
+            # overlaps only the K/V collectives still in flight)
             cq = AsyncCollective("q", *q_plan)
             q = cq.wait(cq.launch(q))
         k_full = ck.wait(k_tok)
@@ -176,24 +196,31 @@ def _cp_group(cp_mesh):
     return cp_mesh.get_group()
 
 
-def _validate_colossal(module, *, cp_size):
-    _validate_adapter(module, cp_size=cp_size, method="colossal")
+def _validate_colossal(module, *, cp_size, tp_size=1):
+    """Preflight of the async Colossal wrapper (heads per TP rank when ``tp_size > 1``)."""
+    _validate_adapter(module, cp_size=cp_size, tp_size=tp_size, method="colossal",
+                      who="qwen3_moe_async_colossal_cp_wrapper")
 
 
-def _validate_ulysses(module, *, cp_size):
-    _validate_adapter(module, cp_size=cp_size, method="ulysses")
+def _validate_ulysses(module, *, cp_size, tp_size=1):
+    """Preflight of the async Ulysses wrapper: TP-local heads must split over ``cp_size``."""
+    _validate_adapter(module, cp_size=cp_size, tp_size=tp_size, method="ulysses",
+                      who="qwen3_moe_async_ulysses_cp_wrapper")
 
 
-def _validate_hybrid(module, *, cp_size, ulysses_degree):
-    _validate_adapter(module, cp_size=cp_size, ulysses_degree=ulysses_degree, method="hybrid")
+def _validate_hybrid(module, *, cp_size, ulysses_degree, tp_size=1):
+    """Preflight of the async Hybrid wrapper: TP-local heads must split over ``ulysses_degree``."""
+    _validate_adapter(module, cp_size=cp_size, tp_size=tp_size, ulysses_degree=ulysses_degree,
+                      method="hybrid", who="qwen3_moe_async_hybrid_cp_wrapper")
 
 
 @inner_wrapper(method="colossal", style="model", is_async=True, model_adapter=ADAPTER,
                validate=_validate_colossal)
 def qwen3_moe_async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Async Colossal: K/V AllGather launched at their handoffs, reduce-scatter in backward."""
-    kv, q = _colossal(_cp_group(cp_mesh))
-    return _make_forward(target_module, "colossal", kv, q, None, None)
+    group = _cp_group(cp_mesh)
+    kv, q = _colossal(group)
+    return _make_forward(target_module, "colossal", kv, q, None, None, AllGatherStrategy(group))
 
 
 @inner_wrapper(method="ulysses", style="model", is_async=True, model_adapter=ADAPTER,
@@ -202,7 +229,7 @@ def qwen3_moe_async_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep
     """Async Pure Ulysses: Q/K/V seq->head A2A launched at their handoffs; inverse in backward."""
     group = _cp_group(cp_mesh)
     kv, q = _ulysses(group)
-    return _make_forward(target_module, "ulysses", kv, q, group, None)
+    return _make_forward(target_module, "ulysses", kv, q, group, None, UlyssesStrategy(group))
 
 
 @inner_wrapper(method="hybrid", style="model", is_async=True, model_adapter=ADAPTER,
@@ -212,4 +239,5 @@ def qwen3_moe_async_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
     chain thread (full dependency chain, forward and backward; not half-async)."""
     colossal_group, ulysses_group = mesh.hybrid_groups(ulysses_degree)
     kv, q = _hybrid(colossal_group, ulysses_group)
-    return _make_forward(target_module, "hybrid", kv, q, ulysses_group, ulysses_degree)
+    return _make_forward(target_module, "hybrid", kv, q, ulysses_group, ulysses_degree,
+                         HybridStrategy(colossal_group, ulysses_group))
