@@ -24,13 +24,11 @@ def test_good_config_all_ranks(ranks):
 
 def test_bad_yaml_on_one_rank_fails_all_ranks(ranks):
     pool = ranks(2)
-    t0 = time.monotonic()
-    outs = pool.outcomes(setup_on_rank, timeout=60,
+    # "promptly" is the harness deadline: a rank still running after 30s raises RankTimeout
+    outs = pool.outcomes(setup_on_rank, timeout=30,
                          rank_args=[(GOOD, []), (GOOD, ["accelerator.ulysses_degree=2"])])
-    elapsed = time.monotonic() - t0
     assert isinstance(outs[1], CPConfigError) and "accelerator.ulysses_degree" in str(outs[1])
     assert isinstance(outs[0], PreflightError) and "rank 1" in str(outs[0]) and "ulysses_degree" in str(outs[0])
-    assert elapsed < 30, f"ranks took {elapsed:.1f}s to fail"
 
 
 def test_bad_plan_on_one_rank_fails_all_ranks(ranks):
@@ -64,9 +62,7 @@ def test_harness_timeout_tears_down_instead_of_hanging(ranks):
     from hyper_parallel.testing import RankTimeout
 
     pool = ranks(2)
-    t0 = time.monotonic()
-    with pytest.raises(RankTimeout):
+    with pytest.raises(RankTimeout, match="within 5"):
         pool.outcomes(hang_one_rank, timeout=5)
-    assert time.monotonic() - t0 < 20
     assert not pool.alive
     assert pool.run(setup_on_rank, GOOD, []) == [2, 2]  # re-spawned on demand

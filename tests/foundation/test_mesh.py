@@ -30,16 +30,17 @@ def test_world1_trivial(ranks):
     assert res["cp"] == [0] and res["dp_cp"] == [0]
 
 
-@pytest.mark.parametrize("sizes,expect_cp,expect_tp", [
-    ({"cp": 2}, [[0, 1], [0, 1]], [[0], [1]]),
-    ({"dp_shard": 2, "cp": 1}, [[0], [1]], [[0], [1]]),
-    ({"cp": 1, "tp": 2}, [[0], [1]], [[0, 1], [0, 1]]),
+@pytest.mark.parametrize("sizes,expect_cp,expect_tp,expect_dp_cp", [
+    ({"cp": 2}, [[0, 1], [0, 1]], [[0], [1]], [[0, 1], [0, 1]]),
+    ({"dp_shard": 2, "cp": 1}, [[0], [1]], [[0], [1]], [[0, 1], [0, 1]]),
+    # TP replicas are outside the loss/token domain: each TP rank is its own dp_cp group
+    ({"cp": 1, "tp": 2}, [[0], [1]], [[0, 1], [0, 1]], [[0], [1]]),
 ])
-def test_world2(ranks, sizes, expect_cp, expect_tp):
+def test_world2(ranks, sizes, expect_cp, expect_tp, expect_dp_cp):
     res = ranks(2).run(mesh_layout, sizes)
     assert [r["cp"] for r in res] == expect_cp
     assert [r["tp"] for r in res] == expect_tp
-    assert all(r["dp_cp"] == [0, 1] or sizes.get("tp", 1) == 2 for r in res)
+    assert [r["dp_cp"] for r in res] == expect_dp_cp
 
 
 def test_world4_dp_shard_x_cp(ranks):

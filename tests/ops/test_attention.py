@@ -235,9 +235,15 @@ def _isa_available(isa: str) -> bool:
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
 def test_every_kernel_build(isa, monkeypatch):
-    if not _isa_available(isa):
-        pytest.skip(f"CPU lacks {isa}")
+    """Every kernel build against float64. Where the CPU/build lacks an ISA, forcing it must raise
+    a ValueError that names the variable, instead of silently falling back to another build."""
+    available = _isa_available(isa)
     monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
+    if not available:
+        with pytest.raises(ValueError, match=f"HYPER_PARALLEL_ATTN_ISA={isa}"):
+            attention(torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16),
+                      q_pos=ar(4), k_pos=ar(4))
+        return
     assert f"kernels={isa}" in engine_info()
     doc = packed_docs([70, 50], pad=8)
     pos = ar(doc.numel())

@@ -22,6 +22,13 @@ from .test_attention import packed_docs
 ar = torch.arange
 
 
+def checked(label: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Print max abs and rel (``_parity.error``: max abs / max(1, max |ref|)) every run; assert rel <= tol."""
+    max_abs, rel = error(got, ref)
+    print(f"{label}: max abs {max_abs:.2e} rel {rel:.2e} (tol rel {tol:g})")
+    assert rel <= tol, f"{label}: rel {rel:.2e} > tol {tol:g} (max abs {max_abs:.2e})"
+
+
 def _inputs(B=2, Hq=8, Hk=2, Sq=128, Sk=256, D=32, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, s, D, generator=g, dtype=torch.float64)
@@ -59,9 +66,8 @@ def test_cuda_backend_mask_and_lse(layout, eager_flex):
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin), "invisible rows must have lse = -inf"
     assert lse.dtype == torch.float64
-    e_out, e_lse = error(out, ref)[1], error(lse[fin], ref_lse[fin])[1]
-    print(f"cuda-path {layout}: out rel {e_out:.2e}, lse rel {e_lse:.2e} (tol 1e-7)")
-    assert e_out <= 1e-7 and e_lse <= 1e-7
+    checked(f"cuda-path {layout} out", out, ref, 1e-7)
+    checked(f"cuda-path {layout} lse", lse[fin], ref_lse[fin], 1e-7)
     if (~fin).any():
         assert out.permute(0, 2, 1, 3)[~fin.permute(0, 2, 1)].abs().max() == 0
 
@@ -126,14 +132,13 @@ def test_npu_backend_chunks_queries(budget):
         assert len(fake.masks) == 4, "a small budget must split the queries into chunks"
     fin = torch.isfinite(ref_lse)
     assert (~fin).any() and torch.equal(torch.isfinite(lse), fin)
-    assert error(out, ref)[1] <= 1e-10 and error(lse[fin], ref_lse[fin].float())[1] <= 1e-6
+    checked(f"npu-path budget={budget} out", out, ref, 1e-10)
+    checked(f"npu-path budget={budget} lse", lse[fin], ref_lse[fin].float(), 1e-6)
     g = torch.randn_like(out)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     want = torch.autograd.grad((ref * g).sum(), (q, k, v))
     for name, a, b in zip("qkv", got, want):
-        e = error(a, b)
-        print(f"npu-path budget={budget} d{name}: max abs {e[0]:.2e}, rel {e[1]:.2e} (tol 1e-10)")
-        assert e[1] <= 1e-10
+        checked(f"npu-path budget={budget} d{name}", a, b, 1e-10)
 
 
 def test_npu_backend_without_torch_npu_names_the_device():

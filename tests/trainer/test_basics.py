@@ -242,13 +242,6 @@ def test_resume_rejects_another_cp_size(ranks, tmp_path):
 
 
 # ----------------------------------------------------------------------------- CLI
-def _cli(args, env_extra=None, timeout=240):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    env.update(env_extra or {})
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_cli_single_process_writes_log_and_plot(tmp_path, capsys):
     """World size 1 without torchrun: ``hyper-train CONFIG overrides`` in this process."""
     from hyper_parallel.trainer.cli import main

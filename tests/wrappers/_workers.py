@@ -61,7 +61,8 @@ def build_pair(cfg, model_kind: str):
 def cp_parity(cfg_path: str, overrides=(), *, model_kind: str = "hf", mode: str = "production", S: int = 32,
               B: int = 2, grads: bool = False, padding: bool = False, fsdp=None, ac: bool = False,
               plan_overrides=None):
-    """-> dict(logits=max|diff|, grads=max relative |diff| or None, policy, summary) on this rank."""
+    """-> dict(logits=max|diff|, logits_rel=that / max|ref|, grads=max over parameters of
+    max|diff| / max|ref| (grads_abs: max|diff|), policy, summary) on this rank."""
     cfg = _models.load_cfg(cfg_path, overrides)
     acc = cfg.accelerator
     model, ref = build_pair(cfg, model_kind)
@@ -89,7 +90,9 @@ def cp_parity(cfg_path: str, overrides=(), *, model_kind: str = "hf", mode: str 
 
     ref_logits = ref(**batch).logits
     diff = ((full - ref_logits.detach()).abs() * valid[..., None]).max().item()
-    out = {"logits": diff, "policy": plan.batch_policy, "summary": plan.summary(),
+    ref_max = (ref_logits.detach().abs() * valid[..., None]).max().item()
+    out = {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "policy": plan.batch_policy,
+           "summary": plan.summary(),
            "fsdp_dims": tuple(mesh.fsdp_mesh.mesh_dim_names or ()),
            "sharded": len(tp_info.sharded), "replicated": len(tp_info.replicated)}
     if grads:
@@ -98,16 +101,17 @@ def cp_parity(cfg_path: str, overrides=(), *, model_kind: str = "hf", mode: str 
         uses_fsdp = any(type(m).__name__.startswith("FSDP") for m in model.modules())
         # FSDP2 averages over every fsdp rank; each of the dp_replicate replicas saw the same batch here
         scale = float(mesh.fsdp_mesh.size()) / acc.dp_replicate_size if uses_fsdp else 1.0
-        worst = 0.0
+        worst = worst_abs = 0.0
         for n, p in model.named_parameters():
             gp = _full(p.grad) * scale
             if not uses_fsdp and mesh.cp_size > 1:
                 from hyper_parallel import platform as P
                 gp = P.all_reduce(gp.contiguous(), mesh.cp_mesh.get_group())
             rg = ref_grads[n]
-            rel = ((gp - rg).abs().max() / rg.abs().max().clamp_min(1e-12)).item()
-            worst = max(worst, rel)
-        out["grads"] = worst
+            err = (gp - rg).abs().max()
+            worst_abs = max(worst_abs, err.item())
+            worst = max(worst, (err / rg.abs().max().clamp_min(1e-12)).item())
+        out["grads"], out["grads_abs"] = worst, worst_abs
     return out
 
 
@@ -169,7 +173,7 @@ def custom_wrapper_parity(cfg_path: str, S: int = 32):
     by_name = cp_parity(cfg_path, S=S, grads=True, plan_overrides=[{**entry, "inner_wrapper": "my_allgather"}])
     shortcut = cp_parity(cfg_path, S=S, grads=True, plan_overrides=[
         {**entry, "inner_wrapper": {"_target_": "examples.cp.custom_wrapper_example.my_sdpa_wrapper"}}])
-    return {k: max(r[k] for r in (by_target, by_name, shortcut)) for k in ("logits", "grads")}
+    return {k: max(r[k] for r in (by_target, by_name, shortcut)) for k in ("logits", "logits_rel", "grads", "grads_abs")}
 
 
 def rollback_on_failure(cfg_path: str):

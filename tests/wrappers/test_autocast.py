@@ -28,11 +28,13 @@ def autocast_parity():
         ref_logits = ref(**batch).logits
     full = gather_from_cp(logits.detach().float().contiguous(), mesh.cp_mesh, dim=1)
     grads_finite = all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
-    return (full - ref_logits.float()).abs().max().item(), logits.dtype, grads_finite
+    err = (full - ref_logits.float()).abs().max().item()
+    return err, err / ref_logits.float().abs().max().item(), logits.dtype, grads_finite
 
 
 def test_sdpa_hf_under_bf16_autocast(ranks):
-    for err, dtype, finite in ranks(2).run(autocast_parity):
+    for rank, (err, rel, dtype, finite) in enumerate(ranks(2).run(autocast_parity)):
+        print(f"bf16 autocast rank {rank} logits: max abs {err:.2e} rel {rel:.2e} (tol abs {TOL_BF16:g})")
         assert dtype == torch.bfloat16
         assert finite
         assert err < TOL_BF16, f"bf16 autocast logits max abs err {err:.3e} (tol {TOL_BF16})"
