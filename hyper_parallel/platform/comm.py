@@ -158,10 +158,12 @@ def _ready(result: torch.Tensor, op: str) -> CommHandle:
 
 
 def group_size(group) -> int:
+    """Ranks in ``group``; a ``None`` group is a group of one (no collective is issued)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
+    """This rank's index in ``group`` (0 for a ``None`` group)."""
     return 0 if group is None else dist.get_rank(group)
 
 

@@ -303,7 +303,7 @@ class BaseTrainer:
         if prepared.meta is not None:
             from ..distributed.context_parallel.batch import gather_from_cp
 
-            logits = _gather_from_cp(gather_from_cp, logits, self.mesh.cp_mesh, prepared)
+            logits = gather_from_cp(logits, self.mesh.cp_mesh, dim=1)  # every layout holds contiguous shards
         return logits[:, :prepared.seq_len].float().cpu().clone()
 
     # ------------------------------------------------------------------ gradients
@@ -458,15 +458,6 @@ def _field(local, name: str):
         return getattr(local, name)
     return local[name]
 
-
-def _gather_from_cp(fn, logits, cp_mesh, prepared):
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    kwargs = {}
-    if "meta" in params:
-        kwargs["meta"] = prepared.meta
-    return fn(logits, cp_mesh, dim=1, **kwargs)
 
 
 def _check_right_padded(mask) -> None:
