@@ -40,7 +40,7 @@ import torch.nn as nn
 from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
 from ..distributed.preflight import agree_or_raise
-from ..platform import all_reduce, get_platform, init_distributed, set_default_timeout
+from ..platform import all_gather_object, all_reduce, get_platform, init_distributed, set_default_timeout
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
@@ -142,6 +142,26 @@ def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | No
     return total
 
 
+def _check_same_config_on_every_rank(cfg: TrainerConfig) -> None:
+    """Every rank must run the same config: a per-rank difference would pair different
+    collectives across ranks. One object all-gather of per-section digests; on a mismatch every
+    rank raises the same CPConfigError naming the first differing section and the ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    import hashlib
+    import json
+
+    digests = {name: hashlib.sha256(json.dumps(section, sort_keys=True, default=str).encode()).hexdigest()
+               for name, section in sorted(cfg.to_dict().items())}
+    everyone = all_gather_object(digests)
+    for name in digests:
+        differ = [r for r, d in enumerate(everyone) if d.get(name) != everyone[0].get(name)]
+        if differ:
+            raise CPConfigError(name, f"the '{name}' section differs between ranks: rank(s) {differ} "
+                                f"were launched with another '{name}' than rank 0",
+                                fix="launch every rank with the same YAML and the same overrides")
+
+
 class BaseTrainer:
     """YAML config -> distributed model -> optimizer steps. See the module doc for the step."""
 
@@ -157,15 +177,18 @@ class BaseTrainer:
         if cfg.accelerator.comm_timeout_s is not None:  # before any group exists (see setup)
             set_default_timeout(cfg.accelerator.comm_timeout_s)
         init_distributed(self.platform)
+        _check_same_config_on_every_rank(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.schedule.seed)
-        model = model if model is not None else HyperAutoModel.from_config(cfg.model)
+        if model is None:  # agreed: a bad model config on one rank fails every rank here
+            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model), what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
-        if cfg.schedule.resume_from:  # fail fast on a topology mismatch, before parallelizing
-            ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh))
+        # fail fast on a topology mismatch, before parallelizing; called on every rank even
+        # without resume_from so that the ranks' agreement steps stay paired
+        ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh))
         self.cp_policy = None   # shard_batch_for_cp policy, from the sharding plan (CP > 1)
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())

@@ -95,11 +95,17 @@ def check_topology(path, saved: dict, current: dict) -> None:
                 fix=f"resume with {field}={saved.get(key)}")
 
 
-def validate_resume(path: str | Path, topology: dict) -> dict:
-    """Agreed on every rank: the checkpoint exists and was saved with this topology."""
+def validate_resume(path: str | Path | None, topology: dict) -> dict | None:
+    """Agreed on every rank: the checkpoint exists and was saved with this topology.
+
+    Collective: every rank calls it, also those with no ``path`` (they check nothing and
+    return None), so that a ``resume_from`` set on only some ranks fails every rank here.
+    """
     from ..distributed.preflight import agree_or_raise
 
     def check():
+        if not path:
+            return None
         meta = read_meta(path)
         check_topology(path, meta.get("topology", {}), topology)
         return meta

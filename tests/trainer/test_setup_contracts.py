@@ -65,3 +65,68 @@ def test_planning_error_on_one_rank_fails_every_rank(ranks, tmp_path):
     errs = ranks(2).outcomes(plan_fails_on_rank_1, cfg, timeout=60)
     assert errs[1][0] == "CPConfigError" and "injected planning failure on rank 1" in errs[1][1], errs[1]
     assert errs[0][0] == "PreflightError" and "sharding plan failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
+
+
+def test_config_differing_between_ranks_fails_every_rank(ranks, tmp_path):
+    good = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path))
+    bad = dict(good, schedule=dict(good["schedule"], resume_from=str(tmp_path / "no_such_checkpoint")))
+    errs = ranks(2).outcomes(W.build_error, timeout=60, rank_args=[(good,), (bad,)])
+    for e in errs:  # every rank: the same error, naming the section and the odd rank
+        assert e[0] == "CPConfigError" and "'schedule' section differs between ranks: rank(s) [1]" in e[1], e
+
+
+def _inject_on_rank_1(target, attr: str, exc: BaseException):
+    import torch.distributed as dist
+
+    original = getattr(target, attr)
+    if dist.get_rank() == 1:
+        def fail(*a, **kw):
+            raise exc
+        setattr(target, attr, fail)
+    return original
+
+
+def model_build_fails_on_rank_1(cfg: dict):
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.trainer import base
+
+    original = _inject_on_rank_1(base.HyperAutoModel, "from_config",
+                                 CPConfigError("model.config_file", "unreadable on this node only"))
+    try:
+        return W.build_error(cfg)
+    finally:
+        base.HyperAutoModel.from_config = original
+
+
+def resume_check_fails_on_rank_1(cfg: dict):
+    """Rank 0 sees a valid checkpoint (stubbed), rank 1 cannot read it."""
+    import torch.distributed as dist
+
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.trainer import checkpoint
+
+    saved = checkpoint.read_meta, checkpoint.check_topology
+    if dist.get_rank() == 0:
+        checkpoint.read_meta = lambda path: {"topology": {}}
+        checkpoint.check_topology = lambda path, saved_topology, current: None
+    else:
+        _inject_on_rank_1(checkpoint, "read_meta", CPConfigError("schedule.resume_from", "not on this node's disk"))
+    try:
+        return W.build_error(cfg)
+    finally:
+        checkpoint.read_meta, checkpoint.check_topology = saved
+
+
+def test_model_build_error_on_one_rank_fails_every_rank(ranks, tmp_path):
+    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path))
+    errs = ranks(2).outcomes(model_build_fails_on_rank_1, cfg, timeout=60)
+    assert errs[1][0] == "CPConfigError" and "unreadable on this node only" in errs[1][1], errs[1]
+    assert errs[0][0] == "PreflightError" and "model build failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
+
+
+def test_resume_error_on_one_rank_fails_every_rank(ranks, tmp_path):
+    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path),
+                     schedule__resume_from=str(tmp_path / "ckpt"))
+    errs = ranks(2).outcomes(resume_check_fails_on_rank_1, cfg, timeout=60)
+    assert errs[1][0] == "CPConfigError" and "not on this node's disk" in errs[1][1], errs[1]
+    assert errs[0][0] == "PreflightError" and "checkpoint resume failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
