@@ -2,6 +2,8 @@
 and the sharding plan is agreed across ranks (an error on one rank fails every rank)."""
 from __future__ import annotations
 
+import pytest
+
 from . import _workers as W
 
 _CALLS: list = []
@@ -117,16 +119,14 @@ def resume_check_fails_on_rank_1(cfg: dict):
         checkpoint.read_meta, checkpoint.check_topology = saved
 
 
-def test_model_build_error_on_one_rank_fails_every_rank(ranks, tmp_path):
-    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path))
-    errs = ranks(2).outcomes(model_build_fails_on_rank_1, cfg, timeout=60)
-    assert errs[1][0] == "CPConfigError" and "unreadable on this node only" in errs[1][1], errs[1]
-    assert errs[0][0] == "PreflightError" and "model build failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
-
-
-def test_resume_error_on_one_rank_fails_every_rank(ranks, tmp_path):
-    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path),
-                     schedule__resume_from=str(tmp_path / "ckpt"))
-    errs = ranks(2).outcomes(resume_check_fails_on_rank_1, cfg, timeout=60)
-    assert errs[1][0] == "CPConfigError" and "not on this node's disk" in errs[1][1], errs[1]
-    assert errs[0][0] == "PreflightError" and "checkpoint resume failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
+@pytest.mark.parametrize("worker,extra,own,agreed", [
+    (model_build_fails_on_rank_1, {}, "unreadable on this node only", "model build"),
+    (resume_check_fails_on_rank_1, {"schedule__resume_from": "ckpt"}, "not on this node's disk",
+     "checkpoint resume"),
+], ids=["model_build", "resume"])
+def test_setup_error_on_one_rank_fails_every_rank(ranks, tmp_path, worker, extra, own, agreed):
+    extra = {k: str(tmp_path / v) for k, v in extra.items()}
+    cfg = W.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path), **extra)
+    errs = ranks(2).outcomes(worker, cfg, timeout=60)
+    assert errs[1][0] == "CPConfigError" and own in errs[1][1], errs[1]
+    assert errs[0][0] == "PreflightError" and f"{agreed} failed on 1 rank(s): rank 1" in errs[0][1], errs[0]
