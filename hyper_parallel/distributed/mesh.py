@@ -117,9 +117,8 @@ class MeshContext:
         return {n: (self.platform.backend, self._opts) for n in names}
 
     def _flatten(self, mesh: DeviceMesh, name: str) -> DeviceMesh:
-        if self._opts is None:
-            return mesh._flatten(name)
-        return mesh._flatten(name, backend_override=(self.platform.backend, self._opts))
+        override = None if self._opts is None else (self.platform.backend, self._opts)
+        return mesh._flatten(name, backend_override=override)
 
     # -- properties -------------------------------------------------------------------
     @property

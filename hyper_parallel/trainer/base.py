@@ -482,7 +482,6 @@ def _field(local, name: str):
     return local[name]
 
 
-
 def _check_right_padded(mask) -> None:
     """CP=1 passes no attention_mask: padding must be a suffix of each row (collator contract)."""
     if mask is None:
