@@ -653,11 +653,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
 
 }  // namespace
 
-// Part of hyper_parallel::engine_info() (csrc/module.cpp).
+// Part of hyper_parallel::engine_info() (csrc/module.cpp). Reports; never raises because of
+// an environment variable: a HYPER_PARALLEL_ATTN_ISA / _GEMM choice that cannot run here is
+// reported as such ("kernels=unavailable(...)", "fp32=unavailable(...)"), and the error is
+// raised by the first attention call instead.
 std::string cpu_engine_info() {
-  const KernelTable* kt = select_kernels();
+  const KernelTable* kt = nullptr;
+  std::string kerr;
+  try {
+    kt = select_kernels();
+  } catch (const std::exception& e) {
+    kerr = e.what();
+    const auto nl = kerr.find('\n');
+    if (nl != std::string::npos) kerr.resize(nl);
+  }
   std::string s = "attention cpu kernels=";
-  s += kt->name;
+  s += kt ? std::string(kt->name) : "unavailable(" + kerr + ")";
   s += " (avx512bf16 cpu=";
   s += cpu_has_avx512bf16() ? "yes" : "no";
   s += ", avx512 cpu=";
@@ -666,12 +677,28 @@ std::string cpu_engine_info() {
   s += cpu_has_avx2() ? "yes" : "no";
   s += "), threads=" + std::to_string(at::get_num_threads());
   s += ", tiles q<=" + std::to_string(kBlockQMax) + " k=" + std::to_string(kBlockK);
-  TileGemmReleaseFn rel = nullptr;
-  const bool f32x = select_gemm(kt, at::kFloat, false, &rel) != nullptr;
-  const bool bf16x = kt->fwd_bf16 && select_gemm(kt, at::kFloat, true, &rel) != nullptr;
-  s += std::string(", tile gemm fp32=") + (f32x ? "brgemm" : "builtin") +
-       " bf16=" + (kt->fwd_bf16 ? (bf16x ? "brgemm(amx)" : "builtin(vdpbf16ps)") : "via fp32") +
-       " (brgemm usable: fp32=" + (brgemm_f32_available() ? "yes" : "no") +
+  auto provider = [&](bool bf16) -> std::string {
+    TileGemmReleaseFn rel = nullptr;
+    try {
+      return select_gemm(kt, at::kFloat, bf16, &rel) != nullptr ? "brgemm" : "builtin";
+    } catch (const std::exception& e) {
+      std::string m = e.what();
+      const auto nl = m.find('\n');
+      if (nl != std::string::npos) m.resize(nl);
+      return "unavailable(" + m + ")";
+    }
+  };
+  if (kt) {
+    const std::string f32 = provider(false);
+    std::string bf = "via fp32";
+    if (kt->fwd_bf16) {
+      bf = provider(true);
+      if (bf == "brgemm") bf = "brgemm(amx)";
+      else if (bf == "builtin") bf = "builtin(vdpbf16ps)";
+    }
+    s += ", tile gemm fp32=" + f32 + " bf16=" + bf;
+  }
+  s += std::string(" (brgemm usable: fp32=") + (brgemm_f32_available() ? "yes" : "no") +
        " bf16-amx=" + (brgemm_bf16_available() ? "yes" : "no") + ")";
   return s;
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -264,27 +265,62 @@ _PROVIDER_CASES = [
 ]
 
 
+def _brgemm_usable(info: str) -> dict:
+    """What ATen's brgemm can run on *this* CPU (engine_info's probe line)."""
+    m = re.search(r"brgemm usable: fp32=(yes|no) bf16-amx=(yes|no)", info)
+    assert m, info
+    return {"fp32": m.group(1) == "yes", "bf16-amx": m.group(2) == "yes"}
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
 @pytest.mark.parametrize("provider", ["builtin", "brgemm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tile_gemm_providers(provider, dtype, monkeypatch):
-    """Both tile-GEMM providers (built-in micro-kernels, ATen/oneDNN brgemm) against float64.
+def test_tile_gemm_providers(provider, isa, dtype, monkeypatch):
+    """Both tile-GEMM providers (built-in micro-kernels, ATen/oneDNN brgemm) x every kernel build
+    (HYPER_PARALLEL_ATTN_ISA), against float64.
 
-    Where brgemm cannot run (no AVX-512 for fp32, no AMX for the bf16 kernels) forcing it must
-    raise a ValueError that names the variable, instead of silently using the other provider.
+    CPU features this test depends on, and what it asserts where they are missing:
+    * the ISA level (AVX512_BF16 / AVX-512 / AVX2; ``base`` runs anywhere): forcing a level the
+      CPU lacks must raise a ValueError naming HYPER_PARALLEL_ATTN_ISA at the first call;
+    * brgemm: fp32 needs a CPU where oneDNN's brgemm JITs (AVX-512 class), the bf16 kernels
+      (``avx512bf16`` level, bf16 inputs) need AMX-BF16; bf16 at the other levels and float16
+      run the fp32 kernels, so they need fp32 brgemm. Forcing brgemm where it cannot run must
+      raise a ValueError naming HYPER_PARALLEL_ATTN_GEMM at the first call.
+    ``engine_info()`` must report in every case, never raise. So on an AMX machine, on an
+    AVX-512-without-AMX machine (Zen 4) and on an AVX2-only one, every combination is exercised:
+    either it runs and matches float64, or it raises the expected error.
     """
+    monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
     monkeypatch.setenv("HYPER_PARALLEL_ATTN_GEMM", provider)
-    info = engine_info()
+    info = engine_info()  # must not raise whatever the variables say
+    small = [torch.randn(1, 1, 4, 16).to(dtype) for _ in range(3)]
+    if isa != "base" and f"{isa} cpu=yes" not in info:
+        print(f"[provider {provider} isa={isa}] this CPU lacks {isa}: expecting the ISA error")
+        assert f"kernels=unavailable(HYPER_PARALLEL_ATTN_ISA={isa}" in info, info
+        with pytest.raises(ValueError, match=f"HYPER_PARALLEL_ATTN_ISA={isa}"):
+            attention(*small, q_pos=ar(4), k_pos=ar(4))
+        return
+    assert f"kernels={isa}" in info, info
     if provider == "brgemm":
-        uses_bf16_kernels = dtype == torch.bfloat16 and "bf16=via fp32" not in info
-        usable = ("bf16-amx=yes" if uses_bf16_kernels else "fp32=yes") in info
-        if not usable:
+        uses_bf16_kernels = dtype == torch.bfloat16 and isa == "avx512bf16"
+        need = "bf16-amx" if uses_bf16_kernels else "fp32"
+        if not _brgemm_usable(info)[need]:
+            print(f"[provider brgemm isa={isa} {dtype}] brgemm {need} not usable on this CPU: "
+                  "expecting the GEMM error")
+            assert "unavailable(HYPER_PARALLEL_ATTN_GEMM=brgemm" in info, info
             with pytest.raises(ValueError, match="HYPER_PARALLEL_ATTN_GEMM=brgemm"):
-                attention(torch.randn(1, 1, 4, 16, dtype=dtype),
-                          torch.randn(1, 1, 4, 16, dtype=dtype),
-                          torch.randn(1, 1, 4, 16, dtype=dtype), q_pos=ar(4), k_pos=ar(4))
+                attention(*small, q_pos=ar(4), k_pos=ar(4))
             return
     for i, (name, kw) in enumerate(_PROVIDER_CASES):
-        run_parity(Case(dtype=dtype, seed=40 + i, **kw), f"gemm={provider} {dtype} {name}")
+        run_parity(Case(dtype=dtype, seed=40 + i, **kw),
+                   f"gemm={provider} isa={isa} {dtype} {name}")
+
+
+def test_engine_info_never_raises_on_bad_env(monkeypatch):
+    for var, val in (("HYPER_PARALLEL_ATTN_GEMM", "mkl"), ("HYPER_PARALLEL_ATTN_ISA", "sse9")):
+        monkeypatch.setenv(var, val)
+        info = engine_info()
+        assert f"{var} must be" in info, info
 
 
 def test_bad_gemm_env_raises(monkeypatch):
