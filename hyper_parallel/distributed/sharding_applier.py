@@ -3,6 +3,9 @@
 Order (design 2.1): TP placement -> the declared CP wrapper / local compute -> activation
 checkpointing -> FSDP2 ``fully_shard`` (each decoder layer, then the root, on
 ``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Only what the plan declares is applied.
+With cp > 1 every rotary embedding module is first probed (:func:`~.context_parallel.rope.check_rotary_modules`,
+a refusal names the module) and, with the CP wrappers, made to compute its output on the batch's
+global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback).
 
 Installing a CP method on ``inner_module``:
 
@@ -32,6 +35,7 @@ import torch.nn as nn
 
 from .context_parallel.interception import applying
 from .context_parallel.meta import cp_batch_context, current_cp_batch_meta
+from .context_parallel.rope import check_rotary_modules, install_cp_rope
 from .errors import CPConfigError
 from .sharding_planner import ShardingPlan
 from .tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
@@ -69,6 +73,7 @@ class _Installed:
                 module.forward = prev
             if "__hp_cp_wrapped__" in module.__dict__:
                 del module.__dict__["__hp_cp_wrapped__"]
+            module.__dict__.pop("__hp_cp_prev_forward__", None)
         self.items.clear()
 
 
@@ -89,6 +94,7 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
         if module.__dict__.get("__hp_cp_wrapped__"):
             raise CPConfigError(field, f"already wrapped by {module.__hp_cp_wrapped__}", module=t.fqn,
                                 fix="apply a plan to a fresh model (one wrapper per attention)")
+        prev_entry = module.__dict__.get("forward", _MISSING)   # the original, for the CP preflight proof
         if t.kind == "local_compute_fn":
             # fn(module, *forward_args, cp_mesh=<1-D cp DeviceMesh>, **named_params, **forward_kwargs)
             installed.replace_forward(module, functools.partial(t.fn, module, cp_mesh=cp_mesh, **t.params))
@@ -114,6 +120,7 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
                                         "replace the module's forward", module=t.fqn,
                                         fix="return the replacement forward, or assign target_module.forward")
         module.__hp_cp_wrapped__ = (t.spec.inner_wrapper or t.spec.local_compute_fn).describe()
+        module.__dict__["__hp_cp_prev_forward__"] = prev_entry
         log.info("CP: %s", t.describe())
 
 
@@ -184,6 +191,10 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         if degrees:
             mesh.ensure_hybrid(degrees)   # set-up time, collective; no-op when already built
 
+    # 0. RoPE preflight (local, deterministic: every rank reaches the same verdict)
+    if plan.cp_size > 1:
+        check_rotary_modules(model, plan.cp_size)
+
     # 1. TP placement
     if plan.tp_size > 1:
         tp_info = apply_tensor_parallel(model, mesh.tp_mesh, plan.decoder_layers, plan.tp_layer_plan)
@@ -194,6 +205,9 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
     try:
         # 2. declared CP methods
         _install_cp(model, plan, mesh, mode, installed)
+        # 2b. rotary embeddings computed on the batch's global positions, this rank's slice kept
+        if plan.cp_size > 1:
+            install_cp_rope(model, installed.replace_forward)
         # 3. activation checkpointing
         if activation_checkpointing:
             _apply_ac(model, plan, installed)
@@ -219,7 +233,11 @@ def remove_cp_wrappers(model: nn.Module) -> int:
         if fwd is not None and "__hp_cp_wrapped__" in mod.__dict__:
             for u in reversed(getattr(fwd, "__hp_undo__", [])):
                 u()
-            mod.__dict__.pop("forward", None)
+            prev = mod.__dict__.pop("__hp_cp_prev_forward__", _MISSING)
+            if prev is _MISSING:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = prev
             del mod.__dict__["__hp_cp_wrapped__"]
             n += 1
     return n
