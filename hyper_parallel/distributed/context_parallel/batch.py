@@ -262,7 +262,8 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
                                   and key != "past_key_values"):
             out[key] = val
     out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
-                           key_doc=key_doc, policy=policy_name, causal=True)
+                           key_doc=key_doc, policy=policy_name, causal=True,
+                           position_ids=full["position_ids"], seq_len=S)   # global, for RoPE (rope.py)
     out.num_valid_tokens_local = (int((out["shift_labels"] != ignore_index).sum())
                                   if "shift_labels" in out else None)
     out.seq_len, out.pad_len = S, n_pad

@@ -28,7 +28,10 @@ class CPBatchMeta:
     sequence of length ``global_seq_len`` (``local_seq_len == global_seq_len // cp_size``).
     ``key_doc`` is ``[B, global_seq_len]`` int64 doc ids for *every* global key (``-1`` =
     padding, never attended; different ids do not see each other), or None for one valid
-    document per row. ``causal`` selects the causal rule on global positions. Plain data:
+    document per row. ``causal`` selects the causal rule on global positions.
+    ``position_ids`` (``[B|1, global_seq_len]``, global, CP pad tokens continuing the row) and
+    ``seq_len`` (unpadded global S) let the rotary embeddings run on the global positions
+    (:mod:`.rope`). Plain data:
     built by ``shard_batch_for_cp`` (no collective here), read-only for wrappers, carries no
     gradient.
     """
@@ -40,6 +43,11 @@ class CPBatchMeta:
     key_doc: Optional[torch.Tensor]     # [B, global_seq_len] int64 doc id per key, -1 = padding; None = all valid, one doc
     policy: str = "all_gather"          # padding policy used to build the batch
     causal: bool = True
+    # global positions [B|1, global_seq_len] (CP pad tokens continue the row) and the unpadded
+    # global S: what the rotary embeddings need to be computed as for the whole sequence
+    # (context_parallel.rope); None when the batch was not built by shard_batch_for_cp
+    position_ids: Optional[torch.Tensor] = None
+    seq_len: Optional[int] = None
 
     @property
     def q_index(self) -> torch.Tensor:

@@ -1,0 +1,340 @@
+"""Rotary position embeddings under CP: every rank computes them as for the whole sequence.
+
+Contract
+--------
+A rotary embedding module (``*RotaryEmbedding`` of a transformers model, or any module found
+by :func:`find_rotary_modules`) maps ``(x, position_ids, ...)`` to tensors (``cos, sin``)
+whose second-to-last dim is the sequence. Several transformers RoPE variants do not depend on
+the positions alone but on *the sequence length*, which transformers takes from the positions
+it is given (``dynamic_rope_update``): ``L = max(position_ids) + 1`` over the whole batch —
+``dynamic`` NTK rescales (and statefully caches) ``inv_freq`` when ``L`` exceeds
+``max_position_embeddings``; ``longrope`` switches from the short to the long factors when
+``L > original_max_position_embeddings``. Under CP every rank holds a chunk of the global
+sequence and would derive its own ``L`` from its own chunk: silently wrong.
+
+During a CP forward (inside ``cp_batch_context(meta)``, ``meta.cp_size > 1``) each rotary
+module installed by :func:`install_cp_rope` therefore
+
+1. takes the **global** positions of the batch from the meta (``meta.position_ids``,
+   ``[B|1, global_seq_len]``, set by ``shard_batch_for_cp``) and checks that the
+   ``position_ids`` the model passed are this rank's slice of them;
+2. replaces the positions of the tokens that CP added to reach the policy multiple
+   (``meta.seq_len <= index < meta.global_seq_len``, tokens that do not exist at CP=1) with the
+   row's last real position, so they change nothing;
+3. calls the module's original forward **once on those global positions** — so its length,
+   its state (dynamic NTK's cached ``inv_freq`` across steps of different lengths) and its
+   output are exactly those of CP=1 — and returns this rank's contiguous slice
+   ``[cp_rank * local_seq_len, (cp_rank + 1) * local_seq_len)`` (a copy: the global
+   ``cos/sin`` are freed at once).
+
+Memory and time: one ``[B|1, S_global, D]`` cos/sin pair per call, O(S·D); no S×S tensor.
+Position rows that are one broadcast row (``[1, S]`` or an expanded ``[B, S]``) are computed
+once. Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
+
+The length that results (identical on every rank and to CP=1 given the same global batch):
+``L = 1 + max(position_ids)`` over every row and every real token of the global batch —
+padding tokens of the user's batch (``attention_mask == 0``) included, as transformers
+includes them, CP's own pad-to-multiple tokens excluded. Packed documents restart their
+positions per slot, so ``L`` is the longest document slot (``seq_lens_padded``), exactly what
+transformers derives at CP=1 from the same packed ``position_ids``.
+
+Preflight (:func:`check_rotary_modules`, run by ``apply_sharding_plan`` before anything is
+installed): every rotary module is probed locally (no collective) on a deep copy — at a probe
+length beyond the model's original context, then a shorter one beyond it, one inside it and a
+long one again (stateful variants must follow CP=1 across steps) — comparing what the CP path
+above returns for the first and the last cp shard (the shard's slice of ``x`` and the global
+positions) with the slice of the module's output for the whole probe sequence. A module whose
+output depends on more than the positions (and the length they declare) — e.g. one that takes
+the length or the positions from ``x.shape``, or a forward without ``position_ids`` — differs
+or cannot be called, and is refused with a :class:`~hyper_parallel.distributed.errors.CPConfigError`
+naming its FQN and the fix. transformers' variants (default, linear, dynamic, yarn, longrope,
+llama3, proportional, any ``ROPE_INIT_FUNCTIONS`` entry used through ``dynamic_rope_update``)
+pass: their output is a function of the positions only.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import re
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import CPConfigError
+from .meta import CPBatchMeta, cp_batch_context, current_cp_batch_meta
+
+log = logging.getLogger("hyper_parallel.cp.rope")
+
+__all__ = ["find_rotary_modules", "check_rotary_modules", "install_cp_rope", "CPRopeError",
+           "rope_global_length"]
+
+_NAME = re.compile(r"rotary|rope", re.IGNORECASE)
+FIELD = "model.config.rope_parameters"
+FIX = ("make the module's output a function of position_ids alone, taking the sequence length as "
+       "max(position_ids) + 1 (as transformers' @dynamic_rope_update / ROPE_INIT_FUNCTIONS rope types do), "
+       "or train this model with accelerator.cp_size=1")
+PROBE_TOL = 1e-6          # relative to max |reference| (the CP path is the same computation, usually bitwise)
+
+
+class CPRopeError(RuntimeError):
+    """A CP forward whose positions do not match the CP batch (raised by the installed rotary forward)."""
+
+
+# ------------------------------------------------------------------------------ discovery
+def _is_transformers_rope(module: nn.Module) -> bool:
+    fwd = type(module).forward
+    return "dynamic_rope_update" in getattr(fwd, "__qualname__", "") or (
+        hasattr(module, "rope_type") and hasattr(module, "inv_freq"))
+
+
+def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Rotary embedding modules of ``model``: transformers RoPE modules (``dynamic_rope_update``
+    forward, or ``rope_type`` + ``inv_freq``), any module with an ``inv_freq`` buffer, and any
+    module whose class name contains "rotary"/"rope" (custom modules)."""
+    found = []
+    for fqn, mod in model.named_modules():
+        if "inv_freq" in getattr(mod, "_buffers", {}) or _is_transformers_rope(mod) or \
+                _NAME.search(type(mod).__name__):
+            found.append((fqn, mod))
+    return found
+
+
+def _positions_param(module: nn.Module) -> Optional[inspect.Signature]:
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    return sig if "position_ids" in sig.parameters else None
+
+
+# ------------------------------------------------------------------------------ the CP path
+def rope_global_length(meta: CPBatchMeta) -> int:
+    """``1 + max`` of the meta's global positions over the real tokens (CP padding excluded)."""
+    pos = _global_positions(meta, None)
+    return int(pos.max()) + 1
+
+
+def _global_positions(meta: CPBatchMeta, local: Optional[torch.Tensor]) -> torch.Tensor:
+    g = getattr(meta, "position_ids", None)
+    if g is None:
+        raise CPRopeError(
+            "the CP batch meta carries no global position_ids, so the rotary embedding cannot be computed for the "
+            "whole sequence: build the batch with shard_batch_for_cp (a custom batch_prepare_fn must set "
+            "meta.position_ids [B|1, global_seq_len] and meta.seq_len)")
+    if g.dim() != 2 or g.shape[-1] != meta.global_seq_len:
+        raise CPRopeError(f"meta.position_ids has shape {tuple(g.shape)}, expected [B|1, {meta.global_seq_len}]")
+    n_real = meta.seq_len if getattr(meta, "seq_len", None) is not None else meta.global_seq_len
+    if n_real < meta.global_seq_len:          # CP's pad-to-multiple tokens: repeat the last real position
+        g = torch.cat([g[:, :n_real], g[:, n_real - 1:n_real].expand(-1, meta.global_seq_len - n_real)], dim=1)
+    if local is not None:
+        g = g.to(local.device)
+    return g
+
+
+def _slice_outputs(out, lo: int, hi: int, total: int, rows: Optional[int], fqn: str):
+    if isinstance(out, torch.Tensor):
+        if out.dim() < 2 or out.shape[-2] != total:
+            raise CPRopeError(f"rotary module '{fqn}' returned a tensor of shape {tuple(out.shape)}: CP expects the "
+                              f"sequence ({total} global positions) in its second-to-last dim")
+        t = out[..., lo:hi, :].contiguous()
+        if rows is not None and t.dim() >= 3 and t.shape[0] == 1 and rows > 1:
+            t = t.expand(rows, *t.shape[1:])
+        return t
+    if isinstance(out, (tuple, list)):
+        return type(out)(_slice_outputs(o, lo, hi, total, rows, fqn) for o in out)
+    raise CPRopeError(f"rotary module '{fqn}' returned {type(out).__name__}; CP expects tensors or a tuple of them")
+
+
+def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn: str, args, kwargs):
+    """The CP path: original forward on the global positions, this rank's slice returned."""
+    bound = sig.bind(*args, **kwargs)
+    local = bound.arguments.get("position_ids")
+    if not isinstance(local, torch.Tensor):
+        raise CPRopeError(f"rotary module '{fqn}' was called without position_ids under CP: pass "
+                          "position_ids=local['position_ids'] from shard_batch_for_cp")
+    g = _global_positions(meta, local)
+    B, n = g.shape[0], meta.local_seq_len
+    lo, hi = meta.cp_rank * n, (meta.cp_rank + 1) * n
+    rows = local.shape[0] if local.dim() == 2 else -1
+    if local.dim() != 2 or local.shape[-1] != n or rows not in (1, B):
+        raise CPRopeError(
+            f"rotary module '{fqn}' got position_ids of shape {tuple(local.shape)}; under CP it needs this rank's "
+            f"[{B}|1, {n}] slice of the batch's global positions (pass position_ids=local['position_ids'] from "
+            "shard_batch_for_cp; 3-D/multimodal positions are not supported)")
+    want = meta.position_ids[:, lo:hi].to(local.device)
+    if not torch.equal(local.expand_as(want), want):
+        raise CPRopeError(
+            f"rotary module '{fqn}' got position_ids that are not this rank's slice of the CP batch's global "
+            f"position_ids (cp rank {meta.cp_rank}): pass position_ids=local['position_ids'] from "
+            "shard_batch_for_cp (without them transformers restarts every rank at 0)")
+    if B > 1 and (g.stride(0) == 0 or torch.equal(g, g[:1].expand_as(g))):
+        g = g[:1]                                 # one distinct row: computed once (as HF does for [1, S])
+    bound.arguments["position_ids"] = g
+    out = original(*bound.args, **bound.kwargs)
+    return _slice_outputs(out, lo, hi, meta.global_seq_len, rows, fqn)
+
+
+def _cp_forward(module: nn.Module, original: Callable, sig: inspect.Signature, fqn: str) -> Callable:
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta(required=False)
+        if meta is None or meta.cp_size == 1:
+            return original(*args, **kwargs)
+        return _cp_call(original, sig, meta, fqn, args, kwargs)
+
+    forward.__hp_cp_rope__ = fqn
+    return forward
+
+
+# ------------------------------------------------------------------------------ preflight
+def _contexts(module: nn.Module, model_config=None) -> list[int]:
+    """The lengths at which a RoPE variant may change behaviour: ``original_max_position_embeddings``
+    (longrope, yarn, llama3), ``max_position_embeddings`` (dynamic NTK), ``original_max_seq_len``."""
+    cands = set()
+    for cfg in (getattr(module, "config", None), model_config):
+        if cfg is None:
+            continue
+        params = getattr(cfg, "rope_parameters", None)
+        if isinstance(params, dict):
+            for d in [params] + [v for v in params.values() if isinstance(v, dict)]:
+                if isinstance(d.get("original_max_position_embeddings"), int):
+                    cands.add(d["original_max_position_embeddings"])
+        for name in ("original_max_position_embeddings", "max_position_embeddings"):
+            if isinstance(getattr(cfg, name, None), int):
+                cands.add(getattr(cfg, name))
+    for name in ("original_max_seq_len", "max_seq_len_cached", "max_position_embeddings"):
+        if isinstance(getattr(module, name, None), int):
+            cands.add(getattr(module, name))
+    return sorted(c for c in cands if c > 0) or [4096]
+
+
+def _probe_lengths(contexts: list[int], multiple: int) -> list[int]:
+    """Long (beyond every context) -> just beyond -> short (inside every context) -> long again."""
+    up = lambda v: -(-max(v, multiple) // multiple) * multiple  # noqa: E731
+    top = contexts[-1]
+    longest = up(top + top // 4 + 1)
+    beyond = up(top + 1)
+    short = (contexts[0] // 2) // multiple * multiple or multiple
+    return [longest, beyond, short, longest]
+
+
+def _probe_x(module: nn.Module, model_config, L: int) -> torch.Tensor:
+    buf = next(iter(module.buffers()), None)
+    device = buf.device if buf is not None else torch.device("cpu")
+    hidden = getattr(getattr(module, "config", None) or model_config, "hidden_size", None) or 64
+    row = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).to(device)
+    return row.expand(1, L, hidden)           # stride-0 view: O(hidden) memory at any probe length
+
+
+def _layer_types(module: nn.Module, sig: inspect.Signature) -> list:
+    rt = getattr(module, "rope_type", None)
+    if "layer_type" in sig.parameters and isinstance(rt, dict):
+        return list(rt)
+    return [None]
+
+
+def _flatten(out) -> list:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flatten(o)]
+    return [out]
+
+
+def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, model_config) -> None:
+    sig = _positions_param(module)
+    if sig is None:
+        raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument: under CP "
+                            "each rank would rotate its chunk as if it started the sequence", module=fqn,
+                            fix="give its forward a position_ids argument (transformers' (x, position_ids) "
+                            "convention); " + FIX)
+    contexts = _contexts(module, model_config)
+    lengths = _probe_lengths(contexts, multiple)
+    shards = sorted({0, cp_size - 1})
+    for layer_type in _layer_types(module, sig):
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        ref_mod = copy.deepcopy(module)
+        cp_mods = {r: copy.deepcopy(module) for r in shards}
+        for step, L in enumerate(lengths):
+            x = _probe_x(module, model_config, L)
+            pos = torch.arange(L, device=x.device)[None]
+            try:
+                with torch.no_grad():
+                    ref = _flatten(ref_mod(x, position_ids=pos, **extra))
+                    n = L // cp_size
+                    got = {}
+                    for r in shards:
+                        meta = CPBatchMeta(cp_rank=r, cp_size=cp_size, global_seq_len=L, local_seq_len=n,
+                                           key_doc=None, position_ids=pos, seq_len=L)
+                        m = cp_mods[r]
+                        fwd = _cp_forward(m, m.forward, inspect.signature(m.forward), fqn)
+                        with cp_batch_context(meta):
+                            got[r] = _flatten(fwd(x[:, r * n:(r + 1) * n], position_ids=pos[:, r * n:(r + 1) * n],
+                                                  **extra))
+            except (CPRopeError, RuntimeError, TypeError, ValueError, IndexError) as exc:
+                raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) could not be probed for CP at "
+                                    f"length {L}: {type(exc).__name__}: {exc}", module=fqn, fix=FIX) from exc
+            for r in shards:
+                lo, hi = r * n, (r + 1) * n
+                worst = 0.0
+                for a, b in zip(got[r], ref):
+                    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                        continue
+                    ref_slice = b[..., lo:hi, :]
+                    if a.shape != ref_slice.shape:
+                        worst = float("inf")
+                        break
+                    scale = max(float(ref_slice.abs().max()) if ref_slice.numel() else 0.0, 1e-30)
+                    worst = max(worst, float((a.float() - ref_slice.float()).abs().max()) / scale
+                                if a.numel() else 0.0)
+                if len(got[r]) != len(ref) or worst > PROBE_TOL:
+                    lt = "" if layer_type is None else f" (layer_type {layer_type!r})"
+                    raise CPConfigError(
+                        FIELD, f"rotary module ({type(module).__name__}){lt} depends on more than the positions: "
+                        f"at probe step {step} (length {L}, original context {contexts[-1]}) its CP output for cp shard "
+                        f"{r}/{cp_size} differs from the slice of its output for the whole sequence (max rel err "
+                        f"{worst:.2e} > {PROBE_TOL:g}), so CP would be silently wrong", module=fqn, fix=FIX)
+
+
+def check_rotary_modules(model: nn.Module, cp_size: int, multiple: Optional[int] = None) -> list[str]:
+    """Preflight probe of every rotary module (see the module doc); returns their FQNs.
+
+    Local and deterministic (no collective): every rank reaches the same verdict. The modules
+    themselves are not touched (the probe runs on deep copies, so no state is consumed).
+    """
+    if cp_size <= 1:
+        return []
+    multiple = multiple or 2 * cp_size
+    model_config = getattr(model, "config", None)
+    fqns = []
+    for fqn, module in find_rotary_modules(model):
+        _probe_module(fqn, module, cp_size, multiple, model_config)
+        fqns.append(fqn)
+    return fqns
+
+
+def install_cp_rope(model: nn.Module, replace_forward: Optional[Callable] = None) -> list[str]:
+    """Route every rotary module of ``model`` through the CP path (module doc); returns the FQNs.
+
+    ``replace_forward(module, fn)`` installs the forward (the applier passes its undo-recording
+    installer); by default ``module.forward = fn``. Idempotent per module.
+    """
+    done = []
+    for fqn, module in find_rotary_modules(model):
+        if getattr(module.__dict__.get("forward"), "__hp_cp_rope__", None):
+            continue
+        sig = _positions_param(module)
+        if sig is None:
+            raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument",
+                                module=fqn, fix=FIX)
+        fn = _cp_forward(module, module.forward, sig, fqn)
+        if replace_forward is None:
+            module.forward = fn
+        else:
+            replace_forward(module, fn)
+        done.append(fqn)
+        log.info("CP RoPE: %s (%s) computed on the global positions", fqn, type(module).__name__)
+    return done
