@@ -300,9 +300,10 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
   return pk;
 }
 
-int classify_host(const TileInfo& q, const TileInfo& k, bool causal) {
+int classify_host(const TileInfo& q, const TileInfo& k, bool causal, int64_t window) {
   if (!q.any || !k.any) return kTileSkip;
   if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (window > 0 && (int64_t)k.pmax + window <= (int64_t)q.pmin) return kTileSkip;
   if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
   return kTilePartial;
 }
@@ -424,14 +425,32 @@ void softmax_stats(const at::Tensor& dout, const at::Tensor& out, const at::Tens
   });
 }
 
+// window (None or >= 1) -> 0 (none) or the window; softcap (None or > 0) -> 0 or
+// softcap * log2(e) (the kernels work in the log2 domain).
+int64_t window_arg(const c10::optional<int64_t>& window) {
+  if (!window.has_value()) return 0;
+  TORCH_CHECK_VALUE(*window >= 1, "attention: window must be >= 1 (or None), got ", *window);
+  return *window;
+}
+double softcap_arg(const c10::optional<double>& softcap) {
+  if (!softcap.has_value()) return 0.0;
+  TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0,
+                    "attention: softcap must be a finite number > 0 (or None), got ", *softcap);
+  return *softcap * kLog2e;
+}
+
 // ---------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& q_pos,
                                                 const at::Tensor& k_pos,
                                                 const c10::optional<at::Tensor>& q_doc,
                                                 const c10::optional<at::Tensor>& k_doc,
-                                                bool causal, double scale) {
+                                                bool causal, double scale,
+                                                c10::optional<int64_t> window,
+                                                c10::optional<double> softcap) {
   check_qkv(q, k, v);
+  const int64_t win = window_arg(window);
+  const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
   const Geometry g = geometry(q, k);
@@ -468,7 +487,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
     for (int64_t qt = 0; qt < g.nqt; ++qt)
       for (int64_t kt = 0; kt < g.nkt; ++kt)
         cost[b * g.nqt + qt] +=
-            classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt], causal) != kTileSkip;
+            classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt], causal, win) !=
+            kTileSkip;
   std::vector<int64_t> order(g.B * g.Hq * g.nqt);
   std::iota(order.begin(), order.end(), 0);
   auto item_cost = [&](int64_t it) {
@@ -501,6 +521,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.nqt = g.nqt;
   a.nkt = g.nkt;
   a.causal = causal ? 1 : 0;
+  a.window = win;
+  a.softcap2 = softcap2;
   a.sscale = scale * kLog2e;
   a.order = order.data();
   a.nitems = (int64_t)order.size();
@@ -518,8 +540,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& q_pos, const at::Tensor& k_pos, const c10::optional<at::Tensor>& q_doc,
-    const c10::optional<at::Tensor>& k_doc, bool causal, double scale) {
+    const c10::optional<at::Tensor>& k_doc, bool causal, double scale,
+    c10::optional<int64_t> window, c10::optional<double> softcap) {
   check_qkv(q, k, v);
+  const int64_t win = window_arg(window);
+  const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
@@ -626,6 +651,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.nqt = g.nqt;
   a.nkt = g.nkt;
   a.causal = causal ? 1 : 0;
+  a.window = win;
+  a.softcap2 = softcap2;
   a.sscale = scale * kLog2e;
   a.nc = nc;
   a.nitems = units * nc;
@@ -633,8 +660,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   for (int64_t b = 0; b < g.B; ++b)
     for (int64_t qt = 0; qt < g.nqt; ++qt)
       for (int64_t kt2 = 0; kt2 < g.nkt; ++kt2)
-        pairs += classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt2], causal) !=
-                 kTileSkip;
+        pairs += classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt2], causal,
+                               win) != kTileSkip;
   run_workers(bf16 ? kt->bwd_bf16 : acc == at::kDouble ? kt->bwd_f64 : kt->bwd_f32, a,
               pairs * g.Hq * 5 * g.Bq * g.Bk * g.Dp);
 
@@ -709,11 +736,12 @@ std::string cpu_engine_info() {
 TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
   m.def(
       "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
-      "Tensor? k_doc, bool causal, float scale) -> (Tensor, Tensor)");
+      "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None) -> "
+      "(Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale) -> "
-      "(Tensor, Tensor, Tensor)");
+      "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale, "
+      "int? window=None, float? softcap=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyper_parallel, CPU, m) {

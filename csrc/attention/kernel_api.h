@@ -61,6 +61,8 @@ struct FwdArgs {
   const TileInfo *qti, *kti;  // [B, nqt], [B, nkt]
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Bq, Bk, nqt, nkt;
   int causal;
+  int64_t window;        // > 0: left sliding window, key visible only if k_pos > q_pos - window
+  double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
   double sscale;         // bf16 kernels only: scale * log2(e) applied to S (q is unscaled)
   const int64_t* order;  // work items (b * Hq + h) * nqt + qt, heaviest first
   int64_t nitems;
@@ -88,6 +90,8 @@ struct BwdArgs {
   const TileInfo *qti, *kti;
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Bq, Bk, nqt, nkt;
   int causal;
+  int64_t window;    // see FwdArgs
+  double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2
   double sscale;     // bf16 kernels only (see FwdArgs)
   int64_t nc;        // key-tile chunks per (b, kv head): chunk c owns key tiles c, c+nc, ...
   int64_t nitems;    // B * Hk * nc, item = (b * Hk + kvh) * nc + c

@@ -140,8 +140,11 @@ void fwd_bf16(const FwdArgs& a) {
   const float ninf = -__builtin_inff();
   const float ln2 = 0.69314718055994530942f;
   const float sscale = (float)a.sscale;
-  const bool pos_scale = sscale > 0;
-  const float cexp = pos_scale ? sscale : 1.0f;  // factor still to apply to S in the exponent
+  const bool softcap = a.softcap2 > 0;
+  // S stays unscaled (raw q.k) when sscale > 0 and there is no softcap: max(c*S) = c*max(S)
+  // and the scale is fused into the exponent; otherwise S is scaled up front.
+  const bool prescale = !(sscale > 0) || softcap;
+  const float cexp = prescale ? 1.0f : sscale;  // factor still to apply to S in the exponent
   const TileGemmFn xg = a.ext_gemm;  // AMX brgemm when the host found it (see kernel_api.h)
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
@@ -164,16 +167,16 @@ void fwd_bf16(const FwdArgs& a) {
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
-      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window);
       if (cls == kTileSkip) continue;
       if (xg)
         xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * (Dp / 2), Bk, S, Bk, 0);
       else
         gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, S, Bk);
-      // S stays unscaled (raw q.k) when sscale > 0: max(c*S) = c*max(S) and the scale is fused
-      // into the exponent below; a non-positive scale is applied up front.
-      if (!pos_scale) scale_rows(S, Bq * Bk, sscale);
-      if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
+      if (prescale) scale_rows(S, Bq * Bk, sscale);
+      if (softcap) softcap_tile<float>(S, (int64_t)Bq * Bk, (float)a.softcap2, nullptr);
+      if (cls == kTilePartial)
+        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
       const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dp, cexp);
       if (!any) continue;
       rows_to_bf16(S, Bq, Bk, Pb);
@@ -221,8 +224,11 @@ void bwd_bf16(const BwdArgs& a) {
   if (!P || !dS || !PT || !dSb || !dST || !dK || !dV) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const float sscale = (float)a.sscale;
-  const bool pos_scale = sscale > 0;
-  const V cv = vsplat<float>(pos_scale ? sscale : 1.0f);  // factor still to apply in the exponent
+  const bool softcap = a.softcap2 > 0;
+  const bool prescale = !(sscale > 0) || softcap;  // see fwd_bf16
+  const V cv = vsplat<float>(prescale ? 1.0f : sscale);  // factor still to apply in the exponent
+  float* G = softcap ? scratch_alloc<float>((int64_t)Bq * Bk) : nullptr;  // 1 - tanh^2
+  if (softcap && !G) __builtin_trap();
   // With the AMX provider dK / dV hold dK^T, dV^T [Dp x Bk] (= Q^T dS, dO^T P from the host's
   // per-tile transposed q / dout), transposed once per key tile.
   const TileGemmFn xg = a.ext_gemm;
@@ -247,7 +253,7 @@ void bwd_bf16(const BwdArgs& a) {
         const int64_t h = kvh * g + hh;
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
-          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal);
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const uint32_t* Q = static_cast<const uint32_t*>(a.q) + row0 * Dp / 2;
@@ -263,10 +269,11 @@ void bwd_bf16(const BwdArgs& a) {
             xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * (Dp / 2), Bk, P, Bk, 0);
           else
             gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, P, Bk);
-          if (!pos_scale) scale_rows(P, Bq * Bk, sscale);
+          if (prescale) scale_rows(P, Bq * Bk, sscale);
+          if (softcap) softcap_tile<float>(P, (int64_t)Bq * Bk, (float)a.softcap2, G);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
-                       a.causal);
+                       a.causal, a.window);
           for (int i = 0; i < Bq; ++i) {  // P = 2^(c * S - lse2); masked -inf * c>0 -> 0
             float* p = P + (int64_t)i * Bk;
             const V lv = vsplat<float>(lse2[i]);
@@ -290,6 +297,11 @@ void bwd_bf16(const BwdArgs& a) {
             const V dv = vsplat<float>(delta[i]);
             for (int j = 0; j < Bk; j += L)
               vstore<float>(ds + j, vload<float>(p + j) * (vload<float>(ds + j) - dv));
+            if (G) {  // through the softcap: d raw = d capped * (1 - tanh^2)
+              const float* gr = G + (int64_t)i * Bk;
+              for (int j = 0; j < Bk; j += L)
+                vstore<float>(ds + j, vload<float>(ds + j) * vload<float>(gr + j));
+            }
           }
           // dQ_part += dS K ; dK += dS^T Q
           rows_to_bf16(dS, Bq, Bk, dSb);
@@ -314,6 +326,7 @@ void bwd_bf16(const BwdArgs& a) {
   free(dST);
   free(dK);
   free(dV);
+  free(G);
 }
 
 }  // namespace

@@ -226,28 +226,80 @@ void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb,
 }
 
 // ---------------------------------------------------------------------------------------
-inline int classify(const TileInfo& q, const TileInfo& k, int causal) {
+// Tile-pair class from the tile summaries. `window` > 0 adds the left sliding window
+// k_pos > q_pos - window: the pair is skipped when every key is at or before every query's
+// window start, and full only when every key is inside every query's window.
+inline int classify(const TileInfo& q, const TileInfo& k, int causal, int64_t window) {
   if (!q.any || !k.any) return kTileSkip;
   if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (window > 0 && (int64_t)k.pmax + window <= (int64_t)q.pmin) return kTileSkip;
   if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
   const bool one_doc = q.dmin == q.dmax && k.dmin == k.dmax && q.dmin == k.dmin;
-  if (q.all && k.all && one_doc && (!causal || k.pmax <= q.pmin)) return kTileFull;
+  if (q.all && k.all && one_doc && (!causal || k.pmax <= q.pmin) &&
+      (window <= 0 || (int64_t)k.pmin + window > (int64_t)q.pmax))
+    return kTileFull;
   return kTilePartial;
 }
 
 // S[i, j] = -inf where key j is invisible to query i.
 template <typename T>
 inline void apply_mask(T* S, int Bq, int Bk, const int32_t* qp, const int32_t* qd,
-                       const int32_t* kp, const int32_t* kd, int causal) {
+                       const int32_t* kp, const int32_t* kd, int causal, int64_t window) {
   const T ninf = neg_inf<T>();
   for (int i = 0; i < Bq; ++i) {
     T* s = S + (int64_t)i * Bk;
     const int32_t p = qp[i], d = qd[i];
-    if (causal) {
+    if (window > 0) {
+      const int64_t lo = (int64_t)p - window;  // visible iff k_pos > lo
+      if (causal) {
+        for (int j = 0; j < Bk; ++j)
+          s[j] = (kd[j] == d && kp[j] <= p && (int64_t)kp[j] > lo) ? s[j] : ninf;
+      } else {
+        for (int j = 0; j < Bk; ++j) s[j] = (kd[j] == d && (int64_t)kp[j] > lo) ? s[j] : ninf;
+      }
+    } else if (causal) {
       for (int j = 0; j < Bk; ++j) s[j] = (kd[j] == d && kp[j] <= p) ? s[j] : ninf;
     } else {
       for (int j = 0; j < Bk; ++j) s[j] = (kd[j] == d) ? s[j] : ninf;
     }
+  }
+}
+
+// tanh for the softcap. fp32: odd Taylor polynomial for |x| < 1/8, else
+// sign(x) (1 - e) / (1 + e) with e = 2^(-2 |x| log2 e) in (0, 1] (no overflow; +-inf -> +-1).
+// fp64 (gradcheck path): libm per lane.
+inline VecT<float>::V vtanh(VecT<float>::V x) {
+  typedef VecT<float>::V V;
+  const V zero = {};
+  const V ax = x < zero ? -x : x;
+  const V e = vexp2(ax * -2.8853900817779268f);  // -2 log2(e)
+  const V one = vsplat<float>(1.0f);
+  V t = (one - e) / (one + e);
+  const V x2 = x * x;
+  V p = vsplat<float>(-17.0f / 315.0f);
+  p = p * x2 + 2.0f / 15.0f;
+  p = p * x2 - 1.0f / 3.0f;
+  p = p * x2 * x + x;
+  t = x < zero ? -t : t;
+  return ax < 0.125f ? p : t;
+}
+inline VecT<double>::V vtanh(VecT<double>::V x) {
+  VecT<double>::V r;
+  for (int i = 0; i < VecT<double>::L; ++i) r[i] = __builtin_tanh(x[i]);
+  return r;
+}
+
+// Softcap of n scores (n % L == 0) in place, log2 domain: S <- c tanh(S / c). With G, also
+// G <- 1 - tanh^2 (d capped / d raw, for the backward). Applied before the mask.
+template <typename T>
+inline void softcap_tile(T* __restrict S, int64_t n, T c, T* __restrict G) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L;
+  const V cv = vsplat<T>(c), ic = vsplat<T>((T)1 / c), one = vsplat<T>((T)1);
+  for (int64_t j = 0; j < n; j += L) {
+    const V th = vtanh(vload<T>(S + j) * ic);
+    vstore<T>(S + j, th * cv);
+    if (G) vstore<T>(G + j, one - th * th);
   }
 }
 
@@ -358,13 +410,15 @@ void fwd_worker(const FwdArgs& a) {
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
-      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal);
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window);
       if (cls == kTileSkip) continue;
       if (xg)
         xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, reinterpret_cast<float*>(S), Bk, 0);
       else
         gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, S, Bk);
-      if (cls == kTilePartial) apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal);
+      if (a.softcap2 > 0) softcap_tile<T>(S, (int64_t)Bq * Bk, (T)a.softcap2, nullptr);
+      if (cls == kTilePartial)
+        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
       const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dp, T(1));
       if (any && xg)
         xg(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, reinterpret_cast<float*>(O), Dp, 1);
@@ -424,7 +478,8 @@ void bwd_worker(const BwdArgs& a) {
   T* dS = scratch_alloc<T>((int64_t)Bq * Bk);
   T* dK = scratch_alloc<T>((int64_t)Bk * Dp);
   T* dV = scratch_alloc<T>((int64_t)Bk * Dp);
-  if (!P || !dS || !dK || !dV) __builtin_trap();
+  T* G = a.softcap2 > 0 ? scratch_alloc<T>((int64_t)Bq * Bk) : nullptr;  // 1 - tanh^2
+  if (!P || !dS || !dK || !dV || (a.softcap2 > 0 && !G)) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   // With a tile-GEMM provider dK / dV hold the transposes dK^T, dV^T [Dp x Bk] (accumulated
   // as Q^T dS and dO^T P from the host's per-tile transposed q / dout), transposed at the end.
@@ -454,7 +509,7 @@ void bwd_worker(const BwdArgs& a) {
         const int64_t h = kvh * g + hh;
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
-          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal);
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const T* Q = static_cast<const T*>(a.q) + row0 * Dp;
@@ -469,9 +524,10 @@ void bwd_worker(const BwdArgs& a) {
             xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, Pf, Bk, 0);
           else
             gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, P, Bk);
+          if (G) softcap_tile<T>(P, (int64_t)Bq * Bk, (T)a.softcap2, G);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
-                       a.causal);
+                       a.causal, a.window);
           for (int i = 0; i < Bq; ++i) {
             T* p = P + (int64_t)i * Bk;
             const V lv = vsplat<T>(lse2[i]);
@@ -493,6 +549,10 @@ void bwd_worker(const BwdArgs& a) {
             const V dv = vsplat<T>(delta[i]);
             for (int j = 0; j < Bk; j += L)
               vstore<T>(ds + j, vload<T>(p + j) * (vload<T>(ds + j) - dv));
+            if (G) {  // through the softcap: d raw = d capped * (1 - tanh^2)
+              const T* gr = G + (int64_t)i * Bk;
+              for (int j = 0; j < Bk; j += L) vstore<T>(ds + j, vload<T>(ds + j) * vload<T>(gr + j));
+            }
           }
           // dQ_part += dS K ; dK += dS^T Q   (provider: dK^T += Q^T dS)
           if (xg) {
@@ -512,6 +572,7 @@ void bwd_worker(const BwdArgs& a) {
   free(dS);
   free(dK);
   free(dV);
+  free(G);
 }
 
 void fwd_f32(const FwdArgs& a) { fwd_worker<float>(a); }

@@ -52,9 +52,9 @@ def _rows(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.unsqueeze(0).expand(batch, -1) if t.dim() == 1 else t.expand(batch, -1)
 
 
-def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
+def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device, window=None):
     tensors = tuple(t for t in (q_pos, k_pos, q_doc, k_doc) if t is not None)
-    key = (B, Sq, Sk, causal, str(device), q_doc is not None,
+    key = (B, Sq, Sk, causal, window, str(device), q_doc is not None,
            tuple((tuple(t.shape), t.dtype) for t in tensors))
     hit = _block_masks.get(key)
     if hit is not None and all(torch.equal(a, b) for a, b in zip(hit[0], tensors)):
@@ -66,6 +66,8 @@ def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
 
     def mask_mod(b, h, qi, ki):
         vis = kp[b, ki] <= qp[b, qi] if causal else qi >= 0
+        if window is not None:  # left sliding window: k_pos > q_pos - window
+            vis = vis & (kp[b, ki] > qp[b, qi] - window)
         if qd is not None:
             vis = vis & (qd[b, qi] == kd[b, ki]) & (kd[b, ki] >= 0)
         return vis
@@ -77,18 +79,32 @@ def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device):
     return bm
 
 
-def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale):
-    """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention."""
+def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
+                   softcap=None):
+    """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention.
+
+    ``window`` joins the ``mask_mod`` (blocks outside every window are skipped by the block
+    mask); ``softcap`` is a ``score_mod`` (``softcap * tanh(score / softcap)``, differentiated
+    by FlexAttention).
+    """
     from torch.nn.attention.flex_attention import AuxRequest
 
     B, Hq, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or Sk == 0:
         lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=torch.float32)
-        return q.new_zeros(q.shape), lse
+        return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), lse
     block_mask = None
-    if causal or q_doc is not None:
-        block_mask = _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, q.device)
-    out, aux = _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=Hq != Hk,
-                       return_aux=AuxRequest(lse=True))
+    if causal or q_doc is not None or window is not None:
+        block_mask = _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, q.device,
+                                 window=window)
+    score_mod = None
+    if softcap is not None:
+        cap = float(softcap)
+
+        def score_mod(score, b, h, qi, ki):
+            return cap * torch.tanh(score / cap)
+
+    out, aux = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                       enable_gqa=Hq != Hk, return_aux=AuxRequest(lse=True))
     return out, aux.lse.to(torch.float32 if q.dtype != torch.float64 else torch.float64)

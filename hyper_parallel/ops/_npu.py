@@ -43,13 +43,18 @@ def _fused_npu(q, k, v, head_num, atten_mask, scale):
     return res[0], res[1], res[2]
 
 
-def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, _fused=None,
-                  _budget: int = MASK_BUDGET):
+def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
+                  softcap=None, _fused=None, _budget: int = MASK_BUDGET):
     """(out, lse float32) for NPU tensors; same contract as hyper_parallel.ops.attention.
 
-    ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max, softmax_sum)`` replaces
-    ``torch_npu.npu_fusion_attention`` in tests.
+    ``window`` joins the per-chunk mask. ``softcap`` is refused (``npu_fusion_attention`` has no
+    score modifier). ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
+    softmax_sum)`` replaces ``torch_npu.npu_fusion_attention`` in tests.
     """
+    if softcap is not None:
+        raise NotImplementedError(
+            "hyper_parallel.ops.attention: softcap is not supported on NPU "
+            "(torch_npu.npu_fusion_attention has no score modifier); use the CPU or CUDA backend")
     if _fused is None:
         try:
             import torch_npu  # noqa: F401
@@ -70,6 +75,8 @@ def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, _fused=
         vis = torch.ones(B, 1, e - s, Sk, dtype=torch.bool, device=q.device)
         if causal:
             vis = vis & (kp <= qp_all[:, None, s:e, None])
+        if window is not None:
+            vis = vis & (kp > qp_all[:, None, s:e, None] - window)
         if kd is not None:
             vis = vis & (qd_all[:, None, s:e, None] == kd) & (kd >= 0)
         out, smax, ssum = _fused(q[:, :, s:e], k, v, Hq, ~vis, scale)

@@ -78,6 +78,21 @@ def _check_index(t, name: str, batch: int, length: int, device: torch.device) ->
         raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
 
 
+def _validate_options(window, softcap):
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"attention: window must be an int >= 1 or None, got {window!r}")
+        if window > 2**31 - 1:
+            raise ValueError(f"attention: window must fit in int32, got {window}")
+    if softcap is not None:
+        if (isinstance(softcap, bool) or not isinstance(softcap, Real)
+                or not math.isfinite(float(softcap)) or float(softcap) <= 0):
+            raise ValueError(f"attention: softcap must be a finite number > 0 or None, "
+                             f"got {softcap!r}")
+        softcap = float(softcap)
+    return window, softcap
+
+
 def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -124,7 +139,7 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
 # --------------------------------------------------------------------------------------------
 # public op
 def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, scale=None,
-              return_lse=False):
+              return_lse=False, window=None, softcap=None):
     """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
 
     Args:
@@ -136,6 +151,12 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             visibility also needs ``q_doc[i] == k_doc[j]`` and ``k_doc[j] >= 0``.
         scale: score scale, default ``1 / sqrt(D)``.
         return_lse: also return the natural-log logsumexp of the visible scaled scores.
+        window: int >= 1 or None. Left sliding window: key ``j`` also needs
+            ``k_pos[j] > q_pos[i] - window`` (with ``causal``: ``q - window < k <= q``, exactly
+            transformers' sliding-window causal mask). Tiles outside every query's window are
+            skipped, so the cost grows with the window, not with the key count.
+        softcap: float > 0 or None. Scores ``s = scale * q.k`` become
+            ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma2); exact backward.
 
     Returns:
         ``out`` ``[B, Hq, Sq, D]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
@@ -148,19 +169,22 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     ``NotImplementedError`` naming the device when it has no backend.
     """
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
+    window, softcap = _validate_options(window, softcap)
     dev = q.device.type
     if dev == "cpu":
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
-                                                     causal, scale_f)
+                                                     causal, scale_f, window, softcap)
     elif dev == "cuda":
         from ._cuda import cuda_attention
 
-        out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f)
+        out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
+                                  window=window, softcap=softcap)
     elif dev == "npu":
         from ._npu import npu_attention
 
-        out, lse = npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f)
+        out, lse = npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
+                                 window=window, softcap=softcap)
     else:
         raise NotImplementedError(
             f"hyper_parallel.ops.attention has no backend for device '{q.device}' "
@@ -174,21 +198,27 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale):
+def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale, window=None,
+                   softcap=None):
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
 
 
-def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale):
+def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale,
+                   window=None, softcap=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _attn_setup_context(ctx, inputs, output):
-    q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs
+    q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs[:9]
+    window, softcap = (list(inputs[9:]) + [None, None])[:2]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.window = window
+    ctx.softcap = softcap
+    ctx.n_inputs = len(inputs)
 
 
 def _attn_backward(ctx, dout, dlse):
@@ -196,8 +226,9 @@ def _attn_backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.hyper_parallel.attn_bwd(dout, dlse, q, k, v, out, lse, q_pos, k_pos,
-                                                   q_doc, k_doc, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None
+                                                   q_doc, k_doc, ctx.causal, ctx.scale,
+                                                   ctx.window, ctx.softcap)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 if _C is not None:

@@ -10,7 +10,8 @@ Contract (identical to the engine):
   never attended; key j is visible to query i iff (not causal or k_pos[j] <= q_pos[i]) and
   (docs absent or q_doc[i] == k_doc[j] and k_doc[j] >= 0).
   Queries with no visible key return out = 0 and lse = -inf; their gradients are 0.
-  Returns out [B, Hq, Sq, D] (and lse [B, Hq, Sq] in float32/float64 when return_lse).
+  window / softcap / sinks: see reference_attention. v may have its own head dim Dv (MLA).
+  Returns out [B, Hq, Sq, Dv] (and lse [B, Hq, Sq] in float32/float64 when return_lse).
 """
 from __future__ import annotations
 
@@ -25,13 +26,20 @@ def _as_2d(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x
 
 
-def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 1) -> torch.Tensor:
-    """Boolean [B, 1, Sq, Sk] visibility (reference only: O(Sq*Sk) memory)."""
+def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 1,
+               window=None) -> torch.Tensor:
+    """Boolean [B, 1, Sq, Sk] visibility (reference only: O(Sq*Sk) memory).
+
+    ``window`` (int >= 1 or None): also require ``k_pos > q_pos - window`` (transformers'
+    ``sliding_window_overlay``; with ``causal`` this is its ``sliding_window_causal_mask``).
+    """
     qp = _as_2d(q_pos, batch)[:, None, :, None]
     kp = _as_2d(k_pos, batch)[:, None, None, :]
     vis = torch.ones(qp.shape[0], 1, qp.shape[2], kp.shape[3], dtype=torch.bool, device=qp.device)
     if causal:
         vis = vis & (kp <= qp)
+    if window is not None:
+        vis = vis & (kp.to(torch.int64) > qp.to(torch.int64) - int(window))
     if (q_doc is None) != (k_doc is None):
         raise ValueError("q_doc and k_doc must be given together")
     if q_doc is not None:
@@ -42,18 +50,22 @@ def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 
 
 
 def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
-                        scale=None, return_lse=False):
+                        scale=None, return_lse=False, window=None, softcap=None, sinks=None):
     """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
 
-    q ``[B, Hq, Sq, D]``, k/v ``[B, Hk, Sk, D]`` with ``Hq % Hk == 0``; ``q_pos`` ``[Sq]`` /
-    ``[B, Sq]`` and ``k_pos`` ``[Sk]`` / ``[B, Sk]`` integer global positions; optional
-    ``q_doc`` / ``k_doc`` (together) document ids, ``-1`` = never attended; ``scale`` defaults
-    to ``1/sqrt(D)``. Computes in float64 for float64 inputs, float32 otherwise, materializing
-    the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask. Returns ``out``
-    ``[B, Hq, Sq, D]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute dtype when
-    ``return_lse``); queries seeing no key get ``out = 0``, ``lse = -inf``. Plain autograd
-    through the dense math (backward differentiates the materialized softmax). Never called
-    on the CP path (validate mode included): use :func:`hyper_parallel.ops.attention` there.
+    q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0``;
+    ``q_pos`` ``[Sq]`` / ``[B, Sq]`` and ``k_pos`` ``[Sk]`` / ``[B, Sk]`` integer global
+    positions; optional ``q_doc`` / ``k_doc`` (together) document ids, ``-1`` = never attended;
+    ``scale`` defaults to ``1/sqrt(D)``; ``window`` keeps keys with ``k_pos > q_pos - window``;
+    ``softcap`` maps the scaled score ``s`` to ``softcap * tanh(s / softcap)`` (before the
+    mask, as transformers' eager attention of Gemma2); ``sinks`` ``[Hq]`` is one extra logit per
+    head in every row's softmax denominator, with no value (gpt-oss ``s_aux``): the returned
+    ``lse`` includes it. Computes in float64 for float64 inputs, float32 otherwise,
+    materializing the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask.
+    Returns ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute
+    dtype when ``return_lse``); queries seeing no key get ``out = 0`` and ``lse = -inf`` (``lse =
+    sink`` with sinks). Plain autograd through the dense math. Never called on the CP path
+    (validate mode included): use :func:`hyper_parallel.ops.attention` there.
     """
     B, Hq, Sq, D = q.shape
     Hk = k.shape[1]
@@ -67,9 +79,15 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
         kf = kf.repeat_interleave(g, dim=1)
         vf = vf.repeat_interleave(g, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B, window=window)
     s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:
+        sk = sinks.to(acc).reshape(1, Hq, 1, 1).expand(B, Hq, Sq, 1)
+        lse = torch.logsumexp(torch.cat([s, sk], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     finite = torch.isfinite(lse)
     lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
     p = torch.where(vis, torch.exp(s - lse_safe.unsqueeze(-1)), torch.zeros_like(s))

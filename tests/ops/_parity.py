@@ -36,6 +36,10 @@ class Case:
     scale: float | None = None
     with_lse_grad: bool = True
     seed: int = 0
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False  # a random learned sink logit per query head (float32 parameter)
+    Dv: int | None = None  # value head dim (None: D)
 
 
 def error(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -49,12 +53,26 @@ def error(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def make_inputs(c: Case):
     g = torch.Generator().manual_seed(c.seed)
     Sq, Sk = c.q_pos.shape[-1], c.k_pos.shape[-1]
+    Dv = c.D if c.Dv is None else c.Dv
     q = torch.randn(c.B, c.Hq, Sq, c.D, generator=g, dtype=torch.float64).to(c.dtype)
     k = torch.randn(c.B, c.Hk, Sk, c.D, generator=g, dtype=torch.float64).to(c.dtype)
-    v = torch.randn(c.B, c.Hk, Sk, c.D, generator=g, dtype=torch.float64).to(c.dtype)
-    dout = torch.randn(c.B, c.Hq, Sq, c.D, generator=g, dtype=torch.float64)
+    v = torch.randn(c.B, c.Hk, Sk, Dv, generator=g, dtype=torch.float64).to(c.dtype)
+    dout = torch.randn(c.B, c.Hq, Sq, Dv, generator=g, dtype=torch.float64)
     dlse = torch.randn(c.B, c.Hq, Sq, generator=g, dtype=torch.float64)
     return q, k, v, dout, dlse
+
+
+def feature_kwargs(c: Case) -> dict:
+    """window / softcap / sinks keyword arguments of a case (only those that are set)."""
+    kw = {}
+    if c.window is not None:
+        kw["window"] = c.window
+    if c.softcap is not None:
+        kw["softcap"] = c.softcap
+    if c.sinks:
+        g = torch.Generator().manual_seed(c.seed + 1000)
+        kw["sinks"] = torch.randn(c.Hq, generator=g, dtype=torch.float64).float() * 2
+    return kw
 
 
 def run_parity(c: Case, label: str = "") -> dict:
@@ -62,14 +80,21 @@ def run_parity(c: Case, label: str = "") -> dict:
     q, k, v, dout, dlse = make_inputs(c)
     kw = dict(q_pos=c.q_pos, k_pos=c.k_pos, causal=c.causal, q_doc=c.q_doc, k_doc=c.k_doc,
               scale=c.scale, return_lse=True)
+    fkw = feature_kwargs(c)
+    sinks = fkw.pop("sinks", None)
+    se = sr = None
+    if sinks is not None:
+        se, sr = sinks.clone().requires_grad_(), sinks.double().requires_grad_()
 
     qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = attention(qe, ke, ve, **kw)
+    ekw = dict(kw, **fkw, **({"sinks": se} if se is not None else {}))
+    out, lse = attention(qe, ke, ve, **ekw)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    rout, rlse = reference_attention(qr, kr, vr, **kw)
+    rkw = dict(kw, **fkw, **({"sinks": sr} if sr is not None else {}))
+    rout, rlse = reference_attention(qr, kr, vr, **rkw)
 
     finite = torch.isfinite(rlse)
-    assert out.dtype == c.dtype and out.shape == q.shape and out.is_contiguous()
+    assert out.dtype == c.dtype and out.shape == dout.shape and out.is_contiguous()
     assert lse.dtype == (torch.float64 if c.dtype == torch.float64 else torch.float32)
     assert torch.equal(torch.isfinite(lse), finite), "engine and reference disagree on empty rows"
     assert torch.all(lse[~finite] == -math.inf)
@@ -91,6 +116,8 @@ def run_parity(c: Case, label: str = "") -> dict:
         "dk": error(ke.grad, kr.grad),
         "dv": error(ve.grad, vr.grad),
     }
+    if se is not None:
+        errs["dsinks"] = error(se.grad, sr.grad)
     for t in (out, lse, qe.grad, ke.grad, ve.grad):
         assert not torch.isnan(t).any(), "NaN in engine result"
     line = " ".join(f"{n}: abs={a:.2e} rel={r:.2e}" for n, (a, r) in errs.items())

@@ -1,0 +1,197 @@
+"""Engine inputs beyond causal + documents: sliding window, softcap, sinks, value head dim.
+
+Every parity case runs the engine (forward + backward, through ``lse`` too) against the float64
+``reference_attention`` and prints ``max abs`` / ``rel`` per tensor with the tolerance
+(``pytest tests/ops/test_attention_features.py -s`` shows the lines).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hyper_parallel.ops import attention, engine_info, reference_attention
+from hyper_parallel.ops.reference import visibility
+
+from ._parity import TOL, Case, error, run_parity
+
+ar = torch.arange
+
+
+def packed_docs(lengths, pad: int) -> torch.Tensor:
+    ids = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)]
+    return torch.cat(ids + [torch.full((pad,), -1, dtype=torch.long)])
+
+
+# ------------------------------------------------------------------------------------------
+# sliding window: the definition is transformers'
+@pytest.mark.parametrize("window", [1, 3, 16, 64, 1000])
+def test_window_visibility_is_transformers_sliding_window(window):
+    """``window`` is exactly transformers.masking_utils' sliding window (causal and overlay)."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    S = 150
+    qi = ar(S)[:, None]
+    ki = ar(S)[None, :]
+    b = torch.zeros((), dtype=torch.long)
+    hf_causal = mu.sliding_window_causal_mask_function(window)(b, b, qi, ki)
+    hf_overlay = mu.sliding_window_overlay(window)(b, b, qi, ki)
+    ours_causal = visibility(ar(S), ar(S), True, window=window)[0, 0]
+    ours_overlay = visibility(ar(S), ar(S), False, window=window)[0, 0]
+    assert torch.equal(hf_causal, ours_causal)
+    assert torch.equal(hf_overlay, ours_overlay)
+
+    # and the engine computes exactly that mask (dense float64 softmax with transformers' mask)
+    g = torch.Generator().manual_seed(window)
+    q = torch.randn(1, 2, S, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, S, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, S, 16, generator=g, dtype=torch.float64)
+    s = (q @ k.transpose(-1, -2)) / 4.0
+    s = s.masked_fill(~hf_causal, -math.inf)
+    dense = torch.softmax(s, -1) @ v
+    for dtype in (torch.float64, torch.float32):
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=ar(S), k_pos=ar(S),
+                        window=window)
+        a, r = error(out, dense)
+        print(f"[window={window} vs transformers mask {dtype} tol={TOL[dtype]:.0e}] "
+              f"abs={a:.2e} rel={r:.2e}")
+        assert r <= TOL[dtype]
+
+
+_LAYOUTS = {
+    "offset": dict(q_pos=ar(192, 320), k_pos=ar(320)),
+    "zigzag": dict(q_pos=torch.cat([ar(0, 40), ar(280, 320)]), k_pos=ar(320)),
+    "docs+pad": dict(q_pos=ar(100, 220), k_pos=ar(220),
+                     q_doc=packed_docs([50, 7, 110, 33], pad=20)[100:],
+                     k_doc=packed_docs([50, 7, 110, 33], pad=20)),
+    "non-causal": dict(q_pos=ar(70, 147), k_pos=ar(211), causal=False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("window", [1, 5, 64, 100, 4096])
+def test_window_parity(window, layout, dtype):
+    run_parity(Case(window=window, Hq=4, Hk=2, D=72, dtype=dtype, seed=window,
+                    **_LAYOUTS[layout]), f"window={window} {layout}")
+
+
+def test_window_per_batch_positions():
+    B, S = 2, 130
+    docs = torch.stack([packed_docs([60, 70], 0), packed_docs([10, 100], 20)])
+    pos = torch.stack([ar(S), ar(S) + 7])
+    run_parity(Case(B=B, q_pos=pos[:, 65:], k_pos=pos, q_doc=docs[:, 65:], k_doc=docs,
+                    Hq=2, Hk=1, D=32, window=20, seed=3), "window per-batch")
+
+
+# ------------------------------------------------------------------------------------------
+# softcap
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("softcap", [0.5, 5.0, 50.0])
+def test_softcap_parity(softcap, layout, dtype):
+    # larger scale so that the cap actually bends scores (|s| up to ~3-8)
+    run_parity(Case(softcap=softcap, Hq=4, Hk=1, D=48, dtype=dtype, scale=0.5, seed=7,
+                    **_LAYOUTS[layout]), f"softcap={softcap} {layout}")
+
+
+def test_softcap_matches_gemma2_eager():
+    """softcap is applied after scaling, before the mask, as transformers' Gemma2 eager does."""
+    g2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    g = torch.Generator().manual_seed(5)
+    B, Hq, Hk, S, D = 1, 4, 2, 40, 16
+    q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)
+    mask = torch.zeros(B, 1, S, S, dtype=torch.float64).masked_fill(
+        ~visibility(ar(S), ar(S), True, window=9)[0], -math.inf)
+
+    class M(torch.nn.Module):
+        num_key_value_groups = Hq // Hk
+        training = False
+
+    ref, _ = g2.eager_attention_forward(M(), q, k, v, mask, scaling=0.3, softcap=7.0)
+    for dtype in (torch.float64, torch.float32):
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=ar(S), k_pos=ar(S),
+                        scale=0.3, softcap=7.0, window=9)
+        a, r = error(out.transpose(1, 2), ref)
+        tol = TOL[torch.float32]  # Gemma2's eager softmax runs in float32 even for fp64 inputs
+        print(f"[softcap vs gemma2 eager {dtype} tol={tol:.0e}] abs={a:.2e} rel={r:.2e}")
+        assert r <= tol
+
+
+# ------------------------------------------------------------------------------------------
+# gradcheck of the new backward terms (float64, tiny shapes)
+def _gc_inputs(Dv=8, seed=13):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 9, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+_GC_POS = dict(q_pos=torch.tensor([3, 4, 5, 6, 7, 8]), k_pos=ar(9),
+               q_doc=torch.tensor([0, 0, 1, 1, 1, 1]),
+               k_doc=torch.tensor([0, 0, 0, 0, 1, 1, -1, 1, 1]))
+
+
+@pytest.mark.parametrize("opts", [dict(window=2), dict(softcap=0.7),
+                                  dict(window=3, softcap=1.5, causal=False)])
+def test_gradcheck_window_softcap(opts):
+    q, k, v = _gc_inputs()
+
+    def f(q, k, v):
+        return attention(q, k, v, **_GC_POS, scale=0.9, return_lse=True, **opts)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+# ------------------------------------------------------------------------------------------
+# every kernel build with the new inputs
+def _isa_available(isa: str) -> bool:
+    return isa == "base" or f"{isa} cpu=yes" in engine_info()
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
+def test_features_every_kernel_build(isa, monkeypatch):
+    if not _isa_available(isa):
+        reason = f"this CPU lacks {isa} (engine_info: {engine_info()})"
+        print(f"[isa={isa}] SKIP: {reason}")
+        pytest.skip(reason)
+    monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
+    assert f"kernels={isa}" in engine_info()
+    doc = packed_docs([70, 50], pad=8)
+    pos = ar(doc.numel())
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for opts in FEATURE_SETS:
+            run_parity(Case(q_pos=pos[64:], k_pos=pos, q_doc=doc[64:], k_doc=doc, D=80, Hq=4,
+                            Hk=2, dtype=dtype, seed=15, scale=0.3, **opts),
+                       f"isa={isa} {opts}")
+
+
+FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0)]
+
+
+# ------------------------------------------------------------------------------------------
+# validation
+@pytest.mark.parametrize("kw,match", [
+    (dict(window=0), "window must be an int >= 1"),
+    (dict(window=2.5), "window must be an int >= 1"),
+    (dict(window=True), "window must be an int >= 1"),
+    (dict(softcap=0.0), "softcap must be a finite number > 0"),
+    (dict(softcap=-1.0), "softcap must be a finite number > 0"),
+    (dict(softcap=float("inf")), "softcap must be a finite number > 0"),
+])
+def test_feature_validation(kw, match):
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, q_pos=ar(4), k_pos=ar(6), **kw)
+
+
+def test_direct_op_checks_window_softcap():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        torch.ops.hyper_parallel.attn_fwd(q, k, v, ar(4), ar(6), None, None, True, 1.0, 0, None)
+    with pytest.raises(ValueError, match="softcap must be"):
+        torch.ops.hyper_parallel.attn_fwd(q, k, v, ar(4), ar(6), None, None, True, 1.0, None,
+                                          -2.0)
