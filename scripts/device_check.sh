@@ -9,6 +9,9 @@ OUT=${OUT:-/tmp/hp_device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 py=python3
+# The image's default /opt/gcc/bin/g++ links libstdc++ statically (setup.py refuses that build:
+# C++ errors would crash instead of raising); the system g++ links it like torch does.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 $py -m pip install -q --no-build-isolation --no-deps --no-index -e . >"$OUT/build.log" 2>&1 \
   || { tail -30 "$OUT/build.log"; exit 1; }
 $py - <<'PY' 2>&1 | tee "$OUT/env.txt"
