@@ -47,9 +47,11 @@ ROPE = {
                  "long_factor": [1.0, 1.3, 1.8, 2.5, 4.0, 6.0, 9.0, 12.0]},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": T},
-    "proportional": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                     "factor": 2.0},
+    "proportional": {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 }
+# not shipped by transformers: a user's ROPE_INIT_FUNCTIONS entry (registered on the ranks by
+# _register_unknown), length-dependent through transformers' "dynamic" update
+UNKNOWN = {"hp_dynamic_custom": {"rope_type": "hp_dynamic_custom", "factor": 2.0, "rope_theta": 10000.0}}
 METHODS = {   # name -> (cp, inner_wrapper)
     "colossal": (2, "sdpa_hf"),
     "ulysses": (2, "sdpa_hf_ulysses"),
@@ -64,11 +66,19 @@ def _entry(wrapper):
              "inner_wrapper": wrapper}]
 
 
+def model_config(rope_type: str) -> dict:
+    """HF config kwargs: T = max_position_embeddings (dynamic NTK's threshold) or, where the type
+    declares it, T = original_max_position_embeddings (then max_position_embeddings = 2T)."""
+    rope = copy.deepcopy({**ROPE, **UNKNOWN}[rope_type])
+    return {"max_position_embeddings": 2 * T if "original_max_position_embeddings" in rope else T,
+            "rope_parameters": rope}
+
+
 def _cfg(rope_type: str, cp: int):
     from tests.wrappers import _models
 
     cfg = _models.load_cfg(CFG, (f"accelerator.cp_size={cp}",))
-    extra = {"max_position_embeddings": T, "rope_parameters": copy.deepcopy(ROPE[rope_type])}
+    extra = model_config(rope_type)
     cfg.model = dataclasses.replace(cfg.model, config={**(cfg.model.config or {}), **extra})
     return cfg
 
@@ -143,7 +153,12 @@ def _step(model, ref, mesh, plan, batch: dict, seed: int) -> dict:
             "grads": gerr / max(gmax, 1e-12)}
 
 
-def _build(rope_type: str, method: str):
+def _build(rope_type: str, method: str, rotary=None, hook: bool = True):
+    """(CP model, CP=1 reference, mesh, plan). ``rotary``: a class replacing ``model.rotary_emb``
+    in both; ``hook=False`` leaves the rotary modules as they are (the failure this fixes)."""
+    from unittest import mock
+
+    from hyper_parallel.distributed import sharding_applier
     from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
     from hyper_parallel.distributed.sharding_planner import ShardingPlanner
     from tests.wrappers import _workers as W
@@ -151,17 +166,21 @@ def _build(rope_type: str, method: str):
     cp, wrapper = METHODS[method]
     cfg = _cfg(rope_type, cp)
     model, ref = W.build_pair(cfg, "hf")
+    if rotary is not None:
+        model.model.rotary_emb, ref.model.rotary_emb = rotary(model.config), rotary(ref.config)
     mesh = W.mesh_ctx(cp)
     plan = ShardingPlanner(plan_overrides=_entry(wrapper)).plan(model, mesh, cp_size=cp)
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+    with mock.patch.object(sharding_applier, "install_cp_rope", sharding_applier.install_cp_rope if hook
+                           else (lambda *a, **k: [])):
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
     return model, ref, mesh, plan
 
 
-def rope_cases(method: str, cases) -> list:
+def rope_cases(method: str, cases, rotary=None, hook: bool = True) -> list:
     """[(rope_type, S, kind)] -> one result dict per case (fresh model pair per case)."""
     out = []
     for i, (rope_type, S, kind) in enumerate(cases):
-        model, ref, mesh, plan = _build(rope_type, method)
+        model, ref, mesh, plan = _build(rope_type, method, rotary, hook)
         batch = global_batch(kind, S, model.config.vocab_size)
         out.append({"case": f"{method}/{rope_type}/S={S}/{kind}", **_step(model, ref, mesh, plan, batch, i)})
     return out
@@ -174,6 +193,80 @@ def rope_steps(method: str, rope_type: str, lengths, kind: str = "padding") -> l
     for i, S in enumerate(lengths):
         batch = global_batch(kind, S, model.config.vocab_size, seed=100 + i)
         out.append({"case": f"{method}/{rope_type}/step{i}/S={S}", **_step(model, ref, mesh, plan, batch, i)})
+    return out
+
+
+def _register_unknown() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def init(config, device=None, seq_len=None, layer_type=None):
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["dynamic"](config, device, seq_len=seq_len, layer_type=layer_type)
+        return inv_freq * 0.9, scale
+
+    ROPE_INIT_FUNCTIONS.setdefault("hp_dynamic_custom", init)
+
+
+class _TinyRotary(torch.nn.Module):
+    """Custom rotary module (not transformers'): dynamic NTK with the length ``n`` from
+    :meth:`length`; ``forward(x, position_ids) -> (cos, sin)`` like transformers'."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dim = config.hidden_size // config.num_attention_heads
+        self.register_buffer("inv_freq", torch.zeros(self.dim // 2), persistent=False)   # unused (found by name)
+
+    def length(self, x, position_ids) -> int:
+        raise NotImplementedError
+
+    def forward(self, x, position_ids):
+        n = self.length(x, position_ids)
+        base = 10000.0 * max(1.0, 2.0 * n / T - 1.0) ** (self.dim / (self.dim - 2))
+        inv = 1.0 / base ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
+        freqs = position_ids[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class LengthFromPositionsRotary(_TinyRotary):
+    """Length = max(position_ids) + 1 (the transformers rule, custom code): exact under CP."""
+
+    def length(self, x, position_ids):
+        return int(position_ids.max()) + 1
+
+
+class LengthFromInputRotary(_TinyRotary):
+    """Length = x.shape[1] (the *input's* length): under CP each rank would see its chunk — refused."""
+
+    def length(self, x, position_ids):
+        return x.shape[1]
+
+
+class NoPositionsRotary(torch.nn.Module):
+    """Old-style ``forward(x, seq_len)``: positions restart at 0 on every rank — refused."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dim = config.hidden_size // config.num_attention_heads
+
+    def forward(self, x, seq_len=None):
+        freqs = torch.arange(seq_len or x.shape[1], dtype=torch.float32)[:, None] * torch.ones(self.dim)
+        return freqs.cos(), freqs.sin()
+
+
+def custom_rotary(method: str) -> dict:
+    """Unknown rope_type and a custom position-only module: exact; bad custom modules: refused."""
+    _register_unknown()
+    out = {"exact": rope_cases(method, [("hp_dynamic_custom", S_LONG, "padding"), ("hp_dynamic_custom", S_SHORT,
+                                                                                   "packed")])
+           + rope_cases(method, [("default", S_LONG, "padding"), ("default", S_LONG, "packed")],
+                        rotary=LengthFromPositionsRotary)}
+    for cls in (LengthFromInputRotary, NoPositionsRotary):
+        try:
+            _build("default", method, rotary=cls)
+        except CPConfigError as exc:
+            out[cls.__name__] = str(exc)
+        else:
+            out[cls.__name__] = None
     return out
 
 
@@ -211,3 +304,99 @@ def test_every_rope_type_hybrid_cp4(ranks):
 def test_dynamic_ntk_across_steps(ranks, method, kind):
     """Long (grow) -> shorter but beyond T (cached inv_freq kept) -> short (reset) -> long again."""
     check(ranks(2).run(rope_steps, method, "dynamic", (61, 53, 37, 57), kind, timeout=300))
+
+
+def test_without_the_hook_dynamic_and_longrope_are_wrong(ranks):
+    """The failure this fixes (guards the sensitivity of the cases above): each rank derives its own
+    length from its chunk's positions."""
+    cases = [("dynamic", S_LONG, "padding"), ("longrope", S_LONG, "packed"), ("default", S_LONG, "padding")]
+    res = ranks(2).run(rope_cases, "colossal", cases, None, False, timeout=300)[0]
+    print("without the hook: " + ", ".join(f"{r['case']} logits {r['logits']:.2e} grads {r['grads']:.2e}"
+                                             for r in res))
+    assert res[0]["logits"] > 10 * LOGIT_TOL and res[1]["logits"] > 10 * LOGIT_TOL, res
+    assert res[2]["logits"] <= LOGIT_TOL, res       # fixed frequencies never needed it
+
+
+def test_custom_and_unknown_rotary_modules(ranks):
+    """Preflight probe: an unknown rope_type and a custom module computing from position_ids alone are
+    exact under CP; a module taking the length from its input, or without position_ids, is refused on
+    every rank with the module FQN and the fix."""
+    results = ranks(2).run(custom_rotary, "colossal", timeout=300)
+    check([r["exact"] for r in results])
+    for r in results:
+        for name, what in (("LengthFromInputRotary", "depends on more than the positions"),
+                           ("NoPositionsRotary", "has no position_ids argument")):
+            msg = r[name]
+            assert msg is not None, f"{name} was not refused"
+            assert "[model.config.rope_parameters] module 'model.rotary_emb'" in msg and what in msg, msg
+            assert "Fix: " in msg and "make the module's output a function of position_ids alone" in msg, msg
+    print("refused:", results[0]["LengthFromInputRotary"])
+
+
+def test_length_contract_and_runtime_checks():
+    """Single process: the length every rank uses (padding counts, CP padding does not, packed = the
+    longest slot), a forward outside CP runs unchanged, wrong positions raise CPRopeError."""
+    import transformers
+
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.distributed.context_parallel.rope import CPRopeError, install_cp_rope, rope_global_length
+
+    padded = shard_batch_for_cp(global_batch("padding", S_LONG, 50), (1, 2), "load_balance")
+    assert padded.meta.global_seq_len == 64 and rope_global_length(padded.meta) == S_LONG
+    packed = shard_batch_for_cp(global_batch("packed", S_LONG, 50), (0, 2))
+    assert rope_global_length(packed.meta) == 51            # slots [31, 21, 5], [51, 6]: the longest
+    assert int(packed.meta.position_ids.max()) + 1 == 51
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=1, intermediate_size=64, vocab_size=50, **model_config("dynamic"))
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model.model.rotary_emb)
+    assert install_cp_rope(model) == ["model.rotary_emb"] and install_cp_rope(model) == []
+    rot = model.model.rotary_emb
+    x = torch.zeros(2, S_LONG, 64)
+    pos = torch.arange(S_LONG)[None]
+    assert all(torch.equal(a, b) for a, b in zip(rot(x, pos), ref(x, pos)))       # no meta: unchanged
+    local = shard_batch_for_cp(global_batch("padding", S_LONG, 50), (1, 2))
+    with cp_batch_context(local.meta):
+        cos, _ = rot(x[:, :31], local["position_ids"])
+        assert torch.equal(cos[:, :30], ref(x, pos)[0][:, 31:].expand(2, -1, -1))
+        with pytest.raises(CPRopeError, match="not this rank's slice"):
+            rot(x[:, :31], torch.arange(31)[None])                # HF's default: restarts at 0
+        with pytest.raises(CPRopeError, match="3-D/multimodal"):
+            rot(x[:, :31], local["position_ids"][None].expand(3, -1, -1))
+
+
+def test_trainer_dynamic_ntk_steps_of_different_lengths(ranks):
+    """The real trainer (FSDP2, AdamW + clipping, Head-Tail cp 2, padding-heavy rows) with dynamic NTK,
+    4 optimizer steps of global lengths 61, 53, 37, 57 (grow, keep, reset, grow), equals its CP=1 run
+    step by step: loss, logits, every gradient and every parameter after the step (the
+    tests/trainer rank functions and tolerances)."""
+    from tests.trainer import _workers as TW
+    from tests.trainer.test_parity import LOSS_ATOL, TOL, _check
+
+    lengths = (61, 53, 37, 57)
+    kw = dict(method="head_tail", min_doc_len=4, seq_len=max(lengths), steps=len(lengths),
+              model__config=model_config("dynamic"))
+    cfg = TW.make_cfg("llama", cp=2, **kw)
+    batches = [[[{k: v[:, :S] for k, v in mb.items()} for mb in step] for step, S in zip(TW.make_batches(cfg)[0],
+                                                                                       lengths)]]
+    [ref] = ranks(1).run(TW.run_steps, TW.make_cfg("llama", cp=1, **kw), TW.reference_batches(batches), timeout=300)
+    results = ranks(2).run(TW.run_steps, cfg, batches, timeout=300)
+    worst: dict = {}
+    for rank, res in enumerate(results):
+        for s, (got, exp) in enumerate(zip(res["steps"], ref["steps"])):
+            where = f"rank {rank} step {s + 1} (S={lengths[s]})"
+            errs = {"loss": (abs(got["loss"] - exp["loss"]), abs(got["loss"] - exp["loss"]) / abs(exp["loss"]))}
+            assert errs["loss"][0] <= LOSS_ATOL, f"{where}: loss {got['loss']} vs CP=1 {exp['loss']}"
+            valid = batches[0][s][0]["attention_mask"].bool()
+            errs["logits"] = _check("logits", got["logits"][0][valid], exp["logits"][0][valid], *TOL["logits"], where)
+            for field, key in (("grads", "grads"), ("params", "params")):
+                for name in exp[key]:
+                    e = _check(f"{key[:-1]} {name}", got[key][name], exp[key][name], *TOL[field], where)
+                    errs[field] = tuple(max(a, b) for a, b in zip(errs.get(field, (0.0, 0.0)), e))
+            for f, e in errs.items():
+                worst[f] = tuple(max(a, b) for a, b in zip(worst.get(f, (0.0, 0.0)), e))
+    tol = {"loss": f"atol {LOSS_ATOL:g}", **{f: f"atol {a:g} rtol {r:g}" for f, (a, r) in TOL.items()}}
+    for f, (a, r) in worst.items():
+        print(f"trainer dynamic NTK {lengths} {f}: max abs {a:.2e} rel {r:.2e} ({tol[f]})")
