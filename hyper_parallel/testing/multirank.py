@@ -7,6 +7,12 @@ top-level function ``fn(*args)`` on every rank and returns the per-rank results 
 timeout: on expiry the pool is torn down (and re-spawned on next use) and RankTimeout is
 raised, so a hung collective never hangs the test session. Pass ``rank_args`` to give each
 rank different arguments (e.g. a bad config on one rank).
+
+Timeouts catch hangs, not slowness: every harness timeout (pool start, each call, the workers'
+collective timeout) is multiplied by :func:`timeout_scale` — ``HYPER_PARALLEL_TEST_TIMEOUT_SCALE``,
+which ``scripts/test.sh`` sets to 4 unless given — so a busy machine makes tests slower, never
+red. A call that *expects* a hang (it tests the timeout itself) passes ``expect_hang=True`` and
+keeps its exact timeout.
 """
 from __future__ import annotations
 
@@ -16,6 +22,23 @@ import queue
 import sys
 import traceback
 from typing import Any, Callable, Sequence
+
+
+def timeout_scale() -> float:
+    """The factor every test timeout is multiplied by (``HYPER_PARALLEL_TEST_TIMEOUT_SCALE``, >= 1)."""
+    raw = os.environ.get("HYPER_PARALLEL_TEST_TIMEOUT_SCALE", "1")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"HYPER_PARALLEL_TEST_TIMEOUT_SCALE must be a number >= 1, got {raw!r}") from None
+    if not value >= 1:
+        raise ValueError(f"HYPER_PARALLEL_TEST_TIMEOUT_SCALE must be a number >= 1, got {raw!r}")
+    return value
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` x :func:`timeout_scale`: the bound for anything a test waits on (subprocesses too)."""
+    return seconds * timeout_scale()
 
 
 class RankTimeout(TimeoutError):
@@ -75,8 +98,8 @@ def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, en
 class RankPool:
     def __init__(self, world_size: int, *, start_timeout: float = 180.0, env: dict | None = None):
         self.world_size = world_size
-        self.start_timeout = start_timeout
-        self.env = {"HYPER_PARALLEL_COMM_TIMEOUT": "60", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.start_timeout = scaled(start_timeout)
+        self.env = {"HYPER_PARALLEL_COMM_TIMEOUT": str(scaled(60)), "OMP_NUM_THREADS": "1", **(env or {})}
         self._procs: list = []
         self._tasks: list = []
         self._results = None
@@ -129,8 +152,14 @@ class RankPool:
 
     # -- calls -------------------------------------------------------------------------
     def outcomes(self, fn: Callable, *args, timeout: float = 120.0, rank_args: Sequence | None = None,
-                 **kwargs) -> list[Any]:
-        """Run ``fn`` on all ranks; return each rank's result or exception (rank order)."""
+                 expect_hang: bool = False, **kwargs) -> list[Any]:
+        """Run ``fn`` on all ranks; return each rank's result or exception (rank order).
+
+        ``timeout`` is scaled by :func:`timeout_scale` unless ``expect_hang`` (the call is meant
+        to hang and the test checks that the harness tears it down).
+        """
+        if not expect_hang:
+            timeout = scaled(timeout)
         self.start()
         module, qualname = fn.__module__, fn.__qualname__
         if "<locals>" in qualname:
@@ -163,9 +192,10 @@ class RankPool:
         return out
 
     def run(self, fn: Callable, *args, timeout: float = 120.0, rank_args: Sequence | None = None,
-            **kwargs) -> list[Any]:
+            expect_hang: bool = False, **kwargs) -> list[Any]:
         """Run ``fn`` on all ranks; raise MultiRankError if any rank raised."""
-        res = self.outcomes(fn, *args, timeout=timeout, rank_args=rank_args, **kwargs)
+        res = self.outcomes(fn, *args, timeout=timeout, rank_args=rank_args, expect_hang=expect_hang,
+                            **kwargs)
         errors = {r: v for r, v in enumerate(res) if isinstance(v, BaseException)}
         if errors:
             raise MultiRankError(errors, {r: getattr(e, "__hp_traceback__", repr(e)) for r, e in errors.items()})

@@ -63,6 +63,22 @@ def test_harness_timeout_tears_down_instead_of_hanging(ranks):
 
     pool = ranks(2)
     with pytest.raises(RankTimeout, match="within 5"):
-        pool.outcomes(hang_one_rank, timeout=5)
+        pool.outcomes(hang_one_rank, timeout=5, expect_hang=True)
     assert not pool.alive
     assert pool.run(setup_on_rank, GOOD, []) == [2, 2]  # re-spawned on demand
+
+
+def test_timeout_scale_applies_to_waits_not_to_expected_hangs(monkeypatch):
+    """HYPER_PARALLEL_TEST_TIMEOUT_SCALE multiplies every harness bound; a bad value is refused."""
+    import pytest
+
+    from hyper_parallel.testing import RankPool, scaled, timeout_scale
+
+    monkeypatch.setenv("HYPER_PARALLEL_TEST_TIMEOUT_SCALE", "3")
+    assert timeout_scale() == 3.0 and scaled(20) == 60.0
+    pool = RankPool(2, start_timeout=10)
+    assert pool.start_timeout == 30.0 and float(pool.env["HYPER_PARALLEL_COMM_TIMEOUT"]) == 180.0
+    for bad in ("0.5", "fast"):
+        monkeypatch.setenv("HYPER_PARALLEL_TEST_TIMEOUT_SCALE", bad)
+        with pytest.raises(ValueError, match="HYPER_PARALLEL_TEST_TIMEOUT_SCALE"):
+            timeout_scale()

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from hyper_parallel.testing import scaled
+
 from . import _workers as W
 from .test_parity import run_parity
 
@@ -44,7 +46,7 @@ def test_torchrun_cli_cp2_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
            "hyper_parallel.trainer.cli", "examples/train_cp2.yaml", "schedule.steps=3",
            "data.seq_len=64", f"logging.out_dir={out}"]
-    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=scaled(300))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "cp_mesh ranks=[0, 1]" in p.stdout and "sdpa_hf_cp_wrapper [colossal, sync]" in p.stdout
     assert "tok/s=" in p.stderr  # tqdm bar (rank 0) shows loss and tokens/s
