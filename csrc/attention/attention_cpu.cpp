@@ -432,6 +432,19 @@ int64_t window_arg(const c10::optional<int64_t>& window) {
   TORCH_CHECK_VALUE(*window >= 1, "attention: window must be >= 1 (or None), got ", *window);
   return *window;
 }
+// sinks (None or a floating [Hq] tensor on the CPU) -> [Hq] acc-dtype sink * log2(e), or undefined.
+at::Tensor sinks_arg(const c10::optional<at::Tensor>& sinks, int64_t Hq, at::ScalarType acc) {
+  if (!sinks.has_value()) return at::Tensor();
+  const at::Tensor& s = *sinks;
+  TORCH_CHECK_VALUE(at::isFloatingType(s.scalar_type()),
+                    "attention: sinks must be a floating tensor, got ", s.scalar_type());
+  TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == Hq, "attention: sinks must have shape [Hq] = [",
+                    Hq, "], got ", s.sizes());
+  TORCH_CHECK_VALUE(s.device().is_cpu(), "attention: sinks must be on the CPU like q, got ",
+                    s.device());
+  return (s.to(acc) * kLog2e).contiguous();
+}
+
 double softcap_arg(const c10::optional<double>& softcap) {
   if (!softcap.has_value()) return 0.0;
   TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0,
@@ -447,7 +460,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
                                                 const c10::optional<at::Tensor>& k_doc,
                                                 bool causal, double scale,
                                                 c10::optional<int64_t> window,
-                                                c10::optional<double> softcap) {
+                                                c10::optional<double> softcap,
+                                                const c10::optional<at::Tensor>& sinks) {
   check_qkv(q, k, v);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
@@ -459,9 +473,13 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   at::Tensor lse = at::empty({g.B, g.Hq, g.Sq}, q.options().dtype(acc));
   PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
   PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  const at::Tensor sink2 = sinks_arg(sinks, g.Hq, acc);
   if (out.numel() == 0 || g.Sk == 0) {
     out.zero_();
-    lse.fill_(-std::numeric_limits<double>::infinity());
+    if (sink2.defined())  // nothing but the sink in the denominator: lse = sink
+      lse.copy_((sink2 * kLn2).view({1, g.Hq, 1}).expand_as(lse));
+    else
+      lse.fill_(-std::numeric_limits<double>::infinity());
     return {out, lse};
   }
   const KernelTable* kt = select_kernels();
@@ -523,6 +541,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.causal = causal ? 1 : 0;
   a.window = win;
   a.softcap2 = softcap2;
+  a.sink2 = sink2.defined() ? sink2.data_ptr() : nullptr;
   a.sscale = scale * kLog2e;
   a.order = order.data();
   a.nitems = (int64_t)order.size();
@@ -536,12 +555,24 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
+// Gradient of the sink logits: a sink is a key with no value, so dS_sink = P_sink (0 - delta)
+// with P_sink = exp(sink - lse) and delta = rowsum(dout * out) - dlse (the delta the kernels use):
+// dsink[h] = -sum_{b, i} P_sink[b, h, i] delta[b, h, i]. Rows with lse = -inf contribute 0.
+at::Tensor sink_grad(const at::Tensor& sinks, const at::Tensor& lse, const at::Tensor& delta) {
+  const at::Tensor l = lse.to(delta.scalar_type());
+  const at::Tensor s = sinks.to(delta.scalar_type()).view({1, -1, 1});
+  at::Tensor p = at::exp(s - l);
+  p = at::where(at::isfinite(l), p, at::zeros_like(p));
+  return (p * delta).sum({0, 2}).neg_().to(sinks.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& q_pos, const at::Tensor& k_pos, const c10::optional<at::Tensor>& q_doc,
     const c10::optional<at::Tensor>& k_doc, bool causal, double scale,
-    c10::optional<int64_t> window, c10::optional<double> softcap) {
+    c10::optional<int64_t> window, c10::optional<double> softcap,
+    const c10::optional<at::Tensor>& sinks) {
   check_qkv(q, k, v);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
@@ -560,11 +591,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   at::Tensor dv = at::empty(v.sizes(), v.options());
   PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
   PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  // dsinks: [Hq] in the sinks' dtype, or an empty tensor without sinks.
+  const bool has_sinks = sinks_arg(sinks, g.Hq, acc).defined();
+  at::Tensor dsinks = has_sinks ? at::zeros({g.Hq}, sinks->options()) : at::empty({0}, q.options());
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    if (has_sinks && q.numel() > 0) {  // out = 0: delta = -dlse
+      at::Tensor delta = dlse.has_value() ? dlse->to(acc).neg() : at::zeros(lse.sizes(), lse.options().dtype(acc));
+      dsinks = sink_grad(*sinks, lse, delta);
+    }
+    return {dq, dk, dv, dsinks};
   }
   const KernelTable* kt = select_kernels();
   const bool bf16 = q.scalar_type() == at::kBFloat16 && kt->bwd_bf16 != nullptr;
@@ -675,7 +713,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     dk.copy_(dk_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
     dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
   }
-  return {dq, dk, dv};
+  if (has_sinks) dsinks = sink_grad(*sinks, lse, delta_p.narrow(2, 0, g.Sq));
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace
@@ -736,12 +775,13 @@ std::string cpu_engine_info() {
 TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
   m.def(
       "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
-      "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None) -> "
-      "(Tensor, Tensor)");
+      "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None, "
+      "Tensor? sinks=None) -> (Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale, "
-      "int? window=None, float? softcap=None) -> (Tensor, Tensor, Tensor)");
+      "int? window=None, float? softcap=None, Tensor? sinks=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyper_parallel, CPU, m) {

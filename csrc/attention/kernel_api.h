@@ -63,6 +63,8 @@ struct FwdArgs {
   int causal;
   int64_t window;        // > 0: left sliding window, key visible only if k_pos > q_pos - window
   double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
+  const void* sink2;     // null, or [Hq] sink logits * log2(e) (float; double for fp64): one
+                         //   extra softmax-denominator term per head with no value; lse includes it
   double sscale;         // bf16 kernels only: scale * log2(e) applied to S (q is unscaled)
   const int64_t* order;  // work items (b * Hq + h) * nqt + qt, heaviest first
   int64_t nitems;

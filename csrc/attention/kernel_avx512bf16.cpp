@@ -138,7 +138,6 @@ void fwd_bf16(const FwdArgs& a) {
   if (!S || !Pb || !O || !mrow || !lvec) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const float ninf = -__builtin_inff();
-  const float ln2 = 0.69314718055994530942f;
   const float sscale = (float)a.sscale;
   const bool softcap = a.softcap2 > 0;
   // S stays unscaled (raw q.k) when sscale > 0 and there is no softcap: max(c*S) = c*max(S)
@@ -187,19 +186,10 @@ void fwd_bf16(const FwdArgs& a) {
     }
     float* out = static_cast<float*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
     float* lse = static_cast<float*>(a.lse) + bh * a.Sqp + qt * Bq;
-    for (int i = 0; i < Bq; ++i) {
-      float* orow = out + (int64_t)i * Dp;
-      const float* o = O + (int64_t)i * Dp;
-      const float l = hsum<float>(lvec[i]);
-      if (l > 0) {
-        const V inv = vsplat<float>(1.0f / l);
-        for (int d = 0; d < Dp; d += L) vstore<float>(orow + d, vload<float>(o + d) * inv);
-        lse[i] = (mrow[i] + slog2(l)) * ln2;
-      } else {
-        zero_buf(orow, Dp);
-        lse[i] = ninf;
-      }
-    }
+    const float* sink2 = a.sink2 ? static_cast<const float*>(a.sink2) + h : nullptr;
+    for (int i = 0; i < Bq; ++i)
+      finish_row<float>(out + (int64_t)i * Dp, O + (int64_t)i * Dp, Dp, mrow[i],
+                        hsum<float>(lvec[i]), sink2, lse[i]);
   }
   if (xg && a.ext_release) a.ext_release();
   free(S);

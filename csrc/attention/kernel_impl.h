@@ -374,6 +374,36 @@ bool softmax_tile(T* __restrict S, int Bq, T* __restrict mrow, typename VecT<T>:
   return any;
 }
 
+// Final normalisation of one output row from the running max m (log2 domain) and sum l:
+// out = O / l, lse = ln 2 (m + log2 l), out = 0 / lse = -inf for a row that saw nothing. With a
+// sink logit (sink2 non-null, log2 domain, may be -inf) the denominator also holds 2^sink2 (a
+// key with no value): out = O 2^(m - M) / (l 2^(m - M) + 2^(sink2 - M)), M = max(m, sink2), and
+// lse includes the sink (a row that saw no key gets out = 0, lse = sink).
+template <typename T>
+inline void finish_row(T* __restrict orow, const T* __restrict o, int Dp, T m, T l,
+                       const T* sink2, T& lse) {
+  typedef typename VecT<T>::V V;
+  constexpr int L = VecT<T>::L;
+  const T ln2 = (T)0.69314718055994530942;
+  const T ninf = neg_inf<T>();
+  if (!(l > 0)) {
+    zero_buf(orow, Dp);
+    lse = sink2 ? *sink2 * ln2 : ninf;
+    return;
+  }
+  T inv = (T)1 / l, lse2 = m + slog2(l);
+  if (sink2 && *sink2 != ninf) {
+    const T M = m > *sink2 ? m : *sink2;
+    const T am = sexp2(m - M);
+    const T tot = l * am + sexp2(*sink2 - M);
+    inv = am / tot;
+    lse2 = M + slog2(tot);
+  }
+  const V iv = vsplat<T>(inv);
+  for (int d = 0; d < Dp; d += L) vstore<T>(orow + d, vload<T>(o + d) * iv);
+  lse = lse2 * ln2;
+}
+
 template <typename T>
 void fwd_worker(const FwdArgs& a) {
   typedef typename VecT<T>::V V;
@@ -387,7 +417,6 @@ void fwd_worker(const FwdArgs& a) {
   if (!S || !O || !mrow || !lvec) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const T ninf = neg_inf<T>();
-  const T ln2 = (T)0.69314718055994530942;
   const TileGemmFn xg = IsF32<T>::value ? a.ext_gemm : nullptr;
   for (;;) {
     const int64_t it = __atomic_fetch_add(a.counter, 1, __ATOMIC_RELAXED);
@@ -427,19 +456,10 @@ void fwd_worker(const FwdArgs& a) {
     }
     T* out = static_cast<T*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
     T* lse = static_cast<T*>(a.lse) + bh * a.Sqp + qt * Bq;
-    for (int i = 0; i < Bq; ++i) {
-      T* orow = out + (int64_t)i * Dp;
-      const T* o = O + (int64_t)i * Dp;
-      const T l = hsum<T>(lvec[i]);
-      if (l > 0) {
-        const V inv = vsplat<T>((T)1 / l);
-        for (int d = 0; d < Dp; d += L) vstore<T>(orow + d, vload<T>(o + d) * inv);
-        lse[i] = (mrow[i] + slog2(l)) * ln2;
-      } else {
-        zero_buf(orow, Dp);
-        lse[i] = ninf;
-      }
-    }
+    const T* sink2 = a.sink2 ? static_cast<const T*>(a.sink2) + h : nullptr;
+    for (int i = 0; i < Bq; ++i)
+      finish_row<T>(out + (int64_t)i * Dp, O + (int64_t)i * Dp, Dp, mrow[i], hsum<T>(lvec[i]),
+                    sink2, lse[i]);
   }
   if (xg && a.ext_release) a.ext_release();
   free(S);

@@ -79,13 +79,27 @@ def _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, device, window=No
     return bm
 
 
+def apply_sinks(out, lse, sinks):
+    """Add one valueless logit per head to the softmax denominator of a finished attention.
+
+    ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')`` (exact, differentiable
+    in out, lse and sinks; rows with ``lse = -inf`` give ``out' = 0``, ``lse' = sink``).
+    """
+    s = sinks.to(lse.dtype).view(1, -1, 1)
+    new_lse = torch.logaddexp(lse, s.expand_as(lse))
+    fin = torch.isfinite(new_lse)
+    w = torch.exp(torch.where(fin, lse - torch.where(fin, new_lse, 0.0), float("-inf")))
+    return (out.to(w.dtype) * w.unsqueeze(-1)).to(out.dtype), new_lse
+
+
 def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
-                   softcap=None):
+                   softcap=None, sinks=None):
     """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention.
 
     ``window`` joins the ``mask_mod`` (blocks outside every window are skipped by the block
     mask); ``softcap`` is a ``score_mod`` (``softcap * tanh(score / softcap)``, differentiated
-    by FlexAttention).
+    by FlexAttention); ``sinks`` are applied to FlexAttention's (out, lse) by
+    :func:`apply_sinks` (differentiable through FlexAttention's lse).
     """
     from torch.nn.attention.flex_attention import AuxRequest
 
@@ -93,7 +107,8 @@ def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window
     Hk, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or Sk == 0:
         lse = torch.full((B, Hq, Sq), float("-inf"), device=q.device, dtype=torch.float32)
-        return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), lse
+        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        return apply_sinks(out, lse, sinks) if sinks is not None else (out, lse)
     block_mask = None
     if causal or q_doc is not None or window is not None:
         block_mask = _block_mask(q_pos, k_pos, causal, q_doc, k_doc, B, Sq, Sk, q.device,
@@ -107,4 +122,7 @@ def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window
 
     out, aux = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                        enable_gqa=Hq != Hk, return_aux=AuxRequest(lse=True))
-    return out, aux.lse.to(torch.float32 if q.dtype != torch.float64 else torch.float64)
+    lse = aux.lse.to(torch.float32 if q.dtype != torch.float64 else torch.float64)
+    if sinks is not None:
+        return apply_sinks(out, lse, sinks)
+    return out, lse

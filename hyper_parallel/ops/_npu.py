@@ -44,13 +44,18 @@ def _fused_npu(q, k, v, head_num, atten_mask, scale):
 
 
 def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
-                  softcap=None, _fused=None, _budget: int = MASK_BUDGET):
+                  softcap=None, sinks=None, _fused=None, _budget: int = MASK_BUDGET):
     """(out, lse float32) for NPU tensors; same contract as hyper_parallel.ops.attention.
 
     ``window`` joins the per-chunk mask. ``softcap`` is refused (``npu_fusion_attention`` has no
-    score modifier). ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
+    score modifier), and so are ``sinks`` (they need an lse gradient this backend lacks). ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
     softmax_sum)`` replaces ``torch_npu.npu_fusion_attention`` in tests.
     """
+    if sinks is not None:
+        raise NotImplementedError(
+            "hyper_parallel.ops.attention: sinks are not supported on NPU (they need a "
+            "differentiable lse, which npu_fusion_attention does not give); use the CPU or CUDA "
+            "backend")
     if softcap is not None:
         raise NotImplementedError(
             "hyper_parallel.ops.attention: softcap is not supported on NPU "

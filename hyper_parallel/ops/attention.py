@@ -78,6 +78,21 @@ def _check_index(t, name: str, batch: int, length: int, device: torch.device) ->
         raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
 
 
+def _validate_sinks(sinks, q) -> None:
+    if sinks is None:
+        return
+    Hq = q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"attention: sinks must be a torch.Tensor [Hq] or None, "
+                         f"got {type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise ValueError(f"attention: sinks must be a floating tensor, got {sinks.dtype}")
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"attention: sinks must have shape [Hq] = [{Hq}], got {list(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"attention: sinks is on {sinks.device} but q is on {q.device}")
+
+
 def _validate_options(window, softcap):
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -139,7 +154,7 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
 # --------------------------------------------------------------------------------------------
 # public op
 def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, scale=None,
-              return_lse=False, window=None, softcap=None):
+              return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None):
     """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
 
     Args:
@@ -157,6 +172,15 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             skipped, so the cost grows with the window, not with the key count.
         softcap: float > 0 or None. Scores ``s = scale * q.k`` become
             ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma2); exact backward.
+        sinks: ``[Hq]`` floating tensor or None. A learned logit per query head that joins every
+            row's softmax denominator but has no value (gpt-oss ``s_aux``); differentiable (the
+            gradient is summed over batch and queries). **The returned lse includes the sink**
+            (``lse = log(sum_visible exp(s) + exp(sink))``; a row that sees no key gets
+            ``out = 0``, ``lse = sink``), so ``merge_partial_attention`` stays exact when the
+            sinks are passed to exactly one of the partial attentions being merged (the sink is
+            then counted once, like one more key with a zero value).
+        alibi_slopes: not supported: anything but None raises ``NotImplementedError`` (ALiBi is
+            refused rather than silently dropped).
 
     Returns:
         ``out`` ``[B, Hq, Sq, D]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
@@ -168,23 +192,29 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     docs get ``None``. Raises ``ValueError`` naming the argument for bad shapes / dtypes, and
     ``NotImplementedError`` naming the device when it has no backend.
     """
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "attention: ALiBi (alibi_slopes) is not supported by hyper_parallel's attention "
+            "engine; refuse the model (or use a backend without context parallelism) instead "
+            "of dropping the bias")
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
     window, softcap = _validate_options(window, softcap)
+    _validate_sinks(sinks, q)
     dev = q.device.type
     if dev == "cpu":
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
-                                                     causal, scale_f, window, softcap)
+                                                     causal, scale_f, window, softcap, sinks)
     elif dev == "cuda":
         from ._cuda import cuda_attention
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
-                                  window=window, softcap=softcap)
+                                  window=window, softcap=softcap, sinks=sinks)
     elif dev == "npu":
         from ._npu import npu_attention
 
         out, lse = npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
-                                 window=window, softcap=softcap)
+                                 window=window, softcap=softcap, sinks=sinks)
     else:
         raise NotImplementedError(
             f"hyper_parallel.ops.attention has no backend for device '{q.device}' "
@@ -199,21 +229,23 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale, window=None,
-                   softcap=None):
+                   softcap=None, sinks=None):
     B, Hq, Sq, D = q.shape
-    return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
+    Dv = v.shape[3]
+    return q.new_empty((B, Hq, Sq, Dv)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale,
-                   window=None, softcap=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                   window=None, softcap=None, sinks=None):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs[:9]
-    window, softcap = (list(inputs[9:]) + [None, None])[:2]
+    window, softcap, sinks = (list(inputs[9:]) + [None, None, None])[:3]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc)
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
@@ -222,13 +254,16 @@ def _attn_setup_context(ctx, inputs, output):
 
 
 def _attn_backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc = ctx.saved_tensors
+    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.hyper_parallel.attn_bwd(dout, dlse, q, k, v, out, lse, q_pos, k_pos,
-                                                   q_doc, k_doc, ctx.causal, ctx.scale,
-                                                   ctx.window, ctx.softcap)
-    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+    dq, dk, dv, dsinks = torch.ops.hyper_parallel.attn_bwd(
+        dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, ctx.causal, ctx.scale,
+        ctx.window, ctx.softcap, sinks)
+    grads = [dq, dk, dv] + [None] * (ctx.n_inputs - 3)
+    if ctx.n_inputs > 11 and sinks is not None:
+        grads[11] = dsinks
+    return tuple(grads)
 
 
 if _C is not None:

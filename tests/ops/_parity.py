@@ -38,7 +38,7 @@ class Case:
     seed: int = 0
     window: int | None = None
     softcap: float | None = None
-    sinks: bool = False  # a random learned sink logit per query head (float32 parameter)
+    sinks: bool = False  # a random learned sink logit per query head (fp32; fp64 for fp64)
     Dv: int | None = None  # value head dim (None: D)
 
 
@@ -71,7 +71,8 @@ def feature_kwargs(c: Case) -> dict:
         kw["softcap"] = c.softcap
     if c.sinks:
         g = torch.Generator().manual_seed(c.seed + 1000)
-        kw["sinks"] = torch.randn(c.Hq, generator=g, dtype=torch.float64).float() * 2
+        sd = torch.float64 if c.dtype == torch.float64 else torch.float32  # a parameter's dtype
+        kw["sinks"] = (torch.randn(c.Hq, generator=g, dtype=torch.float64) * 2).to(sd)
     return kw
 
 

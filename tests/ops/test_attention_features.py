@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hyper_parallel.ops import attention, engine_info, reference_attention
+from hyper_parallel.ops import attention, engine_info, merge_partial_attention, reference_attention
 from hyper_parallel.ops.reference import visibility
 
 from ._parity import TOL, Case, error, run_parity
@@ -121,6 +121,102 @@ def test_softcap_matches_gemma2_eager():
 
 
 # ------------------------------------------------------------------------------------------
+# sinks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("extra", [dict(), dict(window=33), dict(window=7, softcap=3.0)])
+def test_sinks_parity(extra, layout, dtype):
+    run_parity(Case(sinks=True, Hq=4, Hk=2, D=40, dtype=dtype, seed=21, **extra,
+                    **_LAYOUTS[layout]), f"sinks {extra} {layout}")
+
+
+def test_sinks_match_gpt_oss_eager():
+    """Same as transformers' gpt-oss eager attention (s_aux joins the softmax, then dropped)."""
+    go = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    g = torch.Generator().manual_seed(8)
+    B, Hq, Hk, S, D = 2, 4, 2, 50, 16
+    q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hk, S, D, generator=g, dtype=torch.float64)
+    sinks = torch.randn(Hq, generator=g, dtype=torch.float64) * 2
+    mask = torch.zeros(B, 1, S, S, dtype=torch.float64).masked_fill(
+        ~visibility(ar(S), ar(S), True, window=16, batch=B), -math.inf)
+
+    class M(torch.nn.Module):
+        num_key_value_groups = Hq // Hk
+        training = False
+
+    m = M()
+    m.sinks = sinks
+    ref, _ = go.eager_attention_forward(m, q, k, v, mask, scaling=0.25)
+    for dtype in (torch.float64, torch.float32):
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=ar(S), k_pos=ar(S),
+                        scale=0.25, window=16, sinks=sinks.to(dtype))
+        a, r = error(out.transpose(1, 2), ref)
+        print(f"[sinks vs gpt-oss eager {dtype} tol={TOL[dtype]:.0e}] abs={a:.2e} rel={r:.2e}")
+        assert r <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sinks_two_partial_merge_is_exact(dtype):
+    """lse includes the sink: passing sinks to exactly one of two partials over disjoint key
+    sets and merging with merge_partial_attention equals attention over all keys with sinks
+    (values and gradients, the sink gradient included)."""
+    g = torch.Generator().manual_seed(31)
+    Hq, Hk, Sk = 4, 2, 160
+    q0 = torch.randn(1, Hq, 64, 32, generator=g, dtype=torch.float64).to(dtype)
+    k0 = torch.randn(1, Hk, Sk, 32, generator=g, dtype=torch.float64).to(dtype)
+    v0 = torch.randn(1, Hk, Sk, 32, generator=g, dtype=torch.float64).to(dtype)
+    s0 = (torch.randn(Hq, generator=g, dtype=torch.float64) * 2).to(dtype)
+    dout = torch.randn(1, Hq, 64, 32, generator=g, dtype=torch.float64).to(dtype)
+    q_pos, k_pos = ar(96, 160), ar(Sk)
+    perm = torch.randperm(Sk, generator=g)  # two disjoint, interleaved key sets
+    ia, ib = perm[:70].sort().values, perm[70:].sort().values
+
+    def grads(fn):
+        q, k, v, s = (t.clone().requires_grad_() for t in (q0, k0, v0, s0))
+        out, lse = fn(q, k, v, s)
+        ((out * dout).sum() + lse.sum() * 0.3).backward()
+        return [out, lse, q.grad, k.grad, v.grad, s.grad]
+
+    def full(q, k, v, s):
+        return attention(q, k, v, q_pos=q_pos, k_pos=k_pos, sinks=s, window=40,
+                         return_lse=True)
+
+    def merged(q, k, v, s):
+        a = attention(q, k[:, :, ia], v[:, :, ia], q_pos=q_pos, k_pos=k_pos[ia], sinks=s,
+                      window=40, return_lse=True)
+        b = attention(q, k[:, :, ib], v[:, :, ib], q_pos=q_pos, k_pos=k_pos[ib], window=40,
+                      return_lse=True)
+        return merge_partial_attention(*a, *b)
+
+    tol = TOL[dtype]
+    for name, x, y in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], grads(full), grads(merged)):
+        a, r = error(y, x)
+        print(f"[sinks 2-partial merge {dtype} {name} tol={tol:.0e}] abs={a:.2e} rel={r:.2e}")
+        assert r <= tol
+
+
+def test_sinks_empty_rows():
+    """A row that sees no key: out = 0, lse = sink; the sink still gets its lse gradient."""
+    q = torch.randn(1, 2, 3, 8)
+    k, v = torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    s = torch.tensor([0.5, -1.0], requires_grad=True)
+    out, lse = attention(q, k, v, q_pos=torch.tensor([0, 1, 2]), k_pos=ar(10, 15), sinks=s,
+                         return_lse=True)
+    assert torch.all(out == 0)
+    assert torch.equal(lse, s.detach().view(1, 2, 1).expand(1, 2, 3))
+    lse.sum().backward()
+    assert torch.equal(s.grad, torch.tensor([3.0, 3.0]))
+    s.grad = None
+    out, lse = attention(q, k[:, :, :0], v[:, :, :0], q_pos=ar(3), k_pos=ar(0), sinks=s,
+                         return_lse=True)
+    assert torch.all(out == 0) and torch.equal(lse[0, :, 0], s.detach())
+    (lse.sum() + out.sum()).backward()
+    assert torch.equal(s.grad, torch.tensor([3.0, 3.0]))
+
+
+# ------------------------------------------------------------------------------------------
 # gradcheck of the new backward terms (float64, tiny shapes)
 def _gc_inputs(Dv=8, seed=13):
     g = torch.Generator().manual_seed(seed)
@@ -146,6 +242,43 @@ def test_gradcheck_window_softcap(opts):
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
+@pytest.mark.parametrize("opts", [dict(), dict(window=3, softcap=1.1)])
+def test_gradcheck_sinks(opts):
+    q, k, v = _gc_inputs()
+    sinks = torch.tensor([0.3, -0.5, 1.2, 0.0], dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, s):
+        return attention(q, k, v, **_GC_POS, scale=0.9, return_lse=True, sinks=s, **opts)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+
+
+def test_compile_and_opcheck_with_features():
+    torch._dynamo.reset()
+    q_pos, k_pos = ar(16, 48), ar(48)
+    sinks = torch.randn(4, requires_grad=True)
+
+    def f(q, k, v, s):
+        out, lse = attention(q, k, v, q_pos=q_pos, k_pos=k_pos, return_lse=True, window=8,
+                             softcap=5.0, sinks=s)
+        return out * 2, lse
+
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    q = torch.randn(1, 4, 32, 16, requires_grad=True)
+    k = torch.randn(1, 2, 48, 16, requires_grad=True)
+    v = torch.randn(1, 2, 48, 16, requires_grad=True)
+    out, lse = cf(q, k, v, sinks)
+    ref_out, ref_lse = f(q, k, v, sinks)
+    assert torch.allclose(out, ref_out) and torch.allclose(lse, ref_lse)
+    out.sum().backward()
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    torch.library.opcheck(torch.ops.hyper_parallel.attn_fwd.default,
+                          (q.detach(), k.detach(), v.detach(), q_pos, k_pos, None, None, True,
+                           0.25, 8, 5.0, sinks.detach()),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+
 # ------------------------------------------------------------------------------------------
 # every kernel build with the new inputs
 def _isa_available(isa: str) -> bool:
@@ -169,7 +302,8 @@ def test_features_every_kernel_build(isa, monkeypatch):
                        f"isa={isa} {opts}")
 
 
-FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0)]
+FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0),
+                dict(sinks=True), dict(window=17, softcap=4.0, sinks=True)]
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,6 +315,9 @@ FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0)]
     (dict(softcap=0.0), "softcap must be a finite number > 0"),
     (dict(softcap=-1.0), "softcap must be a finite number > 0"),
     (dict(softcap=float("inf")), "softcap must be a finite number > 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must have shape \[Hq\] = \[2\]"),
+    (dict(sinks=torch.zeros(2, dtype=torch.long)), "sinks must be a floating tensor"),
+    (dict(sinks=[0.0, 1.0]), "sinks must be a torch.Tensor"),
 ])
 def test_feature_validation(kw, match):
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
@@ -195,3 +332,9 @@ def test_direct_op_checks_window_softcap():
     with pytest.raises(ValueError, match="softcap must be"):
         torch.ops.hyper_parallel.attn_fwd(q, k, v, ar(4), ar(6), None, None, True, 1.0, None,
                                           -2.0)
+
+
+def test_alibi_is_refused():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        attention(q, k, v, q_pos=ar(4), k_pos=ar(6), alibi_slopes=torch.ones(2))

@@ -145,3 +145,61 @@ def test_npu_backend_without_torch_npu_names_the_device():
     q, k, v = _inputs()
     with pytest.raises(NotImplementedError, match="torch_npu"):
         npu_backend.npu_attention(q, k, v, ar(128), ar(256), True, None, None, 0.1)
+
+
+# ------------------------------------------------------------------------------------------
+# window / softcap / sinks on the device paths
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("opts", [dict(window=40), dict(softcap=2.0),
+                                  dict(window=17, softcap=3.0, sinks=True)])
+def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
+    """window -> mask_mod (and its block mask), softcap -> score_mod, sinks -> lse correction,
+    through FlexAttention's eager CPU implementation, against the CPU engine (forward)."""
+    doc = packed_docs([150, 90], pad=16)
+    pos = ar(256)
+    q, k, v = _inputs(seed=4)
+    opts = dict(opts)
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64)
+    out, lse = cuda_backend.cuda_attention(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
+                                           **opts)
+    ref, ref_lse = attention(q, k, v, q_pos=pos[128:], k_pos=pos, q_doc=doc[128:], k_doc=doc,
+                             scale=0.2, return_lse=True, **opts)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    checked(f"cuda-path {opts.keys()} out", out, ref, 1e-7)
+    checked(f"cuda-path {opts.keys()} lse", lse[fin], ref_lse[fin], 1e-7)
+    if "window" in opts:
+        p = ar(512)  # queries 384..511, window 40: key blocks 0 and 1 (0..255) are invisible
+        bm = cuda_backend._block_mask(p[384:], p, True, None, None, 1, 128, 512, "cpu",
+                                      window=opts["window"])
+        dense = bm.to_dense()[0, 0]
+        assert dense[:, :2].sum() == 0 and dense[:, 2:].sum() > 0, dense
+
+
+def test_cuda_apply_sinks_gradient():
+    """The CUDA path's sink correction is exact in out, lse and the sink (float64 gradcheck)."""
+    g = torch.Generator().manual_seed(2)
+    out = torch.randn(1, 3, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    lse = torch.randn(1, 3, 5, generator=g, dtype=torch.float64)
+    lse[0, 1, 2] = float("-inf")
+    lse.requires_grad_()
+    s = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(cuda_backend.apply_sinks, (out, lse, s))
+
+
+def test_npu_backend_window_and_refusals():
+    doc = packed_docs([100, 7, 120], pad=29)
+    pos = ar(256)
+    q, k, v = _inputs(seed=5, grad=True)
+    out, lse = npu_backend.npu_attention(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
+                                         window=30, _fused=FakeFused(), _budget=2 * 256 * 32)
+    ref, ref_lse = attention(q, k, v, q_pos=pos[128:], k_pos=pos, q_doc=doc[128:], k_doc=doc,
+                             scale=0.2, window=30, return_lse=True)
+    checked("npu-path window out", out, ref, 1e-10)
+    with pytest.raises(NotImplementedError, match="softcap is not supported on NPU"):
+        npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2, softcap=2.0,
+                                  _fused=FakeFused())
+    with pytest.raises(NotImplementedError, match="sinks are not supported on NPU"):
+        npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2,
+                                  sinks=torch.zeros(8), _fused=FakeFused())
