@@ -51,6 +51,10 @@ class AcceleratorConfig:
     # (default 300). Applied by setup_distributed to every hyper_parallel collective and every
     # mesh sub-group (see platform.set_default_timeout).
     comm_timeout_s: float | None = None
+    # CP > 1: before the first step, prove on a probe batch that the model computes under CP what
+    # it computes without it, layer by layer (context_parallel.model_proof); false skips it
+    # (very large models: it costs one CP forward + one full-sequence forward of the probe)
+    cp_preflight_proof: bool = True
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, field: str = "accelerator") -> "AcceleratorConfig":
@@ -79,7 +83,7 @@ class AcceleratorConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise CPConfigError(f"{field}.{name}", f"must be an integer >= 1, got {val!r}")
-        for name in ("sequence_parallel", "loss_parallel"):
+        for name in ("sequence_parallel", "loss_parallel", "cp_preflight_proof"):
             if not isinstance(getattr(self, name), bool):
                 raise CPConfigError(f"{field}.{name}", f"must be true or false, got {getattr(self, name)!r}")
         t = self.comm_timeout_s

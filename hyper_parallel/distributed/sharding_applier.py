@@ -166,8 +166,13 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
 
 def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, *, mode: str = "production",
                         fsdp: Optional[bool] = None, mp_policy=None, reshard_after_forward: bool = True,
-                        activation_checkpointing: bool = False) -> tuple[nn.Module, TPGradInfo]:
+                        activation_checkpointing: bool = False,
+                        preflight_proof=False) -> tuple[nn.Module, TPGradInfo]:
     """Apply TP -> CP -> activation checkpointing -> FSDP2; return ``(model, tp_grad_info)``.
+
+    ``preflight_proof``: False, True, or a dict of :func:`~.context_parallel.model_proof.prove_cp_model`
+    options — when cp > 1, prove before FSDP (fp32 master weights) that the model computes under
+    CP what it computes without it; a refusal rolls the CP install back and raises on every rank.
 
     ``device_mesh``: the :class:`~.mesh.MeshContext` (required unless tp = cp = 1 and fsdp off).
     ``fsdp``: None = on when ``mesh.fsdp_mesh`` has more than one rank. ``mp_policy``: an FSDP2
@@ -211,6 +216,11 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         # 3. activation checkpointing
         if activation_checkpointing:
             _apply_ac(model, plan, installed)
+        # 3b. CP preflight proof (collective on every rank; before FSDP, so in the parameters' dtype)
+        if preflight_proof and plan.cp_size > 1:
+            from .context_parallel.model_proof import prove_cp_model
+
+            prove_cp_model(model, plan, mesh, **(preflight_proof if isinstance(preflight_proof, dict) else {}))
         # 4. FSDP2 / HSDP
         use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
         if use_fsdp:

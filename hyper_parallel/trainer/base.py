@@ -41,6 +41,7 @@ from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
 from ..distributed.preflight import agree_or_raise
 from ..platform import all_gather_object, all_reduce, get_platform, init_distributed, set_default_timeout
+from ..platform.faults import maybe_inject_fault
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
@@ -241,9 +242,13 @@ class BaseTrainer:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # CP preflight proof (accelerator.cp_preflight_proof): before FSDP, on the probe batch
+        # sharded by this trainer's batch contract; a refusal fails every rank before the first step
+        proof = ({"pad_token_id": self.cfg.data.pad_token_id, "ignore_index": self.cfg.data.ignore_index}
+                 if acc.cp_preflight_proof else False)
         model, tp_grad_info = apply_sharding_plan(model, plan, self.mesh, mode="production",
                                                   fsdp=True if bf16 else self.fsdp, mp_policy=mp_policy,
-                                                  activation_checkpointing=ac)
+                                                  activation_checkpointing=ac, preflight_proof=proof)
         self.sharding_plan = plan
         self.cp_policy = plan.batch_policy
         return model, tp_grad_info
@@ -368,6 +373,7 @@ class BaseTrainer:
         prepared = [self.prepare_batch(b) for b in micro_batches]
         local_tokens = sum(p.num_valid_tokens for p in prepared)
         n_global = global_token_count(local_tokens, self.mesh.dp_cp_mesh, self.device)
+        maybe_inject_fault(self.rank, self.step + 1, "forward")   # test hook (platform/faults.py)
         loss_sum_total = torch.zeros((), dtype=torch.float32, device=self.device)
         logits_out = [] if probe and probe.logits else None
         for p in prepared:
@@ -413,6 +419,7 @@ class BaseTrainer:
         last_saved = None   # step of the last checkpoint written by this loop
         try:
             while self.step < total:
+                maybe_inject_fault(self.rank, self.step + 1, "step")  # test hook (platform/faults.py)
                 res = self.train_step(self.data.next_micro_batches(ga))
                 results.append(res)
                 self.run_log.append(res.record())

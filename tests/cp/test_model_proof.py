@@ -196,3 +196,38 @@ def test_one_bad_rank_fails_every_rank_without_hang(ranks):
     assert isinstance(r0, dict) and isinstance(r1, dict)
     assert not r1["ok"] and "injected failure" in r1["msg"], r1
     assert not r0["ok"] and r0["type"] == "PreflightError" and "rank 1" in r0["msg"], r0
+
+
+# ============================================================================ trainer + YAML
+LFM2_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"]}
+
+
+def test_cp_preflight_proof_field_is_validated():
+    from hyper_parallel.distributed.config import AcceleratorConfig
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.trainer.config import TrainerConfig
+
+    assert AcceleratorConfig().cp_preflight_proof is True
+    assert AcceleratorConfig.from_dict({"cp_preflight_proof": False}).cp_preflight_proof is False
+    for bad in ("no", 0, None):
+        with pytest.raises(CPConfigError, match=r"\[accelerator\.cp_preflight_proof\] must be true or false"):
+            AcceleratorConfig.from_dict({"cp_preflight_proof": bad})
+    cfg = TrainerConfig.from_dict({"accelerator": {"cp_size": 1, "cp_preflight_proof": False}})
+    assert cfg.to_dict()["accelerator"]["cp_preflight_proof"] is False
+
+
+def test_trainer_refuses_undeclared_mixer_before_the_first_step(ranks, tmp_path):
+    """On by default in the trainer (every rank refuses at construction); the YAML switch skips it."""
+    from tests.trainer import _workers as TW
+
+    cfg = TW.make_cfg("llama", cp=2, steps=1, out_dir=str(tmp_path))
+    cfg["model"] = {"architecture": "lfm2", "config": dict(LFM2_TINY), "seed": 0}
+    off = dict(cfg, accelerator=dict(cfg["accelerator"], cp_preflight_proof=False))
+    pool = ranks(2)
+    refused = pool.run(TW.build_error, cfg)
+    for err in refused:
+        assert err is not None and err[0] == "CPConfigError", err
+        assert "'model.layers.0.conv' (Lfm2ShortConv)" in err[1] and "not declared for CP" in err[1], err
+    assert refused[0] == refused[1]
+    assert pool.run(TW.build_error, off) == [None, None]   # switched off: builds (and would run wrong)

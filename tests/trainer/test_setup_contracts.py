@@ -40,7 +40,9 @@ def test_registered_batch_prepare_fn_is_used_and_keeps_the_numbers(ranks, tmp_pa
                                                                 out_dir=str(tmp_path / "b"))), True)
     for r in range(2):
         assert plain[r][1] == [], "no spec registered: the standard contract must not be replaced"
-        assert spec[r][1] == ["all_gather", "all_gather"], spec[r][1]  # one call per step
+        # one call for the CP preflight proof's probe batch (it shards with the registered contract
+        # too, accelerator.cp_preflight_proof defaults to true), then one call per step
+        assert spec[r][1] == ["all_gather", "all_gather", "all_gather"], spec[r][1]
         assert spec[r][0] == plain[r][0]  # the delegating contract gives the same losses
 
 
