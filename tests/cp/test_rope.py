@@ -177,10 +177,14 @@ def _build(rope_type: str, method: str, rotary=None, hook: bool = True):
 
 
 def rope_cases(method: str, cases, rotary=None, hook: bool = True) -> list:
-    """[(rope_type, S, kind)] -> one result dict per case (fresh model pair per case)."""
+    """[(rope_type, S, kind)] -> one result dict per case. Consecutive cases of one rope type run
+    as successive steps of one model pair (CP and CP=1 see the same sequence, so a stateful
+    variant must also follow CP=1 from case to case)."""
     out = []
+    model = None
     for i, (rope_type, S, kind) in enumerate(cases):
-        model, ref, mesh, plan = _build(rope_type, method, rotary, hook)
+        if i == 0 or rope_type != cases[i - 1][0]:
+            model, ref, mesh, plan = _build(rope_type, method, rotary, hook)
         batch = global_batch(kind, S, model.config.vocab_size)
         out.append({"case": f"{method}/{rope_type}/S={S}/{kind}", **_step(model, ref, mesh, plan, batch, i)})
     return out
@@ -283,12 +287,13 @@ def check(results) -> None:
     assert not bad, "\n".join(f"{r['case']}: logits {r['logits']:.2e} grads {r['grads']:.2e}" for r in bad)
 
 
-ALL_CASES = [(t, S, kind) for t in ROPE for S in (S_SHORT, S_LONG) for kind in ("padding", "packed")]
+# per rope type: long (beyond T) then short (inside T), padding then packed — on one model pair
+ALL_CASES = [(t, S, kind) for t in ROPE for S in (S_LONG, S_SHORT) for kind in ("padding", "packed")]
 
 
 @pytest.mark.parametrize("method", ["colossal", "ulysses", "head_tail"])
 def test_every_rope_type_cp2(ranks, method):
-    """7 rope types x 2 lengths (each side of T) x {padding, packed} in one pool call."""
+    """7 rope types x 2 lengths (each side of T) x {padding, packed}: 28 cases in one pool call."""
     check(ranks(2).run(rope_cases, method, ALL_CASES, timeout=300))
 
 

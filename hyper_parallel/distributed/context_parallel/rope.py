@@ -56,6 +56,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import itertools
 import logging
 import re
 from typing import Callable, Optional
@@ -72,6 +73,7 @@ __all__ = ["find_rotary_modules", "check_rotary_modules", "install_cp_rope", "CP
            "rope_global_length"]
 
 _NAME = re.compile(r"rotary|rope", re.IGNORECASE)
+_NOT_ROTARY = re.compile(r"attention|attn", re.IGNORECASE)     # e.g. "...RoPEAttention" is a token mixer
 FIELD = "model.config.rope_parameters"
 FIX = ("make the module's output a function of position_ids alone, taking the sequence length as "
        "max(position_ids) + 1 (as transformers' @dynamic_rope_update / ROPE_INIT_FUNCTIONS rope types do), "
@@ -93,11 +95,12 @@ def _is_transformers_rope(module: nn.Module) -> bool:
 def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Rotary embedding modules of ``model``: transformers RoPE modules (``dynamic_rope_update``
     forward, or ``rope_type`` + ``inv_freq``), any module with an ``inv_freq`` buffer, and any
-    module whose class name contains "rotary"/"rope" (custom modules)."""
+    module whose class name contains "rotary"/"rope" but not "attention"/"attn" (custom modules)."""
     found = []
     for fqn, mod in model.named_modules():
+        name = type(mod).__name__
         if "inv_freq" in getattr(mod, "_buffers", {}) or _is_transformers_rope(mod) or \
-                _NAME.search(type(mod).__name__):
+                (_NAME.search(name) and not _NOT_ROTARY.search(name)):
             found.append((fqn, mod))
     return found
 
@@ -164,7 +167,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
             f"rotary module '{fqn}' got position_ids of shape {tuple(local.shape)}; under CP it needs this rank's "
             f"[{B}|1, {n}] slice of the batch's global positions (pass position_ids=local['position_ids'] from "
             "shard_batch_for_cp; 3-D/multimodal positions are not supported)")
-    want = meta.position_ids[:, lo:hi].to(local.device)
+    want = meta.position_ids[:, lo:hi].to(device=local.device, dtype=local.dtype)
     if not torch.equal(local.expand_as(want), want):
         raise CPRopeError(
             f"rotary module '{fqn}' got position_ids that are not this rank's slice of the CP batch's global "
@@ -177,7 +180,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
     return _slice_outputs(out, lo, hi, meta.global_seq_len, rows, fqn)
 
 
-def _cp_forward(module: nn.Module, original: Callable, sig: inspect.Signature, fqn: str) -> Callable:
+def _cp_forward(original: Callable, sig: inspect.Signature, fqn: str) -> Callable:
     @functools.wraps(original)
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
@@ -222,11 +225,11 @@ def _probe_lengths(contexts: list[int], multiple: int) -> list[int]:
 
 
 def _probe_x(module: nn.Module, model_config, L: int) -> torch.Tensor:
-    buf = next(iter(module.buffers()), None)
+    buf = next(itertools.chain(module.buffers(), module.parameters()), None)
     device = buf.device if buf is not None else torch.device("cpu")
     hidden = getattr(getattr(module, "config", None) or model_config, "hidden_size", None) or 64
-    row = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).to(device)
-    return row.expand(1, L, hidden)           # stride-0 view: O(hidden) memory at any probe length
+    col = torch.randn(1, L, 1, generator=torch.Generator().manual_seed(0)).to(device)
+    return col.expand(1, L, hidden)           # a value per token, stride 0 over hidden: O(L) memory
 
 
 def _layer_types(module: nn.Module, sig: inspect.Signature) -> list:
@@ -270,7 +273,7 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
                         meta = CPBatchMeta(cp_rank=r, cp_size=cp_size, global_seq_len=L, local_seq_len=n,
                                            key_doc=None, position_ids=pos, seq_len=L)
                         m = cp_mods[r]
-                        fwd = _cp_forward(m, m.forward, inspect.signature(m.forward), fqn)
+                        fwd = _cp_forward(m.forward, inspect.signature(m.forward), fqn)
                         with cp_batch_context(meta):
                             got[r] = _flatten(fwd(x[:, r * n:(r + 1) * n], position_ids=pos[:, r * n:(r + 1) * n],
                                                   **extra))
@@ -309,9 +312,13 @@ def check_rotary_modules(model: nn.Module, cp_size: int, multiple: Optional[int]
         return []
     multiple = multiple or 2 * cp_size
     model_config = getattr(model, "config", None)
-    fqns = []
+    fqns, probed = [], set()
     for fqn, module in find_rotary_modules(model):
-        _probe_module(fqn, module, cp_size, multiple, model_config)
+        cfg = getattr(module, "config", None)
+        key = (type(module), id(cfg)) if cfg is not None else (type(module), id(module))
+        if key not in probed:        # per-layer copies of one class built from one config: probed once
+            _probe_module(fqn, module, cp_size, multiple, model_config)
+            probed.add(key)
         fqns.append(fqn)
     return fqns
 
@@ -330,7 +337,7 @@ def install_cp_rope(model: nn.Module, replace_forward: Optional[Callable] = None
         if sig is None:
             raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument",
                                 module=fqn, fix=FIX)
-        fn = _cp_forward(module, module.forward, sig, fqn)
+        fn = _cp_forward(module.forward, sig, fqn)
         if replace_forward is None:
             module.forward = fn
         else:
