@@ -480,7 +480,15 @@ class _Prover:
 
             hooks.append(lambda layer=layer, pre=pre: layer.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.append(lambda layer=layer, post=post: layer.register_forward_hook(post, with_kwargs=True))
-        out = self._cp_forward(hooks)
+        try:
+            out = self._cp_forward(hooks)
+        except CPConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - refused at preflight instead of at the first step
+            raise CPConfigError(
+                "plan_overrides", f"CP preflight proof: the CP forward of the probe (S={self.S}) raised "
+                f"{type(exc).__name__}: {exc}", fix="the declared CP methods cannot run this model as declared: "
+                "fix the declaration, or use accelerator.cp_size: 1") from exc
         logits = _first_tensor(out)
         self.cp_logits = _full_tensor(logits).detach() if logits is not None else None
 
@@ -527,7 +535,16 @@ class _Prover:
 
             hooks.append(lambda layer=layer, pre=pre: layer.register_forward_pre_hook(pre, with_kwargs=True))
             hooks.append(lambda layer=layer, post=post: layer.register_forward_hook(post, with_kwargs=True))
-        out = self._ref_forward(hooks)
+        try:
+            out = self._ref_forward(hooks)
+        except CPConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CPConfigError(
+                "accelerator.cp_preflight_proof", f"CP preflight proof: the model's own forward (CP disabled) on "
+                f"the probe ({lay.R} rows x {lay.ref_len} tokens, input_ids/attention_mask/position_ids) raised "
+                f"{type(exc).__name__}: {exc}", fix="make the model run a plain forward on these inputs, or set "
+                "accelerator.cp_preflight_proof: false") from exc
         ref_logits = _first_tensor(out)
         if ref_logits is not None and usable(self.cp_logits, _full_tensor(ref_logits)):
             r = _full_tensor(ref_logits)
