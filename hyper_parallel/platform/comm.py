@@ -3,7 +3,10 @@
 Every function takes an explicit ``group`` (a ProcessGroup cached from the root DeviceMesh;
 never created here) and works on local tensors. ``async_op=True`` returns a :class:`CommHandle`
 whose ``wait()`` materializes the result; sync calls are launch + wait. Every wait has a
-timeout (``HYPER_PARALLEL_COMM_TIMEOUT`` seconds, default 300) so no rank hangs forever.
+timeout (``HYPER_PARALLEL_COMM_TIMEOUT`` seconds, default 300) so no rank hangs forever, and a
+failed wait raises a typed :class:`~hyper_parallel.platform.peer.CollectiveError` naming the
+collective, its group (global ranks) and the elapsed time: :class:`CommTimeoutError` when a peer
+did not answer in time, :class:`PeerLostError` when the backend lost the connection to it.
 A group of size 1 is the identity: no collective is issued and nothing is counted.
 
 Byte accounting (:func:`comm_counter`) records, per call and per rank, the logical bytes this
@@ -20,14 +23,14 @@ import dataclasses
 import datetime
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 
-class CommTimeoutError(RuntimeError):
-    """A collective did not complete within the configured timeout."""
+from .peer import TIMEOUT, CollectiveError, CommTimeoutError, PeerLostError, classify_failure, group_ranks_of
 
 
 _CONFIGURED_TIMEOUT: Optional[datetime.timedelta] = None
@@ -111,8 +114,10 @@ class CommHandle:
     :func:`pending_handles` (tests assert no handle dangles after forward/backward).
     """
 
-    def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None):
+    def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None, group=None):
         self.op = op
+        self.group = group
+        self._t0 = time.monotonic()
         self._work = work
         self._finalize = finalize
         self._timeout = timeout or default_timeout()
@@ -128,13 +133,12 @@ class CommHandle:
                     ok = self._work.wait(timeout=self._timeout)
                 except RuntimeError as exc:  # gloo raises on timeout / peer failure
                     _PENDING.discard(self)
-                    raise CommTimeoutError(
-                        f"collective {self.op} failed or timed out after "
-                        f"{self._timeout.total_seconds():.0f}s: {exc}"
-                    ) from exc
+                    if isinstance(exc, CollectiveError):   # from a chain step: already typed
+                        raise
+                    raise peer_error(self.op, self.group, self._t0, self._timeout, exc) from exc
                 if ok is False:
                     _PENDING.discard(self)
-                    raise CommTimeoutError(f"collective {self.op} timed out")
+                    raise peer_error(self.op, self.group, self._t0, self._timeout)
                 _PENDING.discard(self)
             self._result = self._finalize()
             self._done = True
@@ -151,6 +155,30 @@ _PENDING: set = set()
 def pending_handles() -> int:
     """Number of launched collectives whose handle has not been waited."""
     return len(_PENDING)
+
+
+def peer_error(op: str, group, t0: float, timeout: datetime.timedelta,
+               exc: Optional[BaseException] = None) -> CollectiveError:
+    """The typed error of collective ``op`` on ``group`` launched at ``t0`` (``time.monotonic``)
+    whose wait failed with ``exc`` (None: the wait returned "not completed" after ``timeout``).
+    A closed/reset connection is :class:`PeerLostError`; anything else, a timeout included, is
+    :class:`CommTimeoutError` (the peer did not complete its side in time)."""
+    cls = PeerLostError if exc is not None and classify_failure(str(exc)) == "peer_lost" else CommTimeoutError
+    rank = dist.get_rank() if dist.is_initialized() else None
+    detail = "" if exc is None else str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return cls(op, group_ranks=group_ranks_of(group), elapsed_s=time.monotonic() - t0,
+               timeout_s=timeout.total_seconds(), rank=rank, detail=detail)
+
+
+def _launch(op: str, group, fn):
+    """Issue a collective; a backend error raised at launch becomes the typed error too."""
+    t0 = time.monotonic()
+    try:
+        return fn()
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveError) or classify_failure(str(exc)) is None:
+            raise
+        raise peer_error(op, group, t0, default_timeout(), exc) from exc
 
 
 def _ready(result: torch.Tensor, op: str) -> CommHandle:
@@ -179,11 +207,11 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, async_op: bool = False, tag
         return _ready(x, "all_gather") if async_op else x
     xc = x.contiguous()
     flat = torch.empty(world * xc.numel(), dtype=xc.dtype, device=xc.device)
-    work = _ALL_GATHER(flat, xc.view(-1), group=group, async_op=True)
+    work = _launch("all_gather", group, lambda: _ALL_GATHER(flat, xc.view(-1), group=group, async_op=True))
     _record("all_gather", world, _nbytes(xc) * (world - 1), _nbytes(xc) * (world - 1), tag)
     d = dim % x.dim()
     handle = CommHandle("all_gather", work,
-                        lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d))
+                        lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d), group=group)
     return handle if async_op else handle.wait()
 
 
@@ -198,10 +226,11 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, op=dist.ReduceOp.SUM,
         raise ValueError(f"reduce_scatter: dim {d} of size {x.shape[d]} is not divisible by group size {world}")
     stacked = torch.stack(x.chunk(world, dim=d), dim=0).contiguous()
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    work = _REDUCE_SCATTER(out.view(-1), stacked.view(-1), op=op, group=group, async_op=True)
+    work = _launch("reduce_scatter", group,
+                   lambda: _REDUCE_SCATTER(out.view(-1), stacked.view(-1), op=op, group=group, async_op=True))
     n = _nbytes(stacked)
     _record("reduce_scatter", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("reduce_scatter", work, lambda: out)
+    handle = CommHandle("reduce_scatter", work, lambda: out, group=group)
     return handle if async_op else handle.wait()
 
 
@@ -219,10 +248,10 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
         )
     stacked = torch.stack(x.chunk(world, dim=sd), dim=0).contiguous()
     out = torch.empty_like(stacked)
-    work = dist.all_to_all_single(out, stacked, group=group, async_op=True)
+    work = _launch("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group, async_op=True))
     n = _nbytes(stacked)
     _record("all_to_all", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd))
+    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd), group=group)
     return handle if async_op else handle.wait()
 
 
@@ -248,12 +277,13 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
     piece = x.shape[d] // n_send
     xt = x.movedim(d, 0).contiguous()
     out = xt.new_empty((sum(recv_counts) * piece,) + tuple(xt.shape[1:]))
-    work = dist.all_to_all_single(out, xt, output_split_sizes=[c * piece for c in recv_counts],
-                                  input_split_sizes=[c * piece for c in send_counts], group=group, async_op=True)
+    work = _launch("all_to_all_uneven", group, lambda: dist.all_to_all_single(
+        out, xt, output_split_sizes=[c * piece for c in recv_counts],
+        input_split_sizes=[c * piece for c in send_counts], group=group, async_op=True))
     me = group_rank(group)
     pb = piece * (xt.numel() // max(xt.shape[0], 1)) * xt.element_size()
     _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]), tag)
-    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d))
+    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group)
     return handle if async_op else handle.wait()
 
 
@@ -263,10 +293,10 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     if world == 1:
         return _ready(x, "all_reduce") if async_op else x
     out = x.detach().clone().contiguous()
-    work = dist.all_reduce(out, op=op, group=group, async_op=True)
+    work = _launch("all_reduce", group, lambda: dist.all_reduce(out, op=op, group=group, async_op=True))
     n = _nbytes(out)
     _record("all_reduce", world, 2 * n * (world - 1) / world, 2 * n * (world - 1) / world, tag)
-    handle = CommHandle("all_reduce", work, lambda: out)
+    handle = CommHandle("all_reduce", work, lambda: out, group=group)
     return handle if async_op else handle.wait()
 
 
@@ -275,7 +305,13 @@ def all_gather_object(obj, group=None) -> list:
     if not dist.is_initialized() or group_size(group if group is not None else dist.group.WORLD) == 1:
         return [obj]
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    t0 = time.monotonic()
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveError) or classify_failure(str(exc)) is None:
+            raise
+        raise peer_error("all_gather_object", group, t0, default_timeout(), exc) from exc
     return out
 
 
@@ -284,7 +320,8 @@ def barrier(group=None) -> None:
     :class:`CommTimeoutError` after :func:`default_timeout` instead of hanging."""
     if not dist.is_initialized() or group_size(group if group is not None else dist.group.WORLD) == 1:
         return
-    CommHandle("barrier", dist.barrier(group=group, async_op=True), lambda: None).wait()
+    work = _launch("barrier", group, lambda: dist.barrier(group=group, async_op=True))
+    CommHandle("barrier", work, lambda: None, group=group).wait()
 
 
 # ----------------------------------------------------------------------------- dependency chains
@@ -301,6 +338,8 @@ class _FutureWork:
             self._fut.result(timeout=None if timeout is None else timeout.total_seconds())
         except concurrent.futures.TimeoutError:
             return False
+        except CollectiveError:   # a chain step's collective failed: keep its op/group/elapsed
+            raise
         except Exception as exc:  # noqa: BLE001 - surfaced as RuntimeError to CommHandle.wait
             raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
         return True

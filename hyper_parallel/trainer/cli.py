@@ -7,15 +7,26 @@ Single process when launched directly (world size 1); multi-rank under torchrun:
 
 Overrides are YAML-parsed (``accelerator.cp_size=2``, ``plan_overrides=[]``). The config is
 loaded and checked on every rank and agreed before anything else runs. Exit codes: 0 done,
-2 configuration error (message names the YAML field), 1 other failure.
+2 configuration error (message names the YAML field), 3 a peer rank stopped or died (one line:
+the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
+stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
+1 other failure.
+
+A peer failure ends the process with ``os._exit`` right after the line (a clean teardown could
+block on the lost peer for another timeout). Its full traceback goes to
+``<logging.out_dir>/peer_failure_rank<R>.log``; ``HYPER_PARALLEL_TRACEBACK=1`` also prints it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import traceback
+from pathlib import Path
 
 USAGE = "usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)"
+PEER_FAILURE_EXIT = 3
+TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
 
 
 def _threads() -> None:
@@ -26,7 +37,36 @@ def _threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+def _rank():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+
+
+def _peer_failure_line(failure, exc: BaseException, out_dir) -> str:
+    """The one line for ``failure``; the full traceback goes to a per-rank debug log."""
+    text = "".join(traceback.format_exception(exc))
+    where = None
+    if out_dir is not None:
+        try:
+            path = Path(out_dir) / f"peer_failure_rank{failure.rank if failure.rank is not None else 0}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            where = path
+        except OSError:
+            pass
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        sys.stderr.write(text)
+    tail = f" (traceback: {where})" if where else f" (traceback: set {TRACEBACK_ENV}=1)"
+    return f"hyper-train: {failure.one_line()}; exiting with code {PEER_FAILURE_EXIT}{tail}"
+
+
 def main(argv=None) -> int:
+    """Run ``hyper-train``; returns the exit code. From the command line (``argv`` None) a peer
+    failure or SIGTERM ends the process right after its one line (``os._exit``)."""
+    hard_exit = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__ if argv else USAGE)
@@ -34,13 +74,17 @@ def main(argv=None) -> int:
     _threads()
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise
-    from ..platform import destroy_distributed, get_platform, init_distributed
+    from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
+    from ..platform.shutdown import exit_now, install_sigterm_report
     from .config import TrainerConfig
     from .text import TextTrainer
 
     code = 0
     import torch.distributed as dist
 
+    if hard_exit:
+        install_sigterm_report("hyper-train: ", _rank)
+    cfg = None
     try:
         from .base import bind_local_device
 
@@ -71,6 +115,15 @@ def main(argv=None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
         code = 2
+    except Exception as exc:  # noqa: BLE001 - only peer failures are handled here
+        failure = diagnose(exc, rank=_rank())
+        if failure is None:
+            raise
+        line = _peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None)
+        if hard_exit:
+            exit_now(line, PEER_FAILURE_EXIT)
+        print(line, file=sys.stderr, flush=True)
+        code = PEER_FAILURE_EXIT
     finally:
         destroy_distributed()
     return code

@@ -1,0 +1,84 @@
+"""Leaving the process promptly and once, with one line, when a peer stopped or died.
+
+Contract:
+
+* :func:`exit_now` prints one line to stderr, flushes, and ends the process with ``os._exit``:
+  no interpreter teardown, so no wait on a collective thread or a process-group destructor that
+  is still blocked on the lost peer (that wait could last another full timeout). The first
+  caller wins; a second caller (another thread) blocks until the process is gone.
+* :func:`install_sigterm_report` (main thread, once): a launcher such as torchrun sends SIGTERM
+  to every surviving rank as soon as one rank exits, often before the survivor's own collective
+  has failed. On SIGTERM a watcher thread gives the main thread ``grace_s`` seconds to report
+  its own peer failure (then the precise diagnosis wins); otherwise it names the collective the
+  main thread is blocked in, if any (from its live stack), and exits with 128 + SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Optional
+
+from .peer import PeerFailure, frames_of_stack, locate_collective
+
+SIGTERM_EXIT = 128 + signal.SIGTERM
+_CLAIM = threading.Lock()
+_CLAIMED = threading.Event()
+
+
+def exit_now(line: str, code: int) -> None:
+    """Print ``line`` (one line) to stderr and end the process with ``code``; never returns."""
+    if not _CLAIM.acquire(blocking=False):
+        threading.Event().wait()   # someone else is exiting the process right now
+    _CLAIMED.set()
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
+    try:
+        sys.stderr.write(line.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def sigterm_line(frames, rank: Optional[int]) -> str:
+    """The line for a SIGTERM received while the main thread runs ``frames`` (innermost first)."""
+    op, ranks = locate_collective(frames)
+    who = "" if rank is None else f"rank {rank}: "
+    if op is None:
+        return (f"{who}terminated by SIGTERM (not inside a collective) - likely cause: the launcher "
+                f"stops every rank once one rank exits: another rank stopped or died first "
+                f"(see the launcher's report)")
+    f = PeerFailure("peer_lost", op, ranks, rank=rank)
+    return (f"{who}terminated by SIGTERM while waiting in collective {op}{f.where()} - likely cause: "
+            f"{f.peers()} stopped or died and the launcher is stopping every rank (see its report)")
+
+
+def install_sigterm_report(prefix: str = "", rank_fn: Callable[[], Optional[int]] = lambda: None,
+                           grace_s: float = 2.0) -> bool:
+    """Report SIGTERM on one line and exit (see the module doc). Returns False (and does nothing)
+    when not called from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    main_id = threading.main_thread().ident
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)   # the watcher acts; the main thread carries on
+    signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            data = os.read(rfd, 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                break
+        if _CLAIMED.wait(grace_s):   # the main thread is reporting its own peer failure
+            return
+        frame = sys._current_frames().get(main_id)
+        exit_now(prefix + sigterm_line(frames_of_stack(frame), rank_fn()), SIGTERM_EXIT)
+
+    threading.Thread(target=watch, name="hp-sigterm-report", daemon=True).start()
+    return True
