@@ -49,7 +49,7 @@ def build_model(kind: str):
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     torch.manual_seed(0)
-    if kind in ("llama", "toy"):
+    if kind in ("llama", "toy", "toy_inline", "toy_final"):
         cfg = T.LlamaConfig(**common)
     elif kind == "mistral":
         cfg = T.MistralConfig(sliding_window=16, **common)
@@ -68,6 +68,16 @@ def build_model(kind: str):
     model = T.AutoModelForCausalLM.from_config(cfg)
     if kind == "toy":
         model.model.layers[1].mlp = ToyCumsumMLP(model.model.layers[1].mlp)
+    elif kind == "toy_inline":      # the layer's own forward mixes tokens (no child does)
+        layer = model.model.layers[0]
+        original = layer.forward
+
+        def forward(hidden_states, *args, **kwargs):
+            out = original(hidden_states, *args, **kwargs)
+            return out + 0.5 * torch.roll(hidden_states, 1, dims=1)
+        layer.forward = forward
+    elif kind == "toy_final":       # mixing after the last decoder layer
+        model.model.norm = nn.Sequential(ToyCumsumMLP(nn.Identity()), model.model.norm)
     return model
 
 
@@ -133,6 +143,7 @@ def test_hybrid_decoders_refused_declared_ones_pass(ranks):
     cases = [
         (("qwen3_next",), {}), (("lfm2",), {}), (("falcon_h1",), {}),
         (("llama",), {}), (("llama", "sdpa_hf_ulysses"), {}), (("toy",), {}),
+        (("toy_inline",), {}), (("toy_final",), {}),
     ]
     out = _run(ranks, cases)
     expect = {
@@ -156,6 +167,15 @@ def test_hybrid_decoders_refused_declared_ones_pass(ranks):
                 assert "max relative error" in msg and "Fix: declare a CP method for it in plan_overrides, or " \
                        "use accelerator.cp_size: 1" in msg, msg
             assert per_rank[0]["msg"] == per_rank[1]["msg"]
+        elif i == 6:
+            for o in per_rank:
+                assert not o["ok"] and o["type"] == "CPConfigError", o
+                assert "first differing decoder layer 'model.layers.0'; none of its submodules differs on " \
+                       "identical inputs, so the layer's own forward (LlamaDecoderLayer)" in o["msg"], o["msg"]
+        elif i == 7:
+            for o in per_rank:
+                assert not o["ok"] and o["type"] == "CPConfigError", o
+                assert "every decoder layer matches, but the logits differ" in o["msg"], o["msg"]
         else:
             for o in per_rank:
                 assert o["ok"], o
