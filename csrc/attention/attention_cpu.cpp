@@ -199,8 +199,10 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.dim() == 4, "attention: q must be [B, Hq, Sq, D], got ", q.sizes());
   TORCH_CHECK_VALUE(k.dim() == 4, "attention: k must be [B, Hk, Sk, D], got ", k.sizes());
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "attention: v must have k's shape ", k.sizes(),
-                    ", got ", v.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 4 && v.size(0) == k.size(0) && v.size(1) == k.size(1) &&
+                        v.size(2) == k.size(2),
+                    "attention: v must have k's shape [B, Hk, Sk] (any value head dim), got v ",
+                    v.sizes(), " and k ", k.sizes());
   const auto st = q.scalar_type();
   TORCH_CHECK_VALUE(st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf,
                     "attention: q dtype must be float32, float64, bfloat16 or float16, got ", st);
@@ -361,10 +363,10 @@ void run_workers(Fn fn, Args& args, int64_t work) {
 }
 
 struct Geometry {
-  int64_t B, Hq, Hk, Sq, Sk, D, Bq, Bk, Sqp, Skp, Dp, nqt, nkt;
+  int64_t B, Hq, Hk, Sq, Sk, D, Dv, Bq, Bk, Sqp, Skp, Dp, Dvp, nqt, nkt;
 };
 
-Geometry geometry(const at::Tensor& q, const at::Tensor& k) {
+Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   Geometry g{};
   g.B = q.size(0);
   g.Hq = q.size(1);
@@ -377,6 +379,8 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& k) {
   g.Sqp = round_up(g.Sq, g.Bq);
   g.Skp = round_up(g.Sk, g.Bk);
   g.Dp = round_up(g.D, 16);
+  g.Dv = v.size(3);
+  g.Dvp = round_up(g.Dv, 16);
   g.nqt = g.Sqp / g.Bq;
   g.nkt = g.Skp / g.Bk;
   return g;
@@ -467,9 +471,9 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
-  const Geometry g = geometry(q, k);
+  const Geometry g = geometry(q, k, v);
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor out = at::empty({g.B, g.Hq, g.Sq, g.D}, q.options());
+  at::Tensor out = at::empty({g.B, g.Hq, g.Sq, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.Hq, g.Sq}, q.options().dtype(acc));
   PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
   PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
@@ -489,14 +493,14 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
     Qs = pad_rows(q, g.Sqp, g.Dp, at::kBFloat16);
     const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
     KT = bf16_pairs_transposed(Kb, g.Bk);
-    Vp = bf16_pairs_rows(pad_rows(v, g.Skp, g.Dp, at::kBFloat16));
+    Vp = bf16_pairs_rows(pad_rows(v, g.Skp, g.Dvp, at::kBFloat16));
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
     KT = tile_transposed(pad_rows(k, g.Skp, g.Dp, acc), g.Bk);
-    Vp = pad_rows(v, g.Skp, g.Dp, acc);
+    Vp = pad_rows(v, g.Skp, g.Dvp, acc);
   }
-  const bool direct = g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
-  at::Tensor obuf = direct ? out : at::empty({g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
+  const bool direct = g.Sq == g.Sqp && g.Dv == g.Dvp && q.scalar_type() == acc;
+  at::Tensor obuf = direct ? out : at::empty({g.B, g.Hq, g.Sqp, g.Dvp}, q.options().dtype(acc));
   at::Tensor lbuf = g.Sq == g.Sqp ? lse : at::empty({g.B, g.Hq, g.Sqp}, q.options().dtype(acc));
 
   // Work items (b, h, q tile), heaviest first (longest-processing-time scheduling).
@@ -534,6 +538,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.Sqp = g.Sqp;
   a.Skp = g.Skp;
   a.Dp = g.Dp;
+  a.Dv = g.Dvp;
   a.Bq = g.Bq;
   a.Bk = g.Bk;
   a.nqt = g.nqt;
@@ -548,9 +553,9 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.ext_gemm = select_gemm(kt, acc, bf16, &a.ext_release);
   const int64_t pairs = std::accumulate(cost.begin(), cost.end(), int64_t(0)) * g.Hq;
   run_workers(bf16 ? kt->fwd_bf16 : acc == at::kDouble ? kt->fwd_f64 : kt->fwd_f32, a,
-              pairs * 2 * g.Bq * g.Bk * g.Dp);
+              pairs * g.Bq * g.Bk * (g.Dp + g.Dvp));
 
-  if (!direct) out.copy_(obuf.narrow(2, 0, g.Sq).narrow(3, 0, g.D));
+  if (!direct) out.copy_(obuf.narrow(2, 0, g.Sq).narrow(3, 0, g.Dv));
   if (g.Sq != g.Sqp) lse.copy_(lbuf.narrow(2, 0, g.Sq));
   return {out, lse};
 }
@@ -578,9 +583,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "attn_bwd: dout and out must have q's shape ", q.sizes());
-  const Geometry g = geometry(q, k);
+  const Geometry g = geometry(q, k, v);
+  TORCH_CHECK_VALUE(dout.dim() == 4 && out.dim() == 4 && dout.sizes() == out.sizes() &&
+                        out.size(0) == g.B && out.size(1) == g.Hq && out.size(2) == g.Sq &&
+                        out.size(3) == g.Dv,
+                    "attn_bwd: dout and out must be [B, Hq, Sq, Dv] = [", g.B, ", ", g.Hq, ", ",
+                    g.Sq, ", ", g.Dv, "], got ", dout.sizes(), " and ", out.sizes());
   TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == g.B && lse.size(1) == g.Hq && lse.size(2) == g.Sq,
                     "attn_bwd: lse must be [B, Hq, Sq], got ", lse.sizes());
   if (dlse.has_value())
@@ -615,15 +623,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor Kb = pad_rows(k, g.Skp, g.Dp, at::kBFloat16);
     KT = bf16_pairs_transposed(Kb, g.Bk);
     Kp = bf16_pairs_rows(Kb);
-    VT = bf16_pairs_transposed(pad_rows(v, g.Skp, g.Dp, at::kBFloat16), g.Bk);
-    dOp = pad_rows(dout, g.Sqp, g.Dp, at::kBFloat16);
+    VT = bf16_pairs_transposed(pad_rows(v, g.Skp, g.Dvp, at::kBFloat16), g.Bk);
+    dOp = pad_rows(dout, g.Sqp, g.Dvp, at::kBFloat16);
     if (!ext_gemm) dOv = bf16_pairs_rows(dOp);
   } else {
     Qs = scaled_queries(q, g.Sqp, g.Dp, acc, scale);
     Kp = pad_rows(k, g.Skp, g.Dp, acc);
     KT = tile_transposed(Kp, g.Bk);
-    VT = tile_transposed(pad_rows(v, g.Skp, g.Dp, acc), g.Bk);
-    dOp = pad_rows(dout, g.Sqp, g.Dp, acc);
+    VT = tile_transposed(pad_rows(v, g.Skp, g.Dvp, acc), g.Bk);
+    dOp = pad_rows(dout, g.Sqp, g.Dvp, acc);
   }
   if (ext_gemm) {
     Qt = tile_transposed(Qs, g.Bq);
@@ -647,11 +655,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   // With nothing padded (and one chunk for dQ) the kernels accumulate / store straight into the
   // outputs: fewer fresh O(S * D) buffers, each of which costs page faults on first touch.
   const bool direct_q = nc == 1 && g.Sq == g.Sqp && g.D == g.Dp && q.scalar_type() == acc;
-  const bool direct_kv = g.Sk == g.Skp && g.D == g.Dp && k.scalar_type() == acc;
+  const bool direct_kv = g.Sk == g.Skp && g.D == g.Dp && g.Dv == g.Dvp && k.scalar_type() == acc;
   at::Tensor dq_part = direct_q ? dq.zero_()
                                 : at::zeros({nc, g.B, g.Hq, g.Sqp, g.Dp}, q.options().dtype(acc));
   at::Tensor dk_buf = direct_kv ? dk : at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
-  at::Tensor dv_buf = direct_kv ? dv : at::empty({g.B, g.Hk, g.Skp, g.Dp}, q.options().dtype(acc));
+  at::Tensor dv_buf = direct_kv ? dv : at::empty({g.B, g.Hk, g.Skp, g.Dvp}, q.options().dtype(acc));
 
   BwdArgs a{};
   a.q = Qs.data_ptr();
@@ -684,6 +692,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.Sqp = g.Sqp;
   a.Skp = g.Skp;
   a.Dp = g.Dp;
+  a.Dv = g.Dvp;
   a.Bq = g.Bq;
   a.Bk = g.Bk;
   a.nqt = g.nqt;
@@ -701,7 +710,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
         pairs += classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt2], causal,
                                win) != kTileSkip;
   run_workers(bf16 ? kt->bwd_bf16 : acc == at::kDouble ? kt->bwd_f64 : kt->bwd_f32, a,
-              pairs * g.Hq * 5 * g.Bq * g.Bk * g.Dp);
+              pairs * g.Hq * g.Bq * g.Bk * (3 * g.Dp + 2 * g.Dvp));
 
   if (direct_q) {
     dq.mul_(scale);
@@ -711,7 +720,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   }
   if (!direct_kv) {
     dk.copy_(dk_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
-    dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.D));
+    dv.copy_(dv_buf.narrow(2, 0, g.Sk).narrow(3, 0, g.Dv));
   }
   if (has_sinks) dsinks = sink_grad(*sinks, lse, delta_p.narrow(2, 0, g.Sq));
   return {dq, dk, dv, dsinks};

@@ -11,12 +11,13 @@
 //   kt     [B, Hk, nkt, Dp, Bk]  keys, transposed per key tile (for S = Q K^T; each tile's
 //                                 K^T is one contiguous slab, rows Bk apart)
 //   k      [B, Hk, Skp, Dp]  keys (for dQ = dS K)
-//   v      [B, Hk, Skp, Dp]  values (for O = P V)
-//   vt     [B, Hk, nkt, Dp, Bk]  values, transposed per key tile (for dP = dO V^T)
+//   v      [B, Hk, Skp, Dv]  values (for O = P V); Dv = padded value head dim (MLA: may
+//                             differ from the qk head dim Dp). out / dout / dv use Dv too.
+//   vt     [B, Hk, nkt, Dv, Bk]  values, transposed per key tile (for dP = dO V^T)
 //   qpos/qdoc [B, Sqp], kpos/kdoc [B, Skp]: int32 positions and mapped document ids
 //     (kDocKeyNone for keys that are never attended, kDocQueryNone for queries that see
 //     nothing); padding rows/columns carry the "none" ids, so they are always masked.
-//   Sqp is a multiple of Bq, Skp a multiple of Bk (= kTileK), Dp a multiple of 16.
+//   Sqp is a multiple of Bq, Skp a multiple of Bk (= kTileK), Dp and Dv multiples of 16.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -55,11 +56,11 @@ struct FwdArgs {
   const void* q;
   const void* kt;
   const void* v;
-  void* out;  // [B, Hq, Sqp, Dp]
+  void* out;  // [B, Hq, Sqp, Dv]
   void* lse;  // [B, Hq, Sqp], natural log, -inf for queries that see no key
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;  // [B, nqt], [B, nkt]
-  int64_t B, Hq, Hk, Sqp, Skp, Dp, Bq, Bk, nqt, nkt;
+  int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
   int causal;
   int64_t window;        // > 0: left sliding window, key visible only if k_pos > q_pos - window
   double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
@@ -74,23 +75,23 @@ struct FwdArgs {
 };
 
 struct BwdArgs {
-  const void *q, *kt, *k, *vt, *dout;  // dout [B, Hq, Sqp, Dp]
+  const void *q, *kt, *k, *vt, *dout;  // dout [B, Hq, Sqp, Dv]
   const void *qv, *dov;  // bf16 kernels without ext_gemm: q / dout as pairs along queries
   const void *qt, *dot;  // with ext_gemm only: q / dout transposed per query tile,
-                         //   [B, Hq, nqt, Dp, Bq] (fp32, or bf16 for the bf16 kernels); the
+                         //   [B, Hq, nqt, Dp|Dv, Bq] (fp32, or bf16 for the bf16 kernels); the
                          //   kernel then accumulates dK^T = Q^T dS and dV^T = dO^T P (no
                          //   per-tile transposes) and transposes once per key tile
   const void* lse2;   // [B, Hq, Sqp] lse * log2(e); +inf for queries that see nothing
   const void* delta;  // [B, Hq, Sqp] rowsum(dout * out) - dlse
   void* dq_part;      // [nc, B, Hq, Sqp, Dp] zero-initialised; += dS K (unscaled; for nc = 1
                       //   with nothing padded this is the caller's dq itself)
-  void *dk, *dv;      // [B, Hk, Skp, Dp] fully written: sum over the GQA group of
+  void *dk, *dv;      // [B, Hk, Skp, Dp] / [B, Hk, Skp, Dv] fully written: sum over the GQA group of
                       //   dk_scale * dS^T Qs and P^T dO (with nothing padded, the outputs)
   double dk_scale;    // ln 2 for the fp32/fp64 kernels (q pre-scaled by scale * log2 e),
                       //   `scale` for the bf16 kernels (unscaled q)
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;
-  int64_t B, Hq, Hk, Sqp, Skp, Dp, Bq, Bk, nqt, nkt;
+  int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
   int causal;
   int64_t window;    // see FwdArgs
   double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2

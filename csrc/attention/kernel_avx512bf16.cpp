@@ -6,12 +6,12 @@
 // bf16 along the GEMM reduction index packed in one 32-bit word, lower half first):
 //   q   [B, Hq, Sqp, Dp]      bf16 row-major, NOT pre-scaled (S is scaled in fp32)
 //   kt  [B, Hk, nkt, Dp/2, Bk] 32-bit pairs (k[j][2d'], k[j][2d'+1]), per key tile -> S = Q K^T
-//   v   [B, Hk, Skp/2, Dp, 2] pairs (v[2j'][d], v[2j'+1][d])          -> O += P V
+//   v   [B, Hk, Skp/2, Dv, 2] pairs (v[2j'][d], v[2j'+1][d])          -> O += P V
 //   k   [B, Hk, Skp/2, Dp, 2] pairs along keys                        -> dQ += dS K
-//   vt  [B, Hk, nkt, Dp/2, Bk] 32-bit pairs (v[j][2d'], v[j][2d'+1]), per key tile -> dP = dO V^T
+//   vt  [B, Hk, nkt, Dv/2, Bk] 32-bit pairs (v[j][2d'], v[j][2d'+1]), per key tile -> dP = dO V^T
 //   qv  [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dK += dS^T Q
-//   dout[B, Hq, Sqp, Dp]      bf16 row-major                          -> dP = dO V^T
-//   dov [B, Hq, Sqp/2, Dp, 2] pairs along queries                     -> dV += P^T dO
+//   dout[B, Hq, Sqp, Dv]      bf16 row-major                          -> dP = dO V^T
+//   dov [B, Hq, Sqp/2, Dv, 2] pairs along queries                     -> dV += P^T dO
 // P and dS are rounded to bf16 for the P V, P^T dO, dS K and dS^T Q products (as GPU flash
 // attention does); softmax statistics, S, dP and all accumulators stay fp32. dk comes out as
 // sum dS^T q (unscaled q): the host multiplies it by `scale`, not ln 2.
@@ -129,10 +129,10 @@ void fwd_bf16(const FwdArgs& a) {
   typedef VecT<float>::V V;
   constexpr int L = 16;
   constexpr int Bk = kTileK;
-  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp, Dv = (int)a.Dv;
   float* S = scratch_alloc<float>((int64_t)Bq * Bk);
   uint32_t* Pb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
-  float* O = scratch_alloc<float>((int64_t)Bq * Dp);
+  float* O = scratch_alloc<float>((int64_t)Bq * Dv);
   float* mrow = scratch_alloc<float>(Bq);
   V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<float>((int64_t)Bq * L)));
   if (!S || !Pb || !O || !mrow || !lvec) __builtin_trap();
@@ -154,13 +154,13 @@ void fwd_bf16(const FwdArgs& a) {
     const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
     const uint32_t* Q = static_cast<const uint32_t*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp / 2;
     const uint32_t* KT = static_cast<const uint32_t*>(a.kt) + (b * a.Hk + kvh) * (Dp / 2) * a.Skp;
-    const uint32_t* Vv = static_cast<const uint32_t*>(a.v) + (b * a.Hk + kvh) * (a.Skp / 2) * Dp;
+    const uint32_t* Vv = static_cast<const uint32_t*>(a.v) + (b * a.Hk + kvh) * (a.Skp / 2) * Dv;
     const TileInfo& qi = a.qti[b * a.nqt + qt];
     const int32_t* qp = a.qpos + b * a.Sqp + qt * Bq;
     const int32_t* qd = a.qdoc + b * a.Sqp + qt * Bq;
     const int32_t* kp = a.kpos + b * a.Skp;
     const int32_t* kd = a.kdoc + b * a.Skp;
-    zero_buf(O, (int64_t)Bq * Dp);
+    zero_buf(O, (int64_t)Bq * Dv);
     for (int i = 0; i < Bq; ++i) {
       mrow[i] = ninf;
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
@@ -176,19 +176,19 @@ void fwd_bf16(const FwdArgs& a) {
       if (softcap) softcap_tile<float>(S, (int64_t)Bq * Bk, (float)a.softcap2, nullptr);
       if (cls == kTilePartial)
         apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
-      const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dp, cexp);
+      const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dv, cexp);
       if (!any) continue;
       rows_to_bf16(S, Bq, Bk, Pb);
       if (xg)
-        xg(Bq, Dp, Bk, Pb, Bk, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp, 1);
+        xg(Bq, Dv, Bk, Pb, Bk, Vv + (kt * Bk / 2) * Dv, Dv, O, Dv, 1);
       else
-        gemm_bf16<false, true>(Bq, Dp, Bk / 2, Pb, Bk / 2, Vv + (kt * Bk / 2) * Dp, Dp, O, Dp);
+        gemm_bf16<false, true>(Bq, Dv, Bk / 2, Pb, Bk / 2, Vv + (kt * Bk / 2) * Dv, Dv, O, Dv);
     }
-    float* out = static_cast<float*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
+    float* out = static_cast<float*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dv;
     float* lse = static_cast<float*>(a.lse) + bh * a.Sqp + qt * Bq;
     const float* sink2 = a.sink2 ? static_cast<const float*>(a.sink2) + h : nullptr;
     for (int i = 0; i < Bq; ++i)
-      finish_row<float>(out + (int64_t)i * Dp, O + (int64_t)i * Dp, Dp, mrow[i],
+      finish_row<float>(out + (int64_t)i * Dv, O + (int64_t)i * Dv, Dv, mrow[i],
                         hsum<float>(lvec[i]), sink2, lse[i]);
   }
   if (xg && a.ext_release) a.ext_release();
@@ -203,14 +203,14 @@ void bwd_bf16(const BwdArgs& a) {
   typedef VecT<float>::V V;
   constexpr int L = 16;
   constexpr int Bk = kTileK;
-  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp, Dv = (int)a.Dv;
   float* P = scratch_alloc<float>((int64_t)Bq * Bk);
   float* dS = scratch_alloc<float>((int64_t)Bq * Bk);
   uint32_t* PT = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
   uint32_t* dSb = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
   uint32_t* dST = scratch_alloc<uint32_t>((int64_t)Bq * Bk / 2);
   float* dK = scratch_alloc<float>((int64_t)Bk * Dp);
-  float* dV = scratch_alloc<float>((int64_t)Bk * Dp);
+  float* dV = scratch_alloc<float>((int64_t)Bk * Dv);
   if (!P || !dS || !PT || !dSb || !dST || !dK || !dV) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
   const float sscale = (float)a.sscale;
@@ -229,7 +229,7 @@ void bwd_bf16(const BwdArgs& a) {
     const int64_t bkv = it / a.nc;
     const int64_t kvh = bkv % a.Hk, b = bkv / a.Hk;
     const uint32_t* KT = static_cast<const uint32_t*>(a.kt) + bkv * (Dp / 2) * a.Skp;
-    const uint32_t* VT = static_cast<const uint32_t*>(a.vt) + bkv * (Dp / 2) * a.Skp;
+    const uint32_t* VT = static_cast<const uint32_t*>(a.vt) + bkv * (Dv / 2) * a.Skp;
     const uint32_t* Kv = static_cast<const uint32_t*>(a.k) + bkv * (a.Skp / 2) * Dp;
     const int32_t* qpb = a.qpos + b * a.Sqp;
     const int32_t* qdb = a.qdoc + b * a.Sqp;
@@ -237,7 +237,7 @@ void bwd_bf16(const BwdArgs& a) {
     const int32_t* kd = a.kdoc + b * a.Skp;
     for (int64_t kt = c; kt < a.nkt; kt += a.nc) {
       zero_buf(dK, (int64_t)Bk * Dp);
-      zero_buf(dV, (int64_t)Bk * Dp);
+      zero_buf(dV, (int64_t)Bk * Dv);
       const TileInfo& ki = a.kti[b * a.nkt + kt];
       for (int64_t hh = 0; hh < g && ki.any; ++hh) {
         const int64_t h = kvh * g + hh;
@@ -249,9 +249,9 @@ void bwd_bf16(const BwdArgs& a) {
           const uint32_t* Q = static_cast<const uint32_t*>(a.q) + row0 * Dp / 2;
           const uint32_t* Qv = xg ? nullptr : static_cast<const uint32_t*>(a.qv) + (row0 / 2) * Dp;
           const uint16_t* Qt = xg ? static_cast<const uint16_t*>(a.qt) + row0 * Dp : nullptr;
-          const uint16_t* dOt = xg ? static_cast<const uint16_t*>(a.dot) + row0 * Dp : nullptr;
-          const uint32_t* dO = static_cast<const uint32_t*>(a.dout) + row0 * Dp / 2;
-          const uint32_t* dOv = xg ? nullptr : static_cast<const uint32_t*>(a.dov) + (row0 / 2) * Dp;
+          const uint16_t* dOt = xg ? static_cast<const uint16_t*>(a.dot) + row0 * Dv : nullptr;
+          const uint32_t* dO = static_cast<const uint32_t*>(a.dout) + row0 * Dv / 2;
+          const uint32_t* dOv = xg ? nullptr : static_cast<const uint32_t*>(a.dov) + (row0 / 2) * Dv;
           const float* lse2 = static_cast<const float*>(a.lse2) + row0;
           const float* delta = static_cast<const float*>(a.delta) + row0;
           float* dQ = static_cast<float*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
@@ -273,14 +273,14 @@ void bwd_bf16(const BwdArgs& a) {
           // dV += P^T dO
           rows_to_bf16_pairs(P, Bq, Bk, PT);
           if (xg)
-            xg(Dp, Bk, Bq, dOt, Bq, PT, Bk, dV, Bk, 1);  // dV^T += dO^T P
+            xg(Dv, Bk, Bq, dOt, Bq, PT, Bk, dV, Bk, 1);  // dV^T += dO^T P
           else
-            gemm_bf16<true, true>(Bk, Dp, Bq / 2, PT, Bk, dOv, Dp, dV, Dp);
+            gemm_bf16<true, true>(Bk, Dv, Bq / 2, PT, Bk, dOv, Dv, dV, Dv);
           // dP = dO V^T ; dS = P * (dP - delta)
           if (xg)
-            xg(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * (Dp / 2), Bk, dS, Bk, 0);
+            xg(Bq, Bk, Dv, dO, Dv, VT + kt * Bk * (Dv / 2), Bk, dS, Bk, 0);
           else
-            gemm_bf16<false, false>(Bq, Bk, Dp / 2, dO, Dp / 2, VT + kt * Bk * (Dp / 2), Bk, dS, Bk);
+            gemm_bf16<false, false>(Bq, Bk, Dv / 2, dO, Dv / 2, VT + kt * Bk * (Dv / 2), Bk, dS, Bk);
           for (int i = 0; i < Bq; ++i) {
             float* ds = dS + (int64_t)i * Bk;
             const float* p = P + (int64_t)i * Bk;

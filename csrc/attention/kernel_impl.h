@@ -409,9 +409,9 @@ void fwd_worker(const FwdArgs& a) {
   typedef typename VecT<T>::V V;
   constexpr int L = VecT<T>::L;
   constexpr int Bk = kTileK;
-  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp, Dv = (int)a.Dv;
   T* S = scratch_alloc<T>((int64_t)Bq * Bk);
-  T* O = scratch_alloc<T>((int64_t)Bq * Dp);
+  T* O = scratch_alloc<T>((int64_t)Bq * Dv);
   T* mrow = scratch_alloc<T>(Bq);
   V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<T>((int64_t)Bq * L)));
   if (!S || !O || !mrow || !lvec) __builtin_trap();
@@ -427,13 +427,13 @@ void fwd_worker(const FwdArgs& a) {
     const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
     const T* Q = static_cast<const T*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp;
     const T* KT = static_cast<const T*>(a.kt) + (b * a.Hk + kvh) * Dp * a.Skp;
-    const T* Vv = static_cast<const T*>(a.v) + (b * a.Hk + kvh) * a.Skp * Dp;
+    const T* Vv = static_cast<const T*>(a.v) + (b * a.Hk + kvh) * a.Skp * Dv;
     const TileInfo& qi = a.qti[b * a.nqt + qt];
     const int32_t* qp = a.qpos + b * a.Sqp + qt * Bq;
     const int32_t* qd = a.qdoc + b * a.Sqp + qt * Bq;
     const int32_t* kp = a.kpos + b * a.Skp;
     const int32_t* kd = a.kdoc + b * a.Skp;
-    zero_buf(O, (int64_t)Bq * Dp);
+    zero_buf(O, (int64_t)Bq * Dv);
     for (int i = 0; i < Bq; ++i) {
       mrow[i] = ninf;
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
@@ -448,17 +448,17 @@ void fwd_worker(const FwdArgs& a) {
       if (a.softcap2 > 0) softcap_tile<T>(S, (int64_t)Bq * Bk, (T)a.softcap2, nullptr);
       if (cls == kTilePartial)
         apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
-      const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dp, T(1));
+      const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dv, T(1));
       if (any && xg)
-        xg(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, reinterpret_cast<float*>(O), Dp, 1);
+        xg(Bq, Dv, Bk, S, Bk, Vv + kt * Bk * Dv, Dv, reinterpret_cast<float*>(O), Dv, 1);
       else if (any)
-        gemm<T, false, true>(Bq, Dp, Bk, S, Bk, Vv + kt * Bk * Dp, Dp, O, Dp);
+        gemm<T, false, true>(Bq, Dv, Bk, S, Bk, Vv + kt * Bk * Dv, Dv, O, Dv);
     }
-    T* out = static_cast<T*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dp;
+    T* out = static_cast<T*>(a.out) + ((bh * a.Sqp) + qt * Bq) * Dv;
     T* lse = static_cast<T*>(a.lse) + bh * a.Sqp + qt * Bq;
     const T* sink2 = a.sink2 ? static_cast<const T*>(a.sink2) + h : nullptr;
     for (int i = 0; i < Bq; ++i)
-      finish_row<T>(out + (int64_t)i * Dp, O + (int64_t)i * Dp, Dp, mrow[i], hsum<T>(lvec[i]),
+      finish_row<T>(out + (int64_t)i * Dv, O + (int64_t)i * Dv, Dv, mrow[i], hsum<T>(lvec[i]),
                     sink2, lse[i]);
   }
   if (xg && a.ext_release) a.ext_release();
@@ -474,16 +474,16 @@ template <typename T>
 inline void store_dkdv(const BwdArgs& a, int64_t bkv, int64_t kt, const T* dK, const T* dV,
                        bool transposed) {
   constexpr int Bk = kTileK;
-  const int Dp = (int)a.Dp;
+  const int Dp = (int)a.Dp, Dv = (int)a.Dv;
   T* dko = static_cast<T*>(a.dk) + (bkv * a.Skp + kt * Bk) * Dp;
-  T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dp;
+  T* dvo = static_cast<T*>(a.dv) + (bkv * a.Skp + kt * Bk) * Dv;
   const T ks = (T)a.dk_scale;
   if (transposed) {
     transpose_block<T>(dK, Dp, Bk, dko, Dp, ks);
-    transpose_block<T>(dV, Dp, Bk, dvo, Dp, T(1));
+    transpose_block<T>(dV, Dv, Bk, dvo, Dv, T(1));
   } else {
     for (int64_t i = 0; i < (int64_t)Bk * Dp; ++i) dko[i] = dK[i] * ks;
-    memcpy(dvo, dV, sizeof(T) * Bk * Dp);
+    memcpy(dvo, dV, sizeof(T) * Bk * Dv);
   }
 }
 
@@ -493,11 +493,11 @@ void bwd_worker(const BwdArgs& a) {
   typedef typename VecT<T>::V V;
   constexpr int L = VecT<T>::L;
   constexpr int Bk = kTileK;
-  const int Bq = (int)a.Bq, Dp = (int)a.Dp;
+  const int Bq = (int)a.Bq, Dp = (int)a.Dp, Dv = (int)a.Dv;
   T* P = scratch_alloc<T>((int64_t)Bq * Bk);
   T* dS = scratch_alloc<T>((int64_t)Bq * Bk);
   T* dK = scratch_alloc<T>((int64_t)Bk * Dp);
-  T* dV = scratch_alloc<T>((int64_t)Bk * Dp);
+  T* dV = scratch_alloc<T>((int64_t)Bk * Dv);
   T* G = a.softcap2 > 0 ? scratch_alloc<T>((int64_t)Bq * Bk) : nullptr;  // 1 - tanh^2
   if (!P || !dS || !dK || !dV || (a.softcap2 > 0 && !G)) __builtin_trap();
   const int64_t g = a.Hq / a.Hk;
@@ -515,7 +515,7 @@ void bwd_worker(const BwdArgs& a) {
     const int64_t bkv = it / a.nc;
     const int64_t kvh = bkv % a.Hk, b = bkv / a.Hk;
     const T* KT = static_cast<const T*>(a.kt) + bkv * Dp * a.Skp;
-    const T* VT = static_cast<const T*>(a.vt) + bkv * Dp * a.Skp;
+    const T* VT = static_cast<const T*>(a.vt) + bkv * Dv * a.Skp;
     const T* Kr = static_cast<const T*>(a.k) + bkv * a.Skp * Dp;
     const int32_t* qpb = a.qpos + b * a.Sqp;
     const int32_t* qdb = a.qdoc + b * a.Sqp;
@@ -523,7 +523,7 @@ void bwd_worker(const BwdArgs& a) {
     const int32_t* kd = a.kdoc + b * a.Skp;
     for (int64_t kt = c; kt < a.nkt; kt += a.nc) {
       zero_buf(dK, (int64_t)Bk * Dp);
-      zero_buf(dV, (int64_t)Bk * Dp);
+      zero_buf(dV, (int64_t)Bk * Dv);
       const TileInfo& ki = a.kti[b * a.nkt + kt];
       for (int64_t hh = 0; hh < g && ki.any; ++hh) {
         const int64_t h = kvh * g + hh;
@@ -533,12 +533,12 @@ void bwd_worker(const BwdArgs& a) {
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const T* Q = static_cast<const T*>(a.q) + row0 * Dp;
-          const T* dO = static_cast<const T*>(a.dout) + row0 * Dp;
+          const T* dO = static_cast<const T*>(a.dout) + row0 * Dv;
           const T* lse2 = static_cast<const T*>(a.lse2) + row0;
           const T* delta = static_cast<const T*>(a.delta) + row0;
           T* dQ = static_cast<T*>(a.dq_part) + (c * a.B * a.Hq * a.Sqp + row0) * Dp;
           const T* Qt = xg ? static_cast<const T*>(a.qt) + row0 * Dp : nullptr;
-          const T* dOt = xg ? static_cast<const T*>(a.dot) + row0 * Dp : nullptr;
+          const T* dOt = xg ? static_cast<const T*>(a.dot) + row0 * Dv : nullptr;
           // S = Q K^T (log2 domain), P = 2^(S - lse2)
           if (xg)
             xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, Pf, Bk, 0);
@@ -555,14 +555,14 @@ void bwd_worker(const BwdArgs& a) {
           }
           // dV += P^T dO   (provider: dV^T += dO^T P)
           if (xg)
-            xg(Dp, Bk, Bq, dOt, Bq, Pf, Bk, dVf, Bk, 1);
+            xg(Dv, Bk, Bq, dOt, Bq, Pf, Bk, dVf, Bk, 1);
           else
-            gemm<T, true, true>(Bk, Dp, Bq, P, Bk, dO, Dp, dV, Dp);
+            gemm<T, true, true>(Bk, Dv, Bq, P, Bk, dO, Dv, dV, Dv);
           // dP = dO V^T ; dS = P * (dP - delta)
           if (xg)
-            xg(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * Dp, Bk, dSf, Bk, 0);
+            xg(Bq, Bk, Dv, dO, Dv, VT + kt * Bk * Dv, Bk, dSf, Bk, 0);
           else
-            gemm<T, false, false>(Bq, Bk, Dp, dO, Dp, VT + kt * Bk * Dp, Bk, dS, Bk);
+            gemm<T, false, false>(Bq, Bk, Dv, dO, Dv, VT + kt * Bk * Dv, Bk, dS, Bk);
           for (int i = 0; i < Bq; ++i) {
             T* ds = dS + (int64_t)i * Bk;
             const T* p = P + (int64_t)i * Bk;

@@ -48,9 +48,15 @@ def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=
     """(out, lse float32) for NPU tensors; same contract as hyper_parallel.ops.attention.
 
     ``window`` joins the per-chunk mask. ``softcap`` is refused (``npu_fusion_attention`` has no
-    score modifier), and so are ``sinks`` (they need an lse gradient this backend lacks). ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
+    score modifier), and so are ``sinks`` (they need an lse gradient this backend lacks) and a
+    value head dim different from the qk head dim. ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
     softmax_sum)`` replaces ``torch_npu.npu_fusion_attention`` in tests.
     """
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(
+            "hyper_parallel.ops.attention: a value head dim different from the qk head dim "
+            f"(v {v.shape[-1]} vs q {q.shape[-1]}, MLA) is not supported on NPU; use the CPU or "
+            "CUDA backend")
     if sinks is not None:
         raise NotImplementedError(
             "hyper_parallel.ops.attention: sinks are not supported on NPU (they need a "

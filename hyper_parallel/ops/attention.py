@@ -3,9 +3,11 @@
 See ``docs/attention_engine.md`` for the full contract. In short::
 
     out = attention(q, k, v, q_pos=..., k_pos=..., causal=True, q_doc=None, k_doc=None,
-                    scale=None, return_lse=False)
+                    scale=None, return_lse=False, window=None, softcap=None, sinks=None,
+                    alibi_slopes=None)
 
-* ``q`` ``[B, Hq, Sq, D]``, ``k`` / ``v`` ``[B, Hk, Sk, D]`` (any strides), one floating dtype
+* ``q`` ``[B, Hq, Sq, D]``, ``k`` ``[B, Hk, Sk, D]``, ``v`` ``[B, Hk, Sk, Dv]`` (any strides;
+  ``Dv`` may differ from ``D``), one floating dtype
   (float16, bfloat16, float32, float64), ``Hq % Hk == 0``; query head ``h`` reads kv head
   ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory).
 * ``q_pos`` ``[Sq]`` or ``[B, Sq]``, ``k_pos`` ``[Sk]`` or ``[B, Sk]``: integer *global*
@@ -14,7 +16,9 @@ See ``docs/attention_engine.md`` for the full contract. In short::
   packed sequences; a key with a negative doc id (``-1``: padding) is never attended.
 * Key ``j`` is visible to query ``i`` iff ``(not causal or k_pos[j] <= q_pos[i])`` and (no
   docs, or ``q_doc[i] == k_doc[j] >= 0``).
-* Returns ``out`` ``[B, Hq, Sq, D]`` (contiguous, q's dtype) and, with ``return_lse``, the
+* ``window`` (left sliding window ``q_pos - window < k_pos``), ``softcap`` (``c tanh(s / c)``),
+  ``sinks`` (``[Hq]`` valueless softmax logits; the returned lse includes them); ALiBi refused.
+* Returns ``out`` ``[B, Hq, Sq, Dv]`` (contiguous, q's dtype) and, with ``return_lse``, the
   natural-log ``lse`` ``[B, Hq, Sq]`` in float32 (float64 for float64 inputs). Queries that see no
   key get ``out = 0``, ``lse = -inf`` and zero gradients (never NaN).
 * Differentiable in q, k, v (and through ``lse``); positions / docs get no gradient. The
@@ -126,8 +130,9 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
             f"attention: q, k, v must be on one device, got q={q.device}, k={k.device}, "
             f"v={v.device}")
     B, Hq, Sq, D = q.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"attention: v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"attention: v must have k's shape [B, Hk, Sk] = {list(k.shape[:3])} "
+                         f"(its head dim Dv may differ), got {list(v.shape)}")
     if k.shape[0] != B:
         raise ValueError(f"attention: k has batch {k.shape[0]} but q has batch {B}")
     if k.shape[3] != D:
@@ -158,8 +163,9 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
 
     Args:
-        q: ``[B, Hq, Sq, D]`` queries. k, v: ``[B, Hk, Sk, D]``; ``Hq % Hk == 0`` and query
-            head ``h`` uses kv head ``h // (Hq // Hk)``. Any strides; one floating dtype.
+        q: ``[B, Hq, Sq, D]`` queries. k: ``[B, Hk, Sk, D]``, v: ``[B, Hk, Sk, Dv]`` (the value
+            head dim ``Dv`` may differ from ``D``, as in MLA); ``Hq % Hk == 0`` and query head
+            ``h`` uses kv head ``h // (Hq // Hk)``. Any strides; one floating dtype.
         q_pos, k_pos: integer global positions, ``[S]`` (shared over the batch) or ``[B, S]``.
         causal: key ``j`` needs ``k_pos[j] <= q_pos[i]`` to be visible to query ``i``.
         q_doc, k_doc: optional document ids (same shapes as the positions, both or neither);
@@ -183,7 +189,7 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             refused rather than silently dropped).
 
     Returns:
-        ``out`` ``[B, Hq, Sq, D]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
+        ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
         ``[B, Hq, Sq]`` float32 (float64 for float64 inputs). Queries with no visible key give
         ``out = 0``, ``lse = -inf`` and zero gradients.
 

@@ -217,6 +217,43 @@ def test_sinks_empty_rows():
 
 
 # ------------------------------------------------------------------------------------------
+# value head dim != qk head dim (MLA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+@pytest.mark.parametrize("D,Dv", [(192, 128), (48, 80), (33, 7), (64, 16)])
+def test_value_head_dim_parity(D, Dv, layout, dtype):
+    run_parity(Case(D=D, Dv=Dv, Hq=4, Hk=1, dtype=dtype, seed=D + Dv, **_LAYOUTS[layout]),
+               f"D={D} Dv={Dv} {layout}")
+
+
+@pytest.mark.parametrize("Sq,Sk", [(1, 70), (5, 100), (77, 131), (64, 128)])
+def test_value_head_dim_odd_sizes_all_features(Sq, Sk):
+    for dtype in (torch.float32, torch.bfloat16):
+        run_parity(Case(q_pos=ar(Sk - Sq, Sk), k_pos=ar(Sk), D=40, Dv=24, Hq=6, Hk=2,
+                        dtype=dtype, window=23, softcap=4.0, sinks=True, scale=0.4,
+                        seed=Sq * Sk), f"all features Sq={Sq} Sk={Sk} D=40 Dv=24")
+
+
+def test_value_head_dim_gradcheck():
+    q, k, v = _gc_inputs(Dv=5)
+    sinks = torch.tensor([0.3, -0.5, 1.2, 0.0], dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, s):
+        return attention(q, k, v, **_GC_POS, scale=0.9, return_lse=True, sinks=s, window=4,
+                         softcap=2.0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+
+
+def test_value_head_dim_validation():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        attention(q, k, torch.randn(1, 1, 5, 8), q_pos=ar(4), k_pos=ar(6))
+    out = attention(q, k, torch.randn(1, 1, 6, 3), q_pos=ar(4), k_pos=ar(6))
+    assert out.shape == (1, 2, 4, 3)
+
+
+# ------------------------------------------------------------------------------------------
 # gradcheck of the new backward terms (float64, tiny shapes)
 def _gc_inputs(Dv=8, seed=13):
     g = torch.Generator().manual_seed(seed)
@@ -303,7 +340,7 @@ def test_features_every_kernel_build(isa, monkeypatch):
 
 
 FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0),
-                dict(sinks=True), dict(window=17, softcap=4.0, sinks=True)]
+                dict(sinks=True), dict(Dv=48), dict(window=17, softcap=4.0, sinks=True, Dv=112)]
 
 
 # ------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_npu_backend_without_torch_npu_names_the_device():
 # window / softcap / sinks on the device paths
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("opts", [dict(window=40), dict(softcap=2.0),
-                                  dict(window=17, softcap=3.0, sinks=True)])
+                                  dict(window=17, softcap=3.0, sinks=True), dict(Dv=16)])
 def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
     """window -> mask_mod (and its block mask), softcap -> score_mod, sinks -> lse correction,
     through FlexAttention's eager CPU implementation, against the CPU engine (forward)."""
@@ -159,6 +159,8 @@ def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
     pos = ar(256)
     q, k, v = _inputs(seed=4)
     opts = dict(opts)
+    if "Dv" in opts:  # MLA: value head dim != qk head dim
+        v = v[..., :opts.pop("Dv")]
     if opts.pop("sinks", False):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64)
     out, lse = cuda_backend.cuda_attention(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
@@ -199,6 +201,9 @@ def test_npu_backend_window_and_refusals():
     checked("npu-path window out", out, ref, 1e-10)
     with pytest.raises(NotImplementedError, match="softcap is not supported on NPU"):
         npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2, softcap=2.0,
+                                  _fused=FakeFused())
+    with pytest.raises(NotImplementedError, match="value head dim different"):
+        npu_backend.npu_attention(q, k, v[..., :16], pos[128:], pos, True, None, None, 0.2,
                                   _fused=FakeFused())
     with pytest.raises(NotImplementedError, match="sinks are not supported on NPU"):
         npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2,
