@@ -127,6 +127,24 @@ def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None =
     return out
 
 
+def refused_in_apply(kind: str) -> tuple:
+    """apply_sharding_plan(preflight_proof=True) refuses and rolls the CP install back."""
+    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
+    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+    model = build_model(kind)
+    before = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    mesh = _mesh(2)
+    plan = ShardingPlanner(plan_overrides=[{**ATTN, "inner_wrapper": "sdpa_hf"}]).plan(model, mesh, cp_size=2)
+    try:
+        apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof={"seq_len": 48})
+    except Exception as exc:  # noqa: BLE001
+        restored = ({n: m.__dict__.get("forward") for n, m in model.named_modules()} == before
+                    and not any(k.startswith("__hp_cp") for m in model.modules() for k in m.__dict__))
+        return type(exc).__name__, str(exc), restored
+    return None, "", False
+
+
 def proof_cases(cases: list) -> list:
     return [proof_case(*c[0], **c[1]) for c in cases]
 
@@ -251,3 +269,9 @@ def test_trainer_refuses_undeclared_mixer_before_the_first_step(ranks, tmp_path)
         assert "'model.layers.0.conv' (Lfm2ShortConv)" in err[1] and "not declared for CP" in err[1], err
     assert refused[0] == refused[1]
     assert pool.run(TW.build_error, off) == [None, None]   # switched off: builds (and would run wrong)
+
+
+def test_refusal_inside_apply_rolls_back(ranks):
+    for name, msg, restored in ranks(2).run(refused_in_apply, "lfm2"):
+        assert name == "CPConfigError" and "'model.layers.0.conv' (Lfm2ShortConv)" in msg and "S=48" in msg, msg
+        assert restored, "the refused CP install was not rolled back"
