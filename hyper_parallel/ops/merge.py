@@ -5,6 +5,10 @@ Strategies that split the key range (ring / chunked attention) compute, per key 
 
     lse = log(exp(lse_a) + exp(lse_b))
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+Attention sinks (``attention(..., sinks=...)``): the engine's lse *includes* the sink, which acts
+as one extra key with a zero value. Pass the sinks to exactly one of the partial attentions
+being merged (e.g. the block of local keys); the merge is then exact and counts the sink once.
 """
 from __future__ import annotations
 

@@ -262,6 +262,8 @@ _PROVIDER_CASES = [
                                  k_doc=packed_docs([50, 7, 90, 33], pad=20))),
     ("non-causal odd sizes", dict(q_pos=ar(77), k_pos=ar(131), causal=False, D=72)),
     ("Sq=1", dict(q_pos=ar(199, 200), k_pos=ar(200), D=64)),
+    ("window+softcap+sinks, Dv != D", dict(q_pos=ar(100, 200), k_pos=ar(200), Hq=4, Hk=2,
+                                           window=37, softcap=3.0, sinks=True, Dv=48)),
 ]
 
 
