@@ -209,6 +209,7 @@ def probe_length(model: nn.Module, multiple: int, cp_size: int, *, seq_len: Opti
 def probe_batch(S: int, vocab: int, *, packed: bool, seed: int = 0, pad_token_id: int = 0):
     """(global batch dict, documents [(row, start, length)]) of the probe (CPU tensors)."""
     g = torch.Generator().manual_seed(1234 + seed)
+    packed = packed and S >= 24          # three documents of >= 1 token and 2 padding tokens
     rows = 3 if packed else 2
     ids = torch.randint(0, vocab, (rows, S), generator=g)
     pad = max(1, S // 5)
@@ -403,6 +404,11 @@ class _Prover:
         self.S = probe_length(model, self.multiple, self.cp_size, seq_len=self.seq_len, max_seq_len=self.max_seq_len)
         packed = self.want_packed is not False
         local = None
+        if packed and self.S < 24:
+            if self.want_packed:
+                raise CPConfigError("accelerator.cp_preflight_proof", f"the packed probe row needs S >= 24, got "
+                                    f"seq_len={self.S}", fix="use a longer seq_len or packed=None")
+            packed = False
         if packed:
             batch, docs = probe_batch(self.S, vocab, packed=True, seed=self.seed, pad_token_id=self.pad_token_id)
             try:
