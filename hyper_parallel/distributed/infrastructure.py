@@ -59,7 +59,7 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
         return PlanOverrideResolver(plan_overrides, accel.cp_size).resolve(model)
 
     plan = agree_or_raise(check, what="CP preflight")
-    mesh = MeshContext(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
+    mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
     setup = DistributedSetup(platform, mesh, plan)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(setup.summary(), flush=True)

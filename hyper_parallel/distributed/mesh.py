@@ -75,12 +75,21 @@ def check_ulysses_degree(cp_size: int, degree: int, field: str = "ulysses_degree
         raise MeshConfigError(f"{field}={degree} must divide accelerator.cp_size={cp_size}")
 
 
+_SHARED: dict = {}
+
+
+def clear_shared_meshes() -> None:
+    """Forget the cached contexts of :meth:`MeshContext.shared` (call before destroying groups)."""
+    _SHARED.clear()
+
+
 class MeshContext:
     """Owns the root DeviceMesh and cached sub-meshes. Construct on every rank (collective)."""
 
     def __init__(self, sizes: MeshSizes, platform: Platform | None = None,
                  hybrid_degrees: Iterable[int] = ()):
         self.platform = platform or get_platform()
+        self._world = dist.group.WORLD if dist.is_initialized() else None
         self.sizes = sizes
         world = dist.get_world_size() if dist.is_initialized() else 1
         sizes.check(world)
@@ -109,6 +118,29 @@ class MeshContext:
         self._hybrid: dict[int, DeviceMesh] = {}
         for u in sorted(set(int(d) for d in hybrid_degrees)):
             self._build_hybrid(u)
+
+    @classmethod
+    def shared(cls, sizes: MeshSizes, platform: Platform | None = None,
+               hybrid_degrees: Iterable[int] = ()) -> "MeshContext":
+        """The process's MeshContext for these sizes, built on first use (collective) and reused.
+
+        Every gloo/NCCL/HCCL group costs threads and connections for the life of the process and
+        is never freed by dropping the mesh, so a process that sets up training several times
+        (tests, notebooks, repeated ``setup_distributed``) must not rebuild identical groups.
+        The key is everything the groups depend on: the sizes, the device type and backend, the
+        collective timeout baked into the groups, and the world process group itself (a new
+        ``init_process_group`` starts a new cache). All ranks take the same path (the sizes are
+        agreed before this is called), so a hit on one rank is a hit on every rank. Hybrid
+        sub-meshes are added to the cached context as requested.
+        """
+        platform = platform or get_platform()
+        world = dist.group.WORLD if dist.is_initialized() else None
+        key = (sizes, platform.device_type, platform.backend, default_timeout(), id(world))
+        ctx = _SHARED.get(key)
+        if ctx is None or ctx._world is not world:
+            ctx = _SHARED[key] = cls(sizes, platform)
+        ctx.ensure_hybrid(hybrid_degrees)
+        return ctx
 
     def _override(self, names):
         """backend_override giving each named new dim's group the collective timeout."""

@@ -110,3 +110,25 @@ def _undeclared_hybrid():
 def test_undeclared_hybrid_degree_is_rejected(ranks):
     outs = ranks(4).outcomes(_undeclared_hybrid)
     assert all(isinstance(o, MeshConfigError) and "ulysses_degree=4" in str(o) for o in outs)
+
+
+def shared_reuse():
+    """MeshContext.shared: one context (one set of groups) per sizes + timeout, reused."""
+    from hyper_parallel import platform as P
+
+    a = MeshContext.shared(MeshSizes(cp=2))
+    b = MeshContext.shared(MeshSizes(cp=2), hybrid_degrees=())
+    c = MeshContext.shared(MeshSizes(dp_shard=2))
+    P.set_default_timeout(123)
+    try:
+        d = MeshContext.shared(MeshSizes(cp=2))        # groups carry the timeout: a new context
+    finally:
+        P.set_default_timeout(None)
+    e = MeshContext.shared(MeshSizes(cp=2))
+    works = float(P.all_reduce(__import__("torch").ones(1), a.cp_mesh.get_group()).item())
+    return a is b, a is c, a is d, a is e, works
+
+
+def test_shared_mesh_reuses_groups(ranks):
+    for same, other_sizes, other_timeout, again, works in ranks(2).run(shared_reuse):
+        assert same and again and not other_sizes and not other_timeout and works == 2.0
