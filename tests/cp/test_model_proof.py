@@ -96,7 +96,8 @@ def _unchanged(model, snap) -> bool:
             and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()))
 
 
-def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None = None, **proof_kwargs) -> dict:
+def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None = None, dtype=None,
+               **proof_kwargs) -> dict:
     """Build, plan (attention declared with ``wrapper``), apply, prove; -> outcome dict (never raises)."""
     import torch.distributed as dist
 
@@ -106,6 +107,8 @@ def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None =
 
     t0 = time.perf_counter()
     model = build_model(kind)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     model.train()
     mesh = _mesh(cp)
     plan = ShardingPlanner(plan_overrides=[{**ATTN, "inner_wrapper": wrapper}]).plan(model, mesh, cp_size=cp)
@@ -206,8 +209,15 @@ def test_hybrid_decoders_refused_declared_ones_pass(ranks):
 def test_window_dropped_by_declared_method_is_refused_or_exact(ranks):
     """Mistral sliding_window=16 < probe S on Colossal: refused naming the attention (declared
     but not the module's computation) — or passes where windows have been made exact."""
-    out = _run(ranks, [(("mistral",), {}), (("llama",), {"packed": False, "seq_len": 40})])
-    mistral, llama = out
+    out = _run(ranks, [(("mistral",), {}), (("llama",), {"packed": False, "seq_len": 40}),
+                       (("llama",), {"dtype": "bfloat16"}), (("lfm2",), {"dtype": "bfloat16"})])
+    mistral, llama, llama_bf16, lfm2_bf16 = out
+    for o in llama_bf16:     # bf16 parameters: probed in fp32 (upcast, then restored bit-exactly)
+        assert o["ok"] and o["unchanged"] and o["report"]["dtype"] == "torch.float32", o
+        assert o["report"]["max_rel_error"] < 1e-5, o
+    for o in lfm2_bf16:
+        assert not o["ok"] and o["unchanged"] and "'model.layers.0.conv' (Lfm2ShortConv)" in o["msg"], o
+        assert "torch.float32" in o["msg"], o["msg"]
     for o in mistral:
         print({k: v for k, v in o.items() if k != "msg"}, o.get("msg", "")[:500])
         assert o["unchanged"]
