@@ -205,11 +205,19 @@ def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _chain(exc: BaseException):
-    seen = set()
+def _chain(exc: BaseException, seen=None):
+    """``exc``, its causes/contexts, and the per-rank exceptions a DCP ``CheckpointException``
+    wraps in ``.failures`` ({rank: (exception, stack summary)})."""
+    seen = set() if seen is None else seen
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         yield exc
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+                if isinstance(inner, BaseException):
+                    yield from _chain(inner, seen)
         exc = exc.__cause__ or exc.__context__
 
 

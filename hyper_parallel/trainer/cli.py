@@ -115,8 +115,9 @@ def main(argv=None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
         code = 2
-    except Exception as exc:  # noqa: BLE001 - only peer failures are handled here
-        failure = diagnose(exc, rank=_rank())
+    except BaseException as exc:  # noqa: BLE001 - only peer failures are handled here (DCP's
+        # CheckpointException is a BaseException); anything else keeps its traceback
+        failure = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else diagnose(exc, rank=_rank())
         if failure is None:
             raise
         line = _peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None)

@@ -86,6 +86,17 @@ def test_raw_connection_closed_is_a_dead_peer_even_when_wrapped():
     assert "likely cause: peer rank 0 died (killed, crashed or out of memory)" in f.one_line()
 
 
+def test_dead_peer_inside_a_dcp_checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _raise_from_fake_c10d(GLOO_CLOSED)
+    except RuntimeError as inner:
+        wrapped = CheckpointException("save failed", {1: (inner, None)})
+    f = diagnose(wrapped, rank=0)
+    assert (f.cause, f.op, f.group_ranks) == (PEER_LOST, "reduce_scatter_single", [0, 1])
+
+
 def test_other_errors_are_not_peer_failures():
     assert diagnose(ValueError("bad shape")) is None
     assert diagnose(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
