@@ -375,3 +375,34 @@ def test_alibi_is_refused():
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
     with pytest.raises(NotImplementedError, match="ALiBi"):
         attention(q, k, v, q_pos=ar(4), k_pos=ar(6), alibi_slopes=torch.ones(2))
+
+
+# ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_window_softcap_sinks_dv(dtype):
+    """The CUDA path (compiled FlexAttention) with every new input, forward and backward (the
+    sink gradient through FlexAttention's lse), against the float64 reference on the GPU."""
+    doc = packed_docs([150, 90], pad=16).cuda()
+    pos = ar(doc.numel()).cuda()
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 8, 128, 64, generator=g).cuda()
+    k = torch.randn(2, 2, 256, 64, generator=g).cuda()
+    v = torch.randn(2, 2, 256, 32, generator=g).cuda()  # Dv != D
+    s = torch.randn(8, generator=g).cuda()
+    dout = torch.randn(2, 8, 128, 32, generator=g).cuda()
+    kw = dict(q_pos=pos[128:], k_pos=pos, q_doc=doc[128:], k_doc=doc, window=48, softcap=4.0,
+              scale=0.3, return_lse=True)
+    res = []
+    for dt, fn in ((dtype, attention), (torch.float64, reference_attention)):
+        qq, kk, vv = (t.detach().to(dt).clone().requires_grad_() for t in (q, k, v))
+        sd = torch.float64 if dt == torch.float64 else torch.float32
+        ss = s.detach().to(sd).clone().requires_grad_()
+        out, lse = fn(qq, kk, vv, sinks=ss, **kw)
+        ((out.double() * dout.double()).sum() + lse.double().sum() * 0.5).backward()
+        res.append([out, lse, qq.grad, kk.grad, vv.grad, ss.grad])
+    tol = TOL[dtype] * 2
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], *res):
+        ae, re_ = error(a.cpu(), b.cpu())
+        print(f"[cuda all features {dtype} {name} tol={tol:.0e}] abs={ae:.2e} rel={re_:.2e}")
+        assert re_ <= tol, name
