@@ -27,16 +27,18 @@ module installed by :func:`install_cp_rope` therefore
    ``[cp_rank * local_seq_len, (cp_rank + 1) * local_seq_len)`` (a copy: the global
    ``cos/sin`` are freed at once).
 
-Memory and time: one ``[B|1, S_global, D]`` cos/sin pair per call, O(S·D); no S×S tensor.
-Position rows that are one broadcast row (``[1, S]`` or an expanded ``[B, S]``) are computed
-once. Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
+The other arguments pass through (``x`` stays this rank's hidden states: transformers reads
+only its dtype and device). Memory and time: one ``[B|1, S_global, D]`` cos/sin pair per call,
+O(S·D); no S×S tensor; when every row holds the same positions the module runs on one row.
+Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
 
 The length that results (identical on every rank and to CP=1 given the same global batch):
 ``L = 1 + max(position_ids)`` over every row and every real token of the global batch —
 padding tokens of the user's batch (``attention_mask == 0``) included, as transformers
 includes them, CP's own pad-to-multiple tokens excluded. Packed documents restart their
-positions per slot, so ``L`` is the longest document slot (``seq_lens_padded``), exactly what
-transformers derives at CP=1 from the same packed ``position_ids``.
+positions per slot, so ``L`` is the longest document slot (``seq_lens_padded``; or the run of
+free tokens after the last slot, which restarts too), exactly what transformers derives at CP=1
+from the same packed ``position_ids``.
 
 Preflight (:func:`check_rotary_modules`, run by ``apply_sharding_plan`` before anything is
 installed): every rotary module is probed locally (no collective) on a deep copy — at a probe
