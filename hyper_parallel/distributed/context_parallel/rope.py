@@ -333,7 +333,7 @@ def install_cp_rope(model: nn.Module, replace_forward: Optional[Callable] = None
     """
     done = []
     for fqn, module in find_rotary_modules(model):
-        if getattr(module.__dict__.get("forward"), "__hp_cp_rope__", None):
+        if hasattr(module.__dict__.get("forward"), "__hp_cp_rope__"):
             continue
         sig = _positions_param(module)
         if sig is None:
