@@ -37,7 +37,8 @@ def exit_now(line: str, code: int) -> None:
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
     try:
-        sys.stderr.write(line.rstrip("\n") + "\n")
+        # on a terminal another rank's progress bar may own the current line: start a fresh one
+        sys.stderr.write(("\n" if sys.stderr.isatty() else "") + line.rstrip("\n") + "\n")
         sys.stderr.flush()
     finally:
         os._exit(code)
