@@ -449,6 +449,21 @@ at::Tensor sinks_arg(const c10::optional<at::Tensor>& sinks, int64_t Hq, at::Sca
   return (s.to(acc) * kLog2e).contiguous();
 }
 
+// alibi_slopes (None or a floating [Hq] tensor on the CPU) -> [Hq] acc-dtype slope * log2(e).
+at::Tensor alibi_arg(const c10::optional<at::Tensor>& slopes, int64_t Hq, at::ScalarType acc,
+                     double softcap2) {
+  if (!slopes.has_value()) return at::Tensor();
+  const at::Tensor& s = *slopes;
+  TORCH_CHECK_VALUE(at::isFloatingType(s.scalar_type()),
+                    "attention: alibi_slopes must be a floating tensor, got ", s.scalar_type());
+  TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == Hq,
+                    "attention: alibi_slopes must have shape [Hq] = [", Hq, "], got ", s.sizes());
+  TORCH_CHECK_VALUE(s.device().is_cpu(), "attention: alibi_slopes must be on the CPU like q, got ",
+                    s.device());
+  TORCH_CHECK_VALUE(softcap2 == 0, "attention: alibi_slopes and softcap together are not supported");
+  return (s.to(acc) * kLog2e).contiguous();
+}
+
 double softcap_arg(const c10::optional<double>& softcap) {
   if (!softcap.has_value()) return 0.0;
   TORCH_CHECK_VALUE(std::isfinite(*softcap) && *softcap > 0,
@@ -465,7 +480,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
                                                 bool causal, double scale,
                                                 c10::optional<int64_t> window,
                                                 c10::optional<double> softcap,
-                                                const c10::optional<at::Tensor>& sinks) {
+                                                const c10::optional<at::Tensor>& sinks,
+                                                const c10::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q, k, v);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
@@ -478,6 +494,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
   PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
   const at::Tensor sink2 = sinks_arg(sinks, g.Hq, acc);
+  const at::Tensor alibi2 = alibi_arg(alibi_slopes, g.Hq, acc, softcap2);
   if (out.numel() == 0 || g.Sk == 0) {
     out.zero_();
     if (sink2.defined())  // nothing but the sink in the denominator: lse = sink
@@ -547,6 +564,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.window = win;
   a.softcap2 = softcap2;
   a.sink2 = sink2.defined() ? sink2.data_ptr() : nullptr;
+  a.alibi2 = alibi2.defined() ? alibi2.data_ptr() : nullptr;
   a.sscale = scale * kLog2e;
   a.order = order.data();
   a.nitems = (int64_t)order.size();
@@ -577,7 +595,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor& q_pos, const at::Tensor& k_pos, const c10::optional<at::Tensor>& q_doc,
     const c10::optional<at::Tensor>& k_doc, bool causal, double scale,
     c10::optional<int64_t> window, c10::optional<double> softcap,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q, k, v);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
@@ -601,6 +619,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
   // dsinks: [Hq] in the sinks' dtype, or an empty tensor without sinks.
   const bool has_sinks = sinks_arg(sinks, g.Hq, acc).defined();
+  const at::Tensor alibi2 = alibi_arg(alibi_slopes, g.Hq, acc, softcap2);
   at::Tensor dsinks = has_sinks ? at::zeros({g.Hq}, sinks->options()) : at::empty({0}, q.options());
   if (q.numel() == 0 || k.numel() == 0) {
     dq.zero_();
@@ -700,6 +719,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.causal = causal ? 1 : 0;
   a.window = win;
   a.softcap2 = softcap2;
+  a.alibi2 = alibi2.defined() ? alibi2.data_ptr() : nullptr;
   a.sscale = scale * kLog2e;
   a.nc = nc;
   a.nitems = units * nc;
@@ -785,11 +805,11 @@ TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
   m.def(
       "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
       "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None, "
-      "Tensor? sinks=None) -> (Tensor, Tensor)");
+      "Tensor? sinks=None, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale, "
-      "int? window=None, float? softcap=None, Tensor? sinks=None) -> "
+      "int? window=None, float? softcap=None, Tensor? sinks=None, Tensor? alibi_slopes=None) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -66,6 +66,8 @@ struct FwdArgs {
   double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
   const void* sink2;     // null, or [Hq] sink logits * log2(e) (float; double for fp64): one
                          //   extra softmax-denominator term per head with no value; lse includes it
+  const void* alibi2;    // null, or [Hq] ALiBi slopes * log2(e) (float; double for fp64):
+                         //   S[i, j] += slope * (k_pos[j] - q_pos[i]) before the mask
   double sscale;         // bf16 kernels only: scale * log2(e) applied to S (q is unscaled)
   const int64_t* order;  // work items (b * Hq + h) * nqt + qt, heaviest first
   int64_t nitems;
@@ -95,6 +97,7 @@ struct BwdArgs {
   int causal;
   int64_t window;    // see FwdArgs
   double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2
+  const void* alibi2;  // see FwdArgs (a constant bias: no gradient, dS unchanged)
   double sscale;     // bf16 kernels only (see FwdArgs)
   int64_t nc;        // key-tile chunks per (b, kv head): chunk c owns key tiles c, c+nc, ...
   int64_t nitems;    // B * Hk * nc, item = (b * Hk + kvh) * nc + c

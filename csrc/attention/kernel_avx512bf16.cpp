@@ -140,9 +140,9 @@ void fwd_bf16(const FwdArgs& a) {
   const float ninf = -__builtin_inff();
   const float sscale = (float)a.sscale;
   const bool softcap = a.softcap2 > 0;
-  // S stays unscaled (raw q.k) when sscale > 0 and there is no softcap: max(c*S) = c*max(S)
+  // S stays unscaled (raw q.k) when sscale > 0 and there is no softcap / ALiBi: max(c*S) = c*max(S)
   // and the scale is fused into the exponent; otherwise S is scaled up front.
-  const bool prescale = !(sscale > 0) || softcap;
+  const bool prescale = !(sscale > 0) || softcap || a.alibi2;
   const float cexp = prescale ? 1.0f : sscale;  // factor still to apply to S in the exponent
   const TileGemmFn xg = a.ext_gemm;  // AMX brgemm when the host found it (see kernel_api.h)
   for (;;) {
@@ -174,6 +174,8 @@ void fwd_bf16(const FwdArgs& a) {
         gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, S, Bk);
       if (prescale) scale_rows(S, Bq * Bk, sscale);
       if (softcap) softcap_tile<float>(S, (int64_t)Bq * Bk, (float)a.softcap2, nullptr);
+      if (a.alibi2)
+        add_alibi<float>(S, Bq, Bk, qp, kp + kt * Bk, static_cast<const float*>(a.alibi2)[h]);
       if (cls == kTilePartial)
         apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
       const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dv, cexp);
@@ -215,7 +217,7 @@ void bwd_bf16(const BwdArgs& a) {
   const int64_t g = a.Hq / a.Hk;
   const float sscale = (float)a.sscale;
   const bool softcap = a.softcap2 > 0;
-  const bool prescale = !(sscale > 0) || softcap;  // see fwd_bf16
+  const bool prescale = !(sscale > 0) || softcap || a.alibi2;  // see fwd_bf16
   const V cv = vsplat<float>(prescale ? 1.0f : sscale);  // factor still to apply in the exponent
   float* G = softcap ? scratch_alloc<float>((int64_t)Bq * Bk) : nullptr;  // 1 - tanh^2
   if (softcap && !G) __builtin_trap();
@@ -261,6 +263,9 @@ void bwd_bf16(const BwdArgs& a) {
             gemm_bf16<false, false>(Bq, Bk, Dp / 2, Q, Dp / 2, KT + kt * Bk * (Dp / 2), Bk, P, Bk);
           if (prescale) scale_rows(P, Bq * Bk, sscale);
           if (softcap) softcap_tile<float>(P, (int64_t)Bq * Bk, (float)a.softcap2, G);
+          if (a.alibi2)
+            add_alibi<float>(P, Bq, Bk, qpb + qt * Bq, kp + kt * Bk,
+                             static_cast<const float*>(a.alibi2)[h]);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
                        a.causal, a.window);

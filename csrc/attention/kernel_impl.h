@@ -289,6 +289,18 @@ inline VecT<double>::V vtanh(VecT<double>::V x) {
   return r;
 }
 
+// ALiBi, in place before the mask (log2 domain): S[i, j] += slope2 * (k_pos[j] - q_pos[i]).
+// Padding rows / keys get a finite bias and are masked afterwards (never in a full tile).
+template <typename T>
+inline void add_alibi(T* __restrict S, int Bq, int Bk, const int32_t* qp, const int32_t* kp,
+                      T slope2) {
+  for (int i = 0; i < Bq; ++i) {
+    T* s = S + (int64_t)i * Bk;
+    const int64_t p = qp[i];
+    for (int j = 0; j < Bk; ++j) s[j] += slope2 * (T)((int64_t)kp[j] - p);
+  }
+}
+
 // Softcap of n scores (n % L == 0) in place, log2 domain: S <- c tanh(S / c). With G, also
 // G <- 1 - tanh^2 (d capped / d raw, for the backward). Applied before the mask.
 template <typename T>
@@ -446,6 +458,8 @@ void fwd_worker(const FwdArgs& a) {
       else
         gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, S, Bk);
       if (a.softcap2 > 0) softcap_tile<T>(S, (int64_t)Bq * Bk, (T)a.softcap2, nullptr);
+      if (a.alibi2)
+        add_alibi<T>(S, Bq, Bk, qp, kp + kt * Bk, static_cast<const T*>(a.alibi2)[h]);
       if (cls == kTilePartial)
         apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
       const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dv, T(1));
@@ -545,6 +559,8 @@ void bwd_worker(const BwdArgs& a) {
           else
             gemm<T, false, false>(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, P, Bk);
           if (G) softcap_tile<T>(P, (int64_t)Bq * Bk, (T)a.softcap2, G);
+          if (a.alibi2)
+            add_alibi<T>(P, Bq, Bk, qpb + qt * Bq, kp + kt * Bk, static_cast<const T*>(a.alibi2)[h]);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
                        a.causal, a.window);

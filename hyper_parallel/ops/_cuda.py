@@ -93,12 +93,13 @@ def apply_sinks(out, lse, sinks):
 
 
 def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
-                   softcap=None, sinks=None):
+                   softcap=None, sinks=None, alibi_slopes=None):
     """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention.
 
     ``window`` joins the ``mask_mod`` (blocks outside every window are skipped by the block
     mask); ``softcap`` is a ``score_mod`` (``softcap * tanh(score / softcap)``, differentiated
-    by FlexAttention); ``sinks`` are applied to FlexAttention's (out, lse) by
+    by FlexAttention); ``alibi_slopes`` is a ``score_mod`` adding
+    ``slope[h] * (k_pos - q_pos)``; ``sinks`` are applied to FlexAttention's (out, lse) by
     :func:`apply_sinks` (differentiable through FlexAttention's lse).
     """
     from torch.nn.attention.flex_attention import AuxRequest
@@ -119,6 +120,12 @@ def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window
 
         def score_mod(score, b, h, qi, ki):
             return cap * torch.tanh(score / cap)
+    elif alibi_slopes is not None:
+        slopes = alibi_slopes.to(torch.float32)
+        qpr, kpr = _rows(q_pos, B), _rows(k_pos, B)
+
+        def score_mod(score, b, h, qi, ki):
+            return score + slopes[h] * (kpr[b, ki] - qpr[b, qi]).to(torch.float32)
 
     out, aux = _flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                        enable_gqa=Hq != Hk, return_aux=AuxRequest(lse=True))

@@ -44,14 +44,19 @@ def _fused_npu(q, k, v, head_num, atten_mask, scale):
 
 
 def npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
-                  softcap=None, sinks=None, _fused=None, _budget: int = MASK_BUDGET):
+                  softcap=None, sinks=None, alibi_slopes=None, _fused=None,
+                  _budget: int = MASK_BUDGET):
     """(out, lse float32) for NPU tensors; same contract as hyper_parallel.ops.attention.
 
     ``window`` joins the per-chunk mask. ``softcap`` is refused (``npu_fusion_attention`` has no
-    score modifier), and so are ``sinks`` (they need an lse gradient this backend lacks) and a
+    score modifier), and so are ALiBi, ``sinks`` (they need an lse gradient this backend lacks) and a
     value head dim different from the qk head dim. ``_fused(q, k, v, head_num, atten_mask, scale) -> (out, softmax_max,
     softmax_sum)`` replaces ``torch_npu.npu_fusion_attention`` in tests.
     """
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "hyper_parallel.ops.attention: alibi_slopes (ALiBi) is not supported on NPU; use "
+            "the CPU or CUDA backend")
     if v.shape[-1] != q.shape[-1]:
         raise NotImplementedError(
             "hyper_parallel.ops.attention: a value head dim different from the qk head dim "

@@ -17,7 +17,8 @@ See ``docs/attention_engine.md`` for the full contract. In short::
 * Key ``j`` is visible to query ``i`` iff ``(not causal or k_pos[j] <= q_pos[i])`` and (no
   docs, or ``q_doc[i] == k_doc[j] >= 0``).
 * ``window`` (left sliding window ``q_pos - window < k_pos``), ``softcap`` (``c tanh(s / c)``),
-  ``sinks`` (``[Hq]`` valueless softmax logits; the returned lse includes them); ALiBi refused.
+  ``sinks`` (``[Hq]`` valueless softmax logits; the returned lse includes them),
+  ``alibi_slopes`` (``[Hq]``: ``+ slope * (k_pos - q_pos)``).
 * Returns ``out`` ``[B, Hq, Sq, Dv]`` (contiguous, q's dtype) and, with ``return_lse``, the
   natural-log ``lse`` ``[B, Hq, Sq]`` in float32 (float64 for float64 inputs). Queries that see no
   key get ``out = 0``, ``lse = -inf`` and zero gradients (never NaN).
@@ -33,7 +34,7 @@ positions; NPU runs ``torch_npu.npu_fusion_attention``; anything else raises.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -97,12 +98,36 @@ def _validate_sinks(sinks, q) -> None:
         raise ValueError(f"attention: sinks is on {sinks.device} but q is on {q.device}")
 
 
+def _validate_alibi(alibi_slopes, q, softcap) -> None:
+    if alibi_slopes is None:
+        return
+    Hq = q.shape[1]
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise ValueError(f"attention: alibi_slopes must be a torch.Tensor [Hq] or None, "
+                         f"got {type(alibi_slopes).__name__}")
+    if not alibi_slopes.dtype.is_floating_point:
+        raise ValueError(f"attention: alibi_slopes must be a floating tensor, "
+                         f"got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) != (Hq,):
+        raise ValueError(f"attention: alibi_slopes must have shape [Hq] = [{Hq}], "
+                         f"got {list(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"attention: alibi_slopes is on {alibi_slopes.device} but q is on "
+                         f"{q.device}")
+    if alibi_slopes.requires_grad:
+        raise ValueError("attention: alibi_slopes are constants (no gradient is computed for "
+                         "them); pass a tensor that does not require grad")
+    if softcap is not None:
+        raise ValueError("attention: alibi_slopes and softcap together are not supported")
+
+
 def _validate_options(window, softcap):
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if isinstance(window, bool) or not isinstance(window, Integral) or window < 1:
             raise ValueError(f"attention: window must be an int >= 1 or None, got {window!r}")
         if window > 2**31 - 1:
             raise ValueError(f"attention: window must fit in int32, got {window}")
+        window = int(window)
     if softcap is not None:
         if (isinstance(softcap, bool) or not isinstance(softcap, Real)
                 or not math.isfinite(float(softcap)) or float(softcap) <= 0):
@@ -185,8 +210,12 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             ``out = 0``, ``lse = sink``), so ``merge_partial_attention`` stays exact when the
             sinks are passed to exactly one of the partial attentions being merged (the sink is
             then counted once, like one more key with a zero value).
-        alibi_slopes: not supported: anything but None raises ``NotImplementedError`` (ALiBi is
-            refused rather than silently dropped).
+        alibi_slopes: ``[Hq]`` floating tensor or None (constants: no gradient). ALiBi: every
+            score gets ``slope[h] * (k_pos[j] - q_pos[i])`` added after scaling (a per-row
+            constant away from Bloom's ``slope * key_position``, so the same softmax; Falcon
+            scales its bias by ``1/sqrt(D)``: pass ``slopes * scale`` there). The returned lse
+            uses this relative bias, so partial attentions over disjoint keys merge exactly.
+            Not combinable with ``softcap``.
 
     Returns:
         ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
@@ -198,29 +227,28 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     docs get ``None``. Raises ``ValueError`` naming the argument for bad shapes / dtypes, and
     ``NotImplementedError`` naming the device when it has no backend.
     """
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "attention: ALiBi (alibi_slopes) is not supported by hyper_parallel's attention "
-            "engine; refuse the model (or use a backend without context parallelism) instead "
-            "of dropping the bias")
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
     window, softcap = _validate_options(window, softcap)
     _validate_sinks(sinks, q)
+    _validate_alibi(alibi_slopes, q, softcap)
     dev = q.device.type
     if dev == "cpu":
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
-                                                     causal, scale_f, window, softcap, sinks)
+                                                     causal, scale_f, window, softcap, sinks,
+                                                     alibi_slopes)
     elif dev == "cuda":
         from ._cuda import cuda_attention
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
-                                  window=window, softcap=softcap, sinks=sinks)
+                                  window=window, softcap=softcap, sinks=sinks,
+                                  alibi_slopes=alibi_slopes)
     elif dev == "npu":
         from ._npu import npu_attention
 
         out, lse = npu_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
-                                 window=window, softcap=softcap, sinks=sinks)
+                                 window=window, softcap=softcap, sinks=sinks,
+                                 alibi_slopes=alibi_slopes)
     else:
         raise NotImplementedError(
             f"hyper_parallel.ops.attention has no backend for device '{q.device}' "
@@ -235,23 +263,23 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale, window=None,
-                   softcap=None, sinks=None):
+                   softcap=None, sinks=None, alibi_slopes=None):
     B, Hq, Sq, D = q.shape
     Dv = v.shape[3]
     return q.new_empty((B, Hq, Sq, Dv)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale,
-                   window=None, softcap=None, sinks=None):
+                   window=None, softcap=None, sinks=None, alibi_slopes=None):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs[:9]
-    window, softcap, sinks = (list(inputs[9:]) + [None, None, None])[:3]
+    window, softcap, sinks, alibi = (list(inputs[9:]) + [None] * 4)[:4]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
@@ -260,12 +288,12 @@ def _attn_setup_context(ctx, inputs, output):
 
 
 def _attn_backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks = ctx.saved_tensors
+    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = torch.ops.hyper_parallel.attn_bwd(
         dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, ctx.causal, ctx.scale,
-        ctx.window, ctx.softcap, sinks)
+        ctx.window, ctx.softcap, sinks, alibi)
     grads = [dq, dk, dv] + [None] * (ctx.n_inputs - 3)
     if ctx.n_inputs > 11 and sinks is not None:
         grads[11] = dsinks

@@ -50,7 +50,8 @@ def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 
 
 
 def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
-                        scale=None, return_lse=False, window=None, softcap=None, sinks=None):
+                        scale=None, return_lse=False, window=None, softcap=None, sinks=None,
+                        alibi_slopes=None):
     """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
 
     q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0``;
@@ -60,7 +61,8 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
     ``softcap`` maps the scaled score ``s`` to ``softcap * tanh(s / softcap)`` (before the
     mask, as transformers' eager attention of Gemma2); ``sinks`` ``[Hq]`` is one extra logit per
     head in every row's softmax denominator, with no value (gpt-oss ``s_aux``): the returned
-    ``lse`` includes it. Computes in float64 for float64 inputs, float32 otherwise,
+    ``lse`` includes it; ``alibi_slopes`` ``[Hq]`` adds ``slope * (k_pos - q_pos)`` to every
+    (scaled) score. Computes in float64 for float64 inputs, float32 otherwise,
     materializing the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask.
     Returns ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute
     dtype when ``return_lse``); queries seeing no key get ``out = 0`` and ``lse = -inf`` (``lse =
@@ -81,6 +83,10 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        rel = (_as_2d(k_pos, B)[:, None, None, :].to(torch.int64)
+               - _as_2d(q_pos, B)[:, None, :, None].to(torch.int64)).to(acc)
+        s = s + alibi_slopes.to(acc).view(1, Hq, 1, 1) * rel
     vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B, window=window)
     s = s.masked_fill(~vis, float("-inf"))
     if sinks is not None:

@@ -122,7 +122,7 @@ def run_parity(c: Case, label: str = "") -> dict:
     for t in (out, lse, qe.grad, ke.grad, ve.grad):
         assert not torch.isnan(t).any(), "NaN in engine result"
     line = " ".join(f"{n}: abs={a:.2e} rel={r:.2e}" for n, (a, r) in errs.items())
-    print(f"[parity {label} {str(c.dtype).replace('torch.', '')} tol={tol:.0e}] {line}")
+    print(f"[parity {label} {str(c.dtype).replace('torch.', '')} tol={tol:g}] {line}")
     bad = {n: r for n, (a, r) in errs.items() if not r <= tol}
     assert not bad, f"{label}: errors above tol={tol:g}: {line}"
     return errs

@@ -143,7 +143,7 @@ def test_non_contiguous_inputs():
     out = attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
     ref = reference_attention(q.double(), k.double(), v.double(), q_pos=q_pos, k_pos=k_pos)
     a, r = error(out, ref)
-    print(f"[parity non-contiguous float32 tol={TOL[torch.float32]:.0e}] "
+    print(f"[parity non-contiguous float32 tol={TOL[torch.float32]:g}] "
           f"out: abs={a:.2e} rel={r:.2e}")
     assert r <= TOL[torch.float32]
 

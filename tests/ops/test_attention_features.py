@@ -14,7 +14,7 @@ import torch
 from hyper_parallel.ops import attention, engine_info, merge_partial_attention, reference_attention
 from hyper_parallel.ops.reference import visibility
 
-from ._parity import TOL, Case, error, run_parity
+from ._parity import TOL, Case, error, make_inputs, run_parity
 
 ar = torch.arange
 
@@ -53,7 +53,7 @@ def test_window_visibility_is_transformers_sliding_window(window):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=ar(S), k_pos=ar(S),
                         window=window)
         a, r = error(out, dense)
-        print(f"[window={window} vs transformers mask {dtype} tol={TOL[dtype]:.0e}] "
+        print(f"[window={window} vs transformers mask {dtype} tol={TOL[dtype]:g}] "
               f"abs={a:.2e} rel={r:.2e}")
         assert r <= TOL[dtype]
 
@@ -116,7 +116,7 @@ def test_softcap_matches_gemma2_eager():
                         scale=0.3, softcap=7.0, window=9)
         a, r = error(out.transpose(1, 2), ref)
         tol = TOL[torch.float32]  # Gemma2's eager softmax runs in float32 even for fp64 inputs
-        print(f"[softcap vs gemma2 eager {dtype} tol={tol:.0e}] abs={a:.2e} rel={r:.2e}")
+        print(f"[softcap vs gemma2 eager {dtype} tol={tol:g}] abs={a:.2e} rel={r:.2e}")
         assert r <= tol
 
 
@@ -153,7 +153,7 @@ def test_sinks_match_gpt_oss_eager():
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=ar(S), k_pos=ar(S),
                         scale=0.25, window=16, sinks=sinks.to(dtype))
         a, r = error(out.transpose(1, 2), ref)
-        print(f"[sinks vs gpt-oss eager {dtype} tol={TOL[dtype]:.0e}] abs={a:.2e} rel={r:.2e}")
+        print(f"[sinks vs gpt-oss eager {dtype} tol={TOL[dtype]:g}] abs={a:.2e} rel={r:.2e}")
         assert r <= TOL[dtype]
 
 
@@ -193,7 +193,7 @@ def test_sinks_two_partial_merge_is_exact(dtype):
     tol = TOL[dtype]
     for name, x, y in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], grads(full), grads(merged)):
         a, r = error(y, x)
-        print(f"[sinks 2-partial merge {dtype} {name} tol={tol:.0e}] abs={a:.2e} rel={r:.2e}")
+        print(f"[sinks 2-partial merge {dtype} {name} tol={tol:g}] abs={a:.2e} rel={r:.2e}")
         assert r <= tol
 
 
@@ -337,6 +337,9 @@ def test_features_every_kernel_build(isa, monkeypatch):
             run_parity(Case(q_pos=pos[64:], k_pos=pos, q_doc=doc[64:], k_doc=doc, D=80, Hq=4,
                             Hk=2, dtype=dtype, seed=15, scale=0.3, **opts),
                        f"isa={isa} {opts}")
+        _alibi_parity(Case(q_pos=pos[64:], k_pos=pos, q_doc=doc[64:], k_doc=doc, D=80, Hq=4,
+                           Hk=2, dtype=dtype, seed=16, window=33),
+                      torch.tensor([0.5, 0.25, 0.125, 0.0625]), f"isa={isa} alibi+window")
 
 
 FEATURE_SETS = [dict(window=9), dict(softcap=2.0), dict(window=40, softcap=3.0),
@@ -371,10 +374,106 @@ def test_direct_op_checks_window_softcap():
                                           -2.0)
 
 
-def test_alibi_is_refused():
+
+# ------------------------------------------------------------------------------------------
+# ALiBi
+def _alibi_parity(c: Case, slopes: torch.Tensor, label: str):
+    """run_parity with alibi_slopes (constants: no gradient)."""
+    q, k, v, dout, dlse = make_inputs(c)
+    kw = dict(q_pos=c.q_pos, k_pos=c.k_pos, causal=c.causal, q_doc=c.q_doc, k_doc=c.k_doc,
+              scale=c.scale, return_lse=True, window=c.window)
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention(qe, ke, ve, alibi_slopes=slopes.float(), **kw)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    rout, rlse = reference_attention(qr, kr, vr, alibi_slopes=slopes.double(), **kw)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    for o, l in ((out, lse), (rout, rlse)):
+        ((o.double() * dout).sum() + (torch.where(fin, l.double(), 0.0) * dlse).sum()).backward()
+    tol = TOL[c.dtype]
+    errs = {"out": error(out, rout), "lse": error(lse[fin], rlse[fin]),
+            "dq": error(qe.grad, qr.grad), "dk": error(ke.grad, kr.grad),
+            "dv": error(ve.grad, vr.grad)}
+    line = " ".join(f"{n}: abs={a:.2e} rel={r:.2e}" for n, (a, r) in errs.items())
+    print(f"[parity {label} {c.dtype} tol={tol:g}] {line}")
+    assert all(r <= tol for _, r in errs.values()), line
+
+
+def _bloom_slopes(n):
+    bl = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    return bl._get_alibi_slopes(n, torch.device("cpu")).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_alibi_parity(layout, dtype):
+    c = Case(Hq=4, Hk=2, D=40, dtype=dtype, seed=41, **_LAYOUTS[layout])
+    _alibi_parity(c, _bloom_slopes(4), f"alibi {layout}")
+    _alibi_parity(Case(Hq=4, Hk=2, D=40, dtype=dtype, seed=42, window=30, **_LAYOUTS[layout]),
+                  _bloom_slopes(4) * 3, f"alibi+window {layout}")
+
+
+def test_alibi_matches_bloom_bias():
+    """alibi_slopes = Bloom's slopes gives Bloom's attention (bias slope * key position from
+    build_alibi_tensor, added to the scaled scores, causal + left padding)."""
+    bl = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    B, H, S, D = 2, 4, 40, 16
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :7] = 0  # left padding in row 1
+    alibi = bl.build_alibi_tensor(mask, H, torch.float64).view(B, H, 1, S)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    pos = ((mask.cumsum(-1) - 1) * mask)  # the positions Bloom's alibi uses
+    doc = torch.where(mask.bool(), 0, -1)
+    vis = visibility(ar(S), ar(S), True, doc, doc, batch=B)
+    s = alibi + (q @ k.transpose(-1, -2)) * 0.25
+    s = s.masked_fill(~vis, -math.inf)
+    ref = torch.nan_to_num(torch.softmax(s, -1)) @ v
+    for dtype in (torch.float64, torch.float32):
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), q_pos=pos, k_pos=pos, q_doc=doc,
+                        k_doc=doc, scale=0.25, alibi_slopes=_bloom_slopes(H).to(dtype))
+        rows = mask.bool()[:, None, :, None]  # padding query rows: engine 0, Bloom undefined
+        a, r = error(torch.where(rows, out.double(), 0.0), torch.where(rows, ref, 0.0))
+        print(f"[alibi vs bloom bias {dtype} tol={TOL[dtype]:g}] abs={a:.2e} rel={r:.2e}")
+        assert r <= TOL[dtype]
+
+
+def test_alibi_gradcheck_and_merge():
+    q, k, v = _gc_inputs()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+
+    def f(q, k, v):
+        return attention(q, k, v, **_GC_POS, scale=0.9, return_lse=True, alibi_slopes=slopes,
+                         window=5, sinks=torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    # the bias is relative (k_pos - q_pos): partial attentions over disjoint keys merge exactly
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 30, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 90, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 90, 16, generator=g, dtype=torch.float64)
+    kw = dict(q_pos=ar(60, 90), alibi_slopes=slopes, return_lse=True)
+    full = attention(q, k, v, k_pos=ar(90), **kw)
+    a = attention(q, k[:, :, :50], v[:, :, :50], k_pos=ar(50), **kw)
+    b = attention(q, k[:, :, 50:], v[:, :, 50:], k_pos=ar(50, 90), **kw)
+    merged = merge_partial_attention(*a, *b)
+    for name, x, y in zip(("out", "lse"), full, merged):
+        ae, re_ = error(y, x)
+        print(f"[alibi 2-partial merge float64 {name} tol=1e-10] abs={ae:.2e} rel={re_:.2e}")
+        assert re_ <= 1e-10
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes must have shape \[Hq\] = \[2\]"),
+    (dict(alibi_slopes=torch.ones(2, requires_grad=True)), "alibi_slopes are constants"),
+    (dict(alibi_slopes=torch.ones(2), softcap=2.0), "alibi_slopes and softcap together"),
+])
+def test_alibi_validation(kw, match):
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        attention(q, k, v, q_pos=ar(4), k_pos=ar(6), alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, q_pos=ar(4), k_pos=ar(6), **kw)
 
 
 # ------------------------------------------------------------------------------------------
@@ -404,5 +503,5 @@ def test_cuda_window_softcap_sinks_dv(dtype):
     tol = TOL[dtype] * 2
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], *res):
         ae, re_ = error(a.cpu(), b.cpu())
-        print(f"[cuda all features {dtype} {name} tol={tol:.0e}] abs={ae:.2e} rel={re_:.2e}")
+        print(f"[cuda all features {dtype} {name} tol={tol:g}] abs={ae:.2e} rel={re_:.2e}")
         assert re_ <= tol, name

@@ -151,7 +151,8 @@ def test_npu_backend_without_torch_npu_names_the_device():
 # window / softcap / sinks on the device paths
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("opts", [dict(window=40), dict(softcap=2.0),
-                                  dict(window=17, softcap=3.0, sinks=True), dict(Dv=16)])
+                                  dict(window=17, softcap=3.0, sinks=True), dict(Dv=16),
+                                  dict(alibi=True, window=50)])
 def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
     """window -> mask_mod (and its block mask), softcap -> score_mod, sinks -> lse correction,
     through FlexAttention's eager CPU implementation, against the CPU engine (forward)."""
@@ -161,6 +162,8 @@ def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
     opts = dict(opts)
     if "Dv" in opts:  # MLA: value head dim != qk head dim
         v = v[..., :opts.pop("Dv")]
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=torch.float64)
     if opts.pop("sinks", False):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64)
     out, lse = cuda_backend.cuda_attention(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
@@ -205,6 +208,9 @@ def test_npu_backend_window_and_refusals():
     with pytest.raises(NotImplementedError, match="value head dim different"):
         npu_backend.npu_attention(q, k, v[..., :16], pos[128:], pos, True, None, None, 0.2,
                                   _fused=FakeFused())
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2,
+                                  alibi_slopes=torch.ones(8), _fused=FakeFused())
     with pytest.raises(NotImplementedError, match="sinks are not supported on NPU"):
         npu_backend.npu_attention(q, k, v, pos[128:], pos, True, None, None, 0.2,
                                   sinks=torch.zeros(8), _fused=FakeFused())
