@@ -165,7 +165,8 @@ def peer_error(op: str, group, t0: float, timeout: datetime.timedelta,
     :class:`CommTimeoutError` (the peer did not complete its side in time)."""
     cls = PeerLostError if exc is not None and classify_failure(str(exc)) == "peer_lost" else CommTimeoutError
     rank = dist.get_rank() if dist.is_initialized() else None
-    detail = "" if exc is None else str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = "" if exc is None else str(exc).strip()
+    detail = text.splitlines()[0] if text else ("" if exc is None else type(exc).__name__)
     return cls(op, group_ranks=group_ranks_of(group), elapsed_s=time.monotonic() - t0,
                timeout_s=timeout.total_seconds(), rank=rank, detail=detail)
 
