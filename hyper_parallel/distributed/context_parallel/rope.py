@@ -299,8 +299,8 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
                     lt = "" if layer_type is None else f" (layer_type {layer_type!r})"
                     raise CPConfigError(
                         FIELD, f"rotary module ({type(module).__name__}){lt} depends on more than the positions: "
-                        f"at probe step {step} (length {L}, original context {contexts[-1]}) its CP output for cp shard "
-                        f"{r}/{cp_size} differs from the slice of its output for the whole sequence (max rel err "
+                        f"at probe step {step} (length {L}, original context {contexts[-1]}) its CP output for cp "
+                        f"shard {r}/{cp_size} differs from the slice of its output for the whole sequence (max rel err "
                         f"{worst:.2e} > {PROBE_TOL:g}), so CP would be silently wrong", module=fqn, fix=FIX)
 
 
