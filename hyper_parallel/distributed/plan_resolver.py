@@ -3,7 +3,7 @@ boundary of a real model instance, or fails before any collective with a message
 the YAML field, the module FQN and the fix.
 
 Checks (cp_size > 1): every ``when: cp`` entry matches at least one module; every matched
-module is an attention boundary; every attention boundary gets exactly one method;
+module is an attention boundary (or the entry declares a token-mixer method, ``mixer=True``); every attention boundary gets exactly one method;
 ``inner_wrapper`` XOR ``local_compute_fn``; ``region_dispatch: false`` present whenever the
 method communicates; ``inner_target`` exists; ``_target_`` imports, is ``@inner_wrapper``-
 decorated and its named parameters exist; the wrapper's own ``validate`` hook passes.
@@ -95,6 +95,14 @@ class PlanOverrideResolver:
                                 module=fqn, fix=f"add {missing[0]}: <value> under inner_wrapper")
         return fn, info, dict(ref.params)
 
+    def _declares_mixer(self, spec: ModuleShardingSpec, fqn: str) -> bool:
+        """True when ``spec`` declares a token-mixer method (``@inner_wrapper(mixer=True)``, see
+        :mod:`.context_parallel.mixers`): those may be installed on non-attention modules."""
+        if spec.inner_wrapper is None:
+            return False
+        _fn, info, _params = self._resolve_wrapper(spec, spec.inner_wrapper, fqn)
+        return bool(getattr(info, "mixer", False))
+
     @staticmethod
     def _import(field: str, path: str, fqn: str) -> Any:
         try:
@@ -150,11 +158,13 @@ class PlanOverrideResolver:
                 raise CPConfigError(spec.field("inner_target"), "is required for a CP method", module=matched[0],
                                     fix="add 'inner_target: self' (or the attribute path of the inner attention)")
             for fqn in matched:
-                if fqn not in boundaries:
+                if fqn not in boundaries and not self._declares_mixer(spec, fqn):
                     raise CPConfigError(spec.field("match"),
                                         f"{type(names[fqn]).__name__} is not an attention boundary", module=fqn,
                                         fix=f"match attention modules only (found: {boundaries[:3]}...) or "
-                                            "register_cp_model_spec(attention_targets=...)")
+                                            "register_cp_model_spec(attention_targets=...); for a token mixer "
+                                            "(Gated DeltaNet, Mamba2, short conv) declare a mixer method, e.g. "
+                                            "inner_wrapper: sequence_gather")
                 if fqn in owner:
                     raise CPConfigError(spec.field("match"),
                                         f"conflicts with {owner[fqn].field()} (match={owner[fqn].match!r}): "

@@ -9,6 +9,7 @@ the resolver it checks what needs the whole plan or the TP degree:
 * a registered model spec's allowed wrappers (``register_cp_model_spec(wrappers=...)``);
 * async wrappers must be model adapters for this architecture (design 4.4);
 * Ulysses/Hybrid and Head-Tail load balance are not combined in one model (one batch layout);
+* token-mixer methods (:mod:`.context_parallel.mixers`) are not combined with Head-Tail;
 * TP plan exists and divides the layers; sequence/loss parallel and EP are not part of Phase 1.
 
 Usage (design 3.2)::
@@ -121,6 +122,33 @@ def _batch_policy(targets: list) -> Optional[str]:
     return "all_gather"
 
 
+def _check_mixer_layout(targets: list) -> None:
+    """Token-mixer methods (``@inner_wrapper(mixer=True)``) are declared for the contiguous layout
+    only: refuse them next to a Head-Tail load-balance attention (before ``_batch_policy``'s
+    generic rule, so the message names the mixer's field)."""
+    mixers = [t for t in targets if t.info is not None and getattr(t.info, "mixer", False)]
+    for m in mixers:
+        for t in targets:
+            if t is not m and (t.inner_fqn.startswith(m.inner_fqn + ".") or m.inner_fqn.startswith(t.inner_fqn + ".")):
+                outer, inner = (m, t) if t.inner_fqn.startswith(m.inner_fqn + ".") else (t, m)
+                raise CPConfigError(
+                    _field(inner), f"'{inner.inner_fqn}' is inside '{outer.inner_fqn}', which {_field(outer)} also "
+                    "declares a CP method for: a token-mixer method runs its module on the whole sequence, so "
+                    "nothing inside it may carry a CP method of its own", module=inner.fqn,
+                    fix="make the match patterns select only the mixer modules themselves (e.g. '*[0-9].conv' "
+                        "rather than '*.conv', which also matches LFM2's inner 'conv.conv')")
+    lb = next((t for t in targets if t.info is not None and t.info.method == "load_balance"), None)
+    if mixers and lb is not None:
+        m = mixers[0]
+        raise CPConfigError(
+            _field(m), f"token-mixer method {m.info.qualname.rsplit('.', 1)[-1]} needs the contiguous layout "
+            f"(rank r owns global tokens [r*S/C, (r+1)*S/C) and runs the module on them in order), but "
+            f"{_field(lb)} declares Head-Tail load balance on '{lb.fqn}'; a mixer method and Head-Tail are not "
+            "combined in one model", module=m.fqn,
+            fix="declare a contiguous-layout attention method (sdpa_hf, sdpa_hf_ulysses, hybrid) instead of "
+                "the load-balance wrapper, or use accelerator.cp_size: 1")
+
+
 class ShardingPlanner:
     """``ShardingPlanner(plan_overrides=...)``: the YAML list, the mapping form, or specs."""
 
@@ -222,6 +250,8 @@ class ShardingPlanner:
                 except (ValueError, TypeError) as exc:
                     raise CPConfigError(_field(t), str(exc), module=t.fqn) from exc
 
+        if cp_size > 1:
+            _check_mixer_layout(resolved.targets)
         policy = _batch_policy(resolved.targets) if cp_size > 1 else None
         return ShardingPlan(
             module_specs={t.fqn: t.spec for t in resolved.targets},

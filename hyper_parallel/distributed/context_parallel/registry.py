@@ -31,6 +31,9 @@ class WrapperInfo:
     communicates: bool = True         # issues CP collectives (=> region_dispatch must be false)
     model_adapter: str | None = None  # architecture the wrapper is written for (async adapters)
     validate: Callable | None = None  # validate(target_module, *, cp_size, **named) -> None, raises
+    # a token-mixer method (not attention): may be declared on a non-attention module (e.g. a Gated
+    # DeltaNet / Mamba2 / short-conv layer), needs the contiguous layout (see context_parallel.mixers)
+    mixer: bool = False
     named_params: tuple = ()          # names after the five mesh-family parameters
     required_params: tuple = ()       # named params without a default
 
@@ -60,7 +63,7 @@ def _inspect(fn: Callable) -> tuple[tuple, tuple]:
 
 def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: str = "custom",
                   is_async: bool = False, communicates: bool = True, model_adapter: str | None = None,
-                  validate: Callable | None = None):
+                  validate: Callable | None = None, mixer: bool = False):
     """Mark ``fn`` as an inner wrapper (usable bare or with keyword metadata)."""
 
     def deco(f: Callable) -> Callable:
@@ -72,7 +75,7 @@ def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: 
         f.__hp_inner_wrapper__ = WrapperInfo(
             fn=f, qualname=f"{f.__module__}.{f.__qualname__}", method=method, style=style,
             is_async=is_async, communicates=communicates, model_adapter=model_adapter,
-            validate=validate, named_params=named, required_params=required,
+            validate=validate, mixer=mixer, named_params=named, required_params=required,
         )
         return f
 
@@ -106,6 +109,7 @@ def _load_builtins() -> None:
         except ModuleNotFoundError as exc:  # built-in wrappers not installed in this build
             if exc.name != "hyper_parallel.distributed.context_parallel.wrappers":
                 raise
+        importlib.import_module("hyper_parallel.distributed.context_parallel.mixers")
 
 
 def registered_names() -> list[str]:

@@ -1,0 +1,422 @@
+"""Exact CP methods for token mixers that are not attention (issue 21 part 2).
+
+A hybrid decoder (Qwen3-Next / Qwen3.5 Gated DeltaNet, Falcon-H1 / Bamba / NemotronH Mamba2,
+LFM2 short convolution, ...) mixes tokens along the sequence in modules that are not attention.
+Under CP each of them must be declared like the attention, on the mixer's own module::
+
+    plan_overrides:
+      - match: "*.linear_attn"          # Qwen3-Next; "*.mamba" Falcon-H1; "*.conv" LFM2
+        when: cp
+        region_dispatch: false
+        inner_target: self
+        inner_wrapper: sequence_gather  # or {_target_: hyper_parallel.distributed.context_parallel.mixers.sequence_gather_cp_wrapper}
+
+Methods (both ``@inner_wrapper(mixer=True)``: declarable on a non-attention module, contiguous
+layout only — the planner refuses them next to a Head-Tail load-balance attention):
+
+``sequence_gather`` (:func:`sequence_gather_cp_wrapper`) — generic, for any module whose forward
+    takes ``hidden_states [B, S_local, H]`` (first argument or ``hidden_states=``) and returns
+    ``[B, S_local, H']`` or a tuple whose first element is that. Forward: AllGather of the hidden
+    states (and of every other sequence-shaped tensor argument, e.g. a 2-D ``attention_mask``)
+    over the CP group, the module's **own** forward on the global sequence, this rank's slice
+    kept. Backward: the gathered gradient is ReduceScatter(sum)-ed back to the owning ranks
+    (:func:`~.collectives.all_gather_seq`). Exact by construction: the module's own math (conv
+    windows, recurrent states, chunked scans) on the same tokens it sees at CP=1.
+    **Cost:** this layer's compute and activation memory are *not* divided by cp (each rank runs
+    the module on every token of the documents that overlap its chunk), plus one AllGather of
+    ``B x S x H`` forward and one ReduceScatter backward. A correctness baseline, not a scaling
+    method.
+
+``short_conv_halo`` (:func:`short_conv_halo_cp_wrapper`) — LFM2's gated short convolution
+    (``Lfm2ShortConv`` and the classes with the same forward: ``Lfm2MoeShortConv``,
+    ``Lfm3ShortConv``). Each rank receives the previous rank's last ``k - 1`` *input* hidden states
+    (``k = config.conv_L_cache``; rank 0 receives nothing), runs the module's own forward on
+    ``[halo + local]`` and drops the halo outputs. Backward returns the halo's input gradient to the
+    previous rank, where it is added to the gradient of its last ``k - 1`` tokens. Exact because
+    everything in ``Lfm2ShortConv.forward`` before ``self.conv`` is token-wise (padding mask
+    multiply, ``in_proj``, the ``B * x`` gate) and everything after it too (``C * conv``,
+    ``out_proj``): the only cross-token operation is the causal depthwise conv of kernel ``k``,
+    whose output at token t reads inputs ``t-k+1 .. t``. Cost: compute / S_local (+ k - 1 tokens),
+    one ring exchange of ``B x (k-1) x H`` forward and backward.
+
+Padding and packed documents (both methods): the CP batch's ``meta.key_doc`` says which tokens are
+padding (-1) and which document every token belongs to. Every document is run as **its own
+sequence** (a right-padded row, with a 2-D ``attention_mask`` when the module's forward takes one,
+as transformers passes it at CP=1 for a padded batch), so the recurrent state and the conv window
+restart at each document boundary, and padding (right padding, the CP padding appended after the
+real tokens, ``seq_lens_padded`` gaps) is never an input of a real token. That is what the CP
+preflight proof and the attention wrappers treat as the model's computation (documents are
+independent). Padding outputs are 0. Without padding or packing (``key_doc is None``) the rows
+are run unchanged. (transformers' torch paths at CP=1 do *not* reset these mixers at a packed
+document boundary — a packed row leaks state across documents there; CP does not reproduce that
+leak.)
+
+Training only: a ``cache`` / ``past_key_values`` the model passes (transformers creates one by
+default in eval mode) is not handed to the module and is not filled — as with the CP attention
+wrappers, CP is not a decoding path. Refused with a message: TP > 1 on the mixer, a mixer method on
+a ``torch.nn`` layer (e.g. LFM2's inner ``conv.conv``) or around another CP-declared module, the
+halo method on a module it is not exact for, fewer than ``k - 1`` tokens per rank (halo).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ... import platform as P
+from .collectives import all_gather_seq, resolve_group
+from .meta import CPBatchMeta, current_cp_batch_meta
+from .registry import inner_wrapper, register_inner_wrapper
+
+__all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "CPMixerError", "HALO_CLASSES"]
+
+#: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
+HALO_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+_CACHE_KEYS = ("cache", "past_key_values", "cache_params", "past_key_value")
+
+
+class CPMixerError(RuntimeError):
+    """A CP mixer method met an input it does not support (raised before any collective)."""
+
+
+# ============================================================================ helpers
+def _hidden_param(module: nn.Module) -> Optional[str]:
+    """Name of the hidden-states parameter of ``module.forward`` (``hidden_states`` or the first)."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params]
+    if "hidden_states" in names:
+        return "hidden_states"
+    return names[0] if names else None
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def _split_hidden(name: str, args: tuple, kwargs: dict):
+    """(hidden_states, rebuild(x, args, kwargs) -> (args, kwargs), other args, other kwargs)."""
+    if "hidden_states" in kwargs:
+        hs = kwargs["hidden_states"]
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        return hs, (lambda x, a, kw: (a, {"hidden_states": x, **kw})), tuple(args), rest
+    if name in kwargs and name != "hidden_states":
+        hs = kwargs[name]
+        rest = {k: v for k, v in kwargs.items() if k != name}
+        return hs, (lambda x, a, kw: (a, {name: x, **kw})), tuple(args), rest
+    if not args:
+        raise CPMixerError("CP mixer method: the module was called without hidden states")
+    return args[0], (lambda x, a, kw: ((x,) + tuple(a), kw)), tuple(args[1:]), dict(kwargs)
+
+
+def _check_call(what: str, fqn: str, hs, kwargs: dict, meta: CPBatchMeta) -> None:
+    if not isinstance(hs, torch.Tensor) or hs.dim() != 3:
+        raise CPMixerError(f"{what} on '{fqn}': hidden_states must be a [B, S_local, H] tensor, got "
+                           f"{type(hs).__name__}{tuple(hs.shape) if isinstance(hs, torch.Tensor) else ''}")
+    if hs.shape[1] != meta.local_seq_len:
+        raise CPMixerError(f"{what} on '{fqn}': hidden_states {tuple(hs.shape)} has {hs.shape[1]} tokens but this "
+                           f"rank's CP chunk has {meta.local_seq_len} (meta.local_seq_len): the module is not on the "
+                           "contiguous CP sequence layout")
+    for key in _CACHE_KEYS:      # the model's default cache (use_cache, eval): not filled under CP
+        if kwargs.get(key) is not None:
+            kwargs[key] = None
+
+
+def _is_seq(t: Any, B: int, L: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == L and t.shape[0] in (1, B)
+
+
+def _map_seq(tree, B: int, L: int, fn: Callable):
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(x) if _is_seq(x, B, L) else x for x in leaves], spec)
+
+
+def _gather_any(t: torch.Tensor, cp_mesh, tag: str) -> torch.Tensor:
+    if t.is_floating_point() and t.requires_grad:
+        return all_gather_seq(t.contiguous(), cp_mesh, dim=1, tag=tag)
+    return P.all_gather(t.contiguous(), resolve_group(cp_mesh), dim=1, tag=tag)
+
+
+def _zero_out(x_keep: torch.Tensor, width: int) -> torch.Tensor:
+    """Zeros [B, L, width] that stay connected to ``x_keep`` (so the collectives' backward still runs
+    on this rank when none of its tokens is a real token)."""
+    return (x_keep.sum(-1, keepdim=True) * 0).expand(*x_keep.shape[:2], width)
+
+
+def _segments(doc: torch.Tensor, lo: int, hi: int):
+    """Runs of one document (id >= 0) in ``doc [B, T]`` that overlap positions ``[lo, hi)``:
+    (row, start, length) int64 tensors."""
+    B, T = doc.shape
+    valid = doc >= 0
+    change = torch.ones(B, T + 1, dtype=torch.bool, device=doc.device)
+    change[:, 1:T] = doc[:, 1:] != doc[:, :-1]
+    starts = valid & change[:, :T]
+    ends = valid & change[:, 1:]
+    sb, ss = starts.nonzero(as_tuple=True)
+    _eb, se = ends.nonzero(as_tuple=True)          # same order: one end per start, row-major
+    keep = (ss < hi) & (se >= lo)
+    return sb[keep], ss[keep], (se - ss + 1)[keep]
+
+
+def _run_rows(call: Callable, rebuild: Callable, x_ext: torch.Tensor, doc_ext: Optional[torch.Tensor],
+              keep_lo: int, keep_hi: int, rest_args: tuple, rest_kwargs: dict, *, mask_param: bool,
+              what: str, fqn: str):
+    """Run ``call`` on ``x_ext [B, T, H]`` (every other argument already in the same [B|1, T] layout)
+    and return this rank's output tokens ``[keep_lo, keep_hi)``.
+
+    ``doc_ext`` None: the rows as they are. Else every document overlapping the kept range is its
+    own right-padded row (``attention_mask`` passed when the forward takes one and a row is padded)."""
+    B, T, _H = x_ext.shape
+    L = keep_hi - keep_lo
+    if doc_ext is None:
+        a, kw = rebuild(x_ext, rest_args, rest_kwargs)
+        out = call(*a, **kw)
+        y = out if isinstance(out, torch.Tensor) else out[0]
+        if not isinstance(y, torch.Tensor) or y.dim() < 2 or tuple(y.shape[:2]) != (B, T):
+            raise CPMixerError(f"{what} on '{fqn}': the module returned {type(y).__name__}"
+                               f"{tuple(y.shape) if isinstance(y, torch.Tensor) else ''}, expected [B={B}, S={T}, ...]")
+        y = y[:, keep_lo:keep_hi]
+        return y if isinstance(out, torch.Tensor) else (y,) + tuple(out[1:])
+
+    rows, starts, lens = _segments(doc_ext, keep_lo, keep_hi)
+    N = int(rows.numel())
+    if N == 0:       # no real token here: zeros, still connected to the exchanged tensor
+        return _zero_out(x_ext[:, keep_lo:keep_hi], _H)
+    Lmax = int(lens.max())
+    j = torch.arange(Lmax, device=x_ext.device)
+    slot = j[None, :] < lens[:, None]                                            # [N, Lmax]
+    pos = starts[:, None] + torch.where(slot, j[None, :], torch.zeros_like(j)[None, :])
+    flat = (rows[:, None] * T + pos).reshape(-1)                                  # gather index into [B*T]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        t = t.expand(B, *t.shape[1:]) if t.shape[0] == 1 else t
+        rest = tuple(t.shape[2:])
+        p = t.reshape(B * T, *rest).index_select(0, flat).view(N, Lmax, *rest)
+        m = slot.view(N, Lmax, *([1] * len(rest)))
+        return p * m.to(p.dtype) if p.is_floating_point() else torch.where(m, p, torch.zeros_like(p))
+
+    x_rows = pack(x_ext)
+    args = _map_seq(rest_args, B, T, pack)
+    kwargs = _map_seq({k: v for k, v in rest_kwargs.items() if k != "attention_mask"}, B, T, pack)
+    if mask_param:
+        given = rest_kwargs.get("attention_mask")
+        mask = slot.to(torch.int64)
+        if given is not None:
+            if not _is_seq(given, B, T) or given.dim() != 2:
+                raise CPMixerError(f"{what} on '{fqn}': attention_mask {tuple(given.shape)} is not a 2-D [B, S] "
+                                   "padding mask; CP passes padding and documents through the CP batch meta")
+            mask = mask * (pack(given) != 0).to(torch.int64)
+        kwargs["attention_mask"] = None if bool(mask.all()) else mask
+    elif "attention_mask" in rest_kwargs:
+        kwargs["attention_mask"] = rest_kwargs["attention_mask"]
+    a, kw = rebuild(x_rows, args, kwargs)
+    out = call(*a, **kw)
+    y = out if isinstance(out, torch.Tensor) else out[0]
+    if not isinstance(y, torch.Tensor) or y.dim() < 2 or tuple(y.shape[:2]) != (N, Lmax):
+        raise CPMixerError(f"{what} on '{fqn}': the module returned {type(y).__name__}"
+                           f"{tuple(y.shape) if isinstance(y, torch.Tensor) else ''} for {N} document rows of "
+                           f"{Lmax} tokens, expected [{N}, {Lmax}, ...]")
+    tail = tuple(y.shape[2:])
+    gpos = starts[:, None] + j[None, :]
+    sel = (slot & (gpos >= keep_lo) & (gpos < keep_hi)).reshape(-1)
+    tgt = (rows[:, None] * L + (gpos - keep_lo)).reshape(-1)[sel]
+    src = y.reshape(N * Lmax, *tail)[sel]
+    res = y.new_zeros((B * L,) + tail).index_add(0, tgt, src).view(B, L, *tail)
+    return res if isinstance(out, torch.Tensor) else (res,) + tuple(out[1:])
+
+
+def _fqn() -> str:
+    try:
+        from .interception import current_apply_context
+        ctx = current_apply_context()
+        return getattr(ctx, "fqn", None) or "?"
+    except Exception:  # noqa: BLE001 - name only
+        return "?"
+
+
+def _validate_common(what: str, target_module: nn.Module, tp_size: int) -> None:
+    if type(target_module).__module__.startswith("torch.nn"):
+        raise ValueError(f"{what} is declared on a torch.nn layer ({type(target_module).__name__}), not on a "
+                         "token-mixer module: match the mixer itself (e.g. '*[0-9].conv' for LFM2's "
+                         "Lfm2ShortConv — '*.conv' also matches its inner nn.Conv1d 'conv.conv')")
+    if _hidden_param(target_module) is None:
+        raise ValueError(f"{what} needs a module whose forward takes hidden_states [B, S_local, H]; "
+                         f"{type(target_module).__name__}.forward takes no argument")
+    if tp_size > 1:
+        raise ValueError(f"{what} is not combined with tensor parallelism (tp_size={tp_size}) on the mixer "
+                         f"{type(target_module).__name__}: use tp_size: 1")
+
+
+# ============================================================================ sequence_gather
+def validate_sequence_gather(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
+    del cp_size
+    _validate_common("sequence_gather_cp_wrapper", target_module, tp_size)
+
+
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_sequence_gather)
+def sequence_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Generic exact CP for a token mixer: AllGather the sequence, run the module's own forward on
+    it (each document as its own row), keep this rank's slice; backward ReduceScatter(sum).
+    Compute and activation memory of this layer are not divided by cp (see the module doc)."""
+    del mesh, tp_mesh, ep_mesh
+    what = "sequence_gather_cp_wrapper"
+    original = target_module.forward
+    name = _hidden_param(target_module)
+    mask_param = _accepts(target_module, "attention_mask")
+    fqn = _fqn()
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta()
+        hs, rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+        _check_call(what, fqn, hs, rest_kwargs, meta)
+        if cp_mesh is None or meta.cp_size == 1:
+            return original(*args, **kwargs)
+        B, L, _ = hs.shape
+        lo = meta.cp_rank * L
+        full = all_gather_seq(hs.contiguous(), cp_mesh, dim=1, tag="cp.mixer_gather")      # [B, S, H]
+        gather = lambda t: _gather_any(t, cp_mesh, "cp.mixer_gather_arg")              # noqa: E731
+        rest_args = _map_seq(rest_args, B, L, gather)
+        rest_kwargs = _map_seq(rest_kwargs, B, L, gather)
+        key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        return _run_rows(original, rebuild, full, key_doc, lo, lo + L, rest_args, rest_kwargs,
+                         mask_param=mask_param, what=what, fqn=fqn)
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = what
+    return forward
+
+
+# ============================================================================ short_conv_halo
+class _HaloCat(torch.autograd.Function):
+    """fwd: ``x [B, L, H] -> [B, h + L, H]``: the previous CP rank's last ``h`` tokens, then ``x``
+    (rank 0: zeros, never used as a real input). One ring ``all_to_all_uneven`` (rank r sends its
+    tail to r+1; the last rank's tail goes to rank 0, which discards it).
+    bwd: the halo's gradient goes back to the previous rank (the inverse ring) and is added to the
+    gradient of its last ``h`` tokens."""
+
+    @staticmethod
+    def forward(ctx, x, group, h):
+        world, me = P.group_size(group), P.group_rank(group)
+        ctx.group, ctx.h = group, h
+        send = [1 if d == (me + 1) % world else 0 for d in range(world)]
+        recv = [1 if s == (me - 1) % world else 0 for s in range(world)]
+        halo = P.all_to_all_uneven(x[:, -h:].contiguous(), group, send, recv, dim=1, tag="cp.mixer_halo")
+        if me == 0:
+            halo = torch.zeros_like(halo)
+        return torch.cat([halo, x], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, h = ctx.group, ctx.h
+        world, me = P.group_size(group), P.group_rank(group)
+        g_halo = grad[:, :h].contiguous()
+        if me == 0:
+            g_halo = torch.zeros_like(g_halo)
+        send = [1 if d == (me - 1) % world else 0 for d in range(world)]
+        recv = [1 if s == (me + 1) % world else 0 for s in range(world)]
+        back = P.all_to_all_uneven(g_halo, group, send, recv, dim=1, tag="cp.mixer_halo.bwd")
+        gx = grad[:, h:].clone()
+        if me != world - 1:
+            gx[:, -h:] += back
+        return gx, None, None
+
+
+def halo_exchange(x: torch.Tensor, cp_mesh, h: int) -> torch.Tensor:
+    """``[B, L, H] -> [B, h + L, H]`` with the previous CP rank's last ``h`` tokens in front (rank 0:
+    zeros); differentiable (the halo's gradient returns to its owner). Identity cat for cp 1."""
+    group = resolve_group(cp_mesh)
+    if h == 0:
+        return x
+    if P.group_size(group) == 1:
+        return torch.cat([x.new_zeros(x.shape[0], h, *x.shape[2:]), x], dim=1)
+    return _HaloCat.apply(x, group, h)
+
+
+def _kernel(module: nn.Module) -> Optional[int]:
+    conv = getattr(module, "conv", None)
+    if isinstance(conv, nn.Conv1d):
+        return int(conv.kernel_size[0])
+    return None
+
+
+def validate_short_conv_halo(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
+    del cp_size
+    what = "short_conv_halo_cp_wrapper"
+    _validate_common(what, target_module, tp_size)
+    cls = type(target_module).__name__
+    if cls not in HALO_CLASSES:
+        raise ValueError(f"{what} is exact only for a short convolution whose forward is token-wise around one "
+                         f"causal depthwise conv ({', '.join(HALO_CLASSES)}); {cls} is not one of them — declare "
+                         "sequence_gather (generic, exact) for it instead")
+    conv, k = getattr(target_module, "conv", None), _kernel(target_module)
+    if k is None or not all(hasattr(target_module, n) for n in ("in_proj", "out_proj")):
+        raise ValueError(f"{what}: {cls} has no conv (nn.Conv1d) / in_proj / out_proj")
+    if conv.groups != conv.in_channels or conv.padding[0] != k - 1 or conv.stride[0] != 1 or conv.dilation[0] != 1:
+        raise ValueError(f"{what}: {cls}.conv is not a causal depthwise conv (groups={conv.groups}, "
+                         f"channels={conv.in_channels}, padding={conv.padding}, stride={conv.stride}, "
+                         f"dilation={conv.dilation}, kernel={k})")
+    L_cache = getattr(target_module, "conv_kernel_size", k)
+    if L_cache != k:
+        raise ValueError(f"{what}: {cls}.conv_kernel_size={L_cache} but conv kernel is {k}")
+
+
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_short_conv_halo)
+def short_conv_halo_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Exact CP for LFM2's short convolution: halo exchange of the previous rank's last ``k - 1``
+    input tokens, the module's own forward on ``[halo + local]``, halo outputs dropped."""
+    del mesh, tp_mesh, ep_mesh
+    what = "short_conv_halo_cp_wrapper"
+    original = target_module.forward
+    name = _hidden_param(target_module)
+    h = _kernel(target_module) - 1
+    mask_param = _accepts(target_module, "attention_mask")
+    fqn = _fqn()
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta()
+        hs, rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+        _check_call(what, fqn, hs, rest_kwargs, meta)
+        if cp_mesh is None or meta.cp_size == 1 or h == 0:
+            return original(*args, **kwargs)
+        B, L, _ = hs.shape
+        if L < h:
+            raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < kernel - 1 = {h}: the halo would "
+                               "span more than one rank; use longer sequences or fewer CP ranks")
+        leaves = [x for x in tree_flatten((rest_args, rest_kwargs))[0] if _is_seq(x, B, L)]
+        if leaves:
+            raise CPMixerError(f"{what} on '{fqn}': got a sequence-shaped argument {tuple(leaves[0].shape)} (e.g. a "
+                               "local attention_mask); CP passes padding and documents through the CP batch meta — "
+                               "call the model without attention_mask, or declare sequence_gather")
+        ext = halo_exchange(hs, cp_mesh, h)                                               # [B, h + L, H]
+        r = meta.cp_rank
+        if meta.key_doc is None:
+            if r == 0:      # no predecessor: the local tokens alone, as at CP=1 (still through ext: backward)
+                return _run_rows(original, rebuild, ext[:, h:], None, 0, L, rest_args, rest_kwargs,
+                                 mask_param=mask_param, what=what, fqn=fqn)
+            return _run_rows(original, rebuild, ext, None, h, h + L, rest_args, rest_kwargs,
+                             mask_param=mask_param, what=what, fqn=fqn)
+        lo = r * L
+        key_doc = meta.key_doc.to(hs.device)
+        halo_doc = key_doc[:, lo - h:lo] if r > 0 else torch.full((B, h), -1, dtype=key_doc.dtype,
+                                                                  device=key_doc.device)
+        doc_ext = torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1)
+        return _run_rows(original, rebuild, ext, doc_ext, h, h + L, rest_args, rest_kwargs,
+                         mask_param=mask_param, what=what, fqn=fqn)
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = what
+    return forward
+
+
+register_inner_wrapper("sequence_gather", sequence_gather_cp_wrapper, overwrite=True)
+register_inner_wrapper("short_conv_halo", short_conv_halo_cp_wrapper, overwrite=True)

@@ -1,0 +1,256 @@
+"""Exact CP for the token mixers of hybrid decoders (issue 21 part 2): the mixer module declared in
+plan_overrides next to the attention, on real transformers classes (tiny random configs, nothing
+downloaded, train(), dropout 0, fp32).
+
+* ``sequence_gather`` (generic: AllGather, the module's own forward on the global sequence, this
+  rank's slice) on Qwen3-Next ``linear_attn`` (Gated DeltaNet), LFM2 ``conv`` (short conv) and
+  Falcon-H1 ``mamba`` (Mamba2); ``short_conv_halo`` (halo exchange of k-1 tokens) on LFM2;
+* attention Colossal / Ulysses at cp 2, Colossal / Hybrid (u=2) at cp 4;
+* batches: plain, right padding (+ CP padding: S not a multiple of cp), packed documents;
+* logits and EVERY parameter gradient vs the same model at CP=1 where every document is its own
+  row (for plain / padded batches that is exactly the HF batch, attention_mask included);
+  gradient error relative to the model's largest gradient;
+* the CP preflight proof passes for the declared models (through apply_sharding_plan);
+* refusals: Head-Tail + a mixer method, a mixer method on a torch.nn layer / nested declarations,
+  the halo method on a module it is not exact for.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.cp.test_model_proof import build_model
+from tests.wrappers._workers import mesh_ctx
+
+#: fp32 tolerance (relative to max|logits| on valid tokens / to the model's largest gradient).
+#: The CP path runs the same module math on the same tokens; what differs is the row layout
+#: (documents as their own rows, gathered sequences) and summation order (gradient sums over
+#: ranks), i.e. fp32 rounding only (~1e-7 .. 1e-6 measured).
+TOL = 2e-5
+
+WRAPPERS = "hyper_parallel.distributed.context_parallel.wrappers."
+MIXERS = "hyper_parallel.distributed.context_parallel.mixers."
+ATTN = {   # name -> inner_wrapper
+    "colossal": "sdpa_hf",
+    "ulysses": "sdpa_hf_ulysses",
+    "hybrid": {"_target_": WRAPPERS + "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2},
+    "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
+}
+MIXER_FQN = {"qwen3_next": "*.linear_attn", "lfm2": "*[0-9].conv", "falcon_h1": "*.mamba"}
+MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
+         "halo": "short_conv_halo"}
+
+
+def entries(arch: str, attn: str, mixer: str) -> list:
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    return [{**base, "match": "*.self_attn", "inner_wrapper": ATTN[attn]},
+            {**base, "match": MIXER_FQN[arch], "inner_wrapper": MIXER[mixer]}]
+
+
+# ============================================================================ rank functions
+def make_batch(kind: str, S: int, vocab: int, seed: int):
+    """(CP global batch, documents [(row, start, length)]) for plain / padding / packed."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (2, S), generator=g)
+    batch = {"input_ids": ids}
+    if kind == "plain":
+        docs = [(0, 0, S), (1, 0, S)]
+    elif kind == "padding":
+        mask = torch.ones(2, S, dtype=torch.int64)
+        mask[0, S - 5:] = 0
+        mask[1, S - 11:] = 0
+        batch["attention_mask"] = mask
+        docs = [(0, 0, S - 5), (1, 0, S - 11)]
+    elif kind == "packed":     # documents as seq_lens (positions restart per document)
+        lens = [[S // 3, S // 4, S - S // 3 - S // 4], [7, S - 13, 6]]
+        batch["seq_lens"] = torch.tensor(lens)
+        docs = []
+        for b, row in enumerate(lens):
+            start = 0
+            for n in row:
+                docs.append((b, start, n))
+                start += n
+    else:
+        raise ValueError(kind)
+    return batch, docs
+
+
+def parity_step(model, ref, mesh, plan, kind: str, S: int, seed: int) -> dict:
+    """One forward+backward under CP and at CP=1 (every document its own right-padded row with
+    attention_mask); max errors on this rank."""
+    from hyper_parallel import platform as P
+    from hyper_parallel.distributed.context_parallel.batch import gather_from_cp, shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+
+    vocab = model.config.vocab_size
+    batch, docs = make_batch(kind, S, vocab, seed)
+    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
+    meta = local.meta
+    valid = torch.zeros(2, S, dtype=torch.bool)
+    for b, s, n in docs:
+        valid[b, s:s + n] = True
+    w = torch.randn(2, meta.global_seq_len, vocab, generator=torch.Generator().manual_seed(seed + 1))
+    w[:, :S] *= valid[..., None]
+    w[:, S:] = 0
+    lo = meta.cp_rank * meta.local_seq_len
+    for p in list(model.parameters()) + list(ref.parameters()):
+        p.grad = None
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
+    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
+
+    n_max = max(n for _b, _s, n in docs)
+    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    for r, (b, s, n) in enumerate(docs):
+        ids[r, :n] = batch["input_ids"][b, s:s + n]
+        mask[r, :n] = 1
+    ref_logits = ref(input_ids=ids, attention_mask=mask).logits
+    rows = torch.tensor([r for r, (_b, _s, n) in enumerate(docs) for _ in range(n)])
+    cols = torch.tensor([j for _b, _s, n in docs for j in range(n)])
+    gb = torch.tensor([b for b, _s, n in docs for _ in range(n)])
+    gs = torch.tensor([s + j for _b, s, n in docs for j in range(n)])
+    ref_tok = ref_logits[rows, cols]                                   # [tokens, V]
+    (ref_tok * w[gb, gs]).sum().backward()
+    diff = (full[gb, gs] - ref_tok.detach()).abs().max().item()
+    ref_max = ref_tok.detach().abs().max().item()
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr, worst = 0.0, ""
+    for n, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = P.all_reduce(g.contiguous(), mesh.cp_mesh.get_group())
+        rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
+        e = (g - rg).abs().max().item()
+        if e >= gerr:
+            gerr, worst = e, n
+    return {"kind": kind, "S": S, "logits_abs": diff, "logits_rel": diff / max(ref_max, 1e-12),
+            "grads_abs": gerr, "grads": gerr / max(gmax, 1e-12), "worst_param": worst,
+            "cp_pad": meta.global_seq_len - S}
+
+
+def mixer_case(arch: str, attn: str, mixer: str, cp: int, kinds=("plain", "padding", "packed"),
+               S: int = 30, proof: bool = True) -> dict:
+    """Plan (attention + mixer declared), apply with the preflight proof, then parity per batch kind."""
+    from hyper_parallel.distributed.context_parallel.model_proof import prove_cp_model
+    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
+    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+    t0 = time.perf_counter()
+    model, ref = build_model(arch).float().train(), build_model(arch).float().train()
+    ref.load_state_dict(model.state_dict())
+    mesh = mesh_ctx(cp, hybrid=(2,) if attn == "hybrid" else ())
+    plan = ShardingPlanner(plan_overrides=entries(arch, attn, mixer)).plan(model, mesh, cp_size=cp)
+    out = {"case": f"{arch}/{attn}+{mixer}/cp{cp}", "policy": plan.batch_policy,
+           "mixers": sorted({t.inner_fqn for t in plan.cp_targets if t.info.mixer})}
+    # the proof runs inside apply (a refusal would raise here and roll the install back)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=proof)
+    names = dict(model.named_modules())
+    out["installed"] = sorted({getattr(names[f].forward, "__hp_mixer__", None) for f in out["mixers"]})
+    if proof:   # the number it measured (one more probe; the model is left unchanged by it)
+        out["proof_rel"] = prove_cp_model(model, plan, mesh).max_rel_error
+    out["steps"] = [parity_step(model, ref, mesh, plan, k, S + i, 10 * i + 3) for i, k in enumerate(kinds)]
+    out["time_s"] = time.perf_counter() - t0
+    return out
+
+
+def mixer_cases(cases: list) -> list:
+    return [mixer_case(*c[0], **c[1]) for c in cases]
+
+
+# ============================================================================ tests
+def _check(results: list) -> None:
+    for per_rank in zip(*results):
+        for res in per_rank[:1]:
+            print(f"{res['case']:<42} policy={res['policy']:<10} proof={res.get('proof_rel', float('nan')):.1e} "
+                  f"({res['time_s']:.1f}s)")
+        for i, step in enumerate(per_rank[0]["steps"]):
+            worst_l = max(r["steps"][i]["logits_rel"] for r in per_rank)
+            worst_g = max(r["steps"][i]["grads"] for r in per_rank)
+            abs_l = max(r["steps"][i]["logits_abs"] for r in per_rank)
+            abs_g = max(r["steps"][i]["grads_abs"] for r in per_rank)
+            print(f"    {step['kind']:<8} S={step['S']} cp_pad={step['cp_pad']}: logits max abs {abs_l:.2e} rel "
+                  f"{worst_l:.2e}; grads max abs {abs_g:.2e} rel(largest grad) {worst_g:.2e} "
+                  f"[{step['worst_param']}]; tolerance {TOL:g}")
+            assert worst_l <= TOL and worst_g <= TOL, (per_rank[0]["case"], step)
+        for res in per_rank:
+            method = res["case"].split("+")[1].split("/")[0]
+            assert res["mixers"] and res["installed"] == [("short_conv_halo_cp_wrapper" if method == "halo" else
+                                                           "sequence_gather_cp_wrapper")], res
+            if "proof_rel" in res:
+                assert res["proof_rel"] < 1e-5, res
+
+
+def test_mixers_exact_cp2(ranks):
+    """cp=2: the three hybrids x generic gather (Colossal and Ulysses attention), LFM2 x halo."""
+    t0 = time.perf_counter()
+    cases = [
+        (("qwen3_next", "colossal", "gather", 2), {}),
+        (("qwen3_next", "ulysses", "gather_target", 2), {"kinds": ("padding", "packed"), "S": 29}),
+        (("lfm2", "colossal", "gather", 2), {"S": 29}),
+        (("lfm2", "ulysses", "halo", 2), {}),
+        (("lfm2", "colossal", "halo", 2), {"S": 29, "proof": False}),
+        (("falcon_h1", "colossal", "gather", 2), {}),
+        (("falcon_h1", "ulysses", "gather", 2), {"kinds": ("padding", "packed"), "S": 29}),
+    ]
+    _check(ranks(2).run(mixer_cases, cases, timeout=600.0))
+    print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+def test_mixers_exact_cp4(ranks):
+    """cp=4 (CP padding: S not a multiple of 4): Colossal and Hybrid (u=2) attention."""
+    t0 = time.perf_counter()
+    cases = [
+        (("qwen3_next", "hybrid", "gather", 4), {"kinds": ("padding", "packed"), "S": 34}),
+        (("lfm2", "colossal", "halo", 4), {"kinds": ("plain", "packed"), "S": 34}),
+        (("lfm2", "hybrid", "gather", 4), {"kinds": ("padding",), "S": 34, "proof": False}),
+        (("falcon_h1", "colossal", "gather", 4), {"kinds": ("padding", "packed"), "S": 34}),
+    ]
+    _check(ranks(4).run(mixer_cases, cases, timeout=600.0))
+    print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+# ---------------------------------------------------------------------------- refusals (plan time, local)
+def _plan(arch: str, plan_overrides: list, cp: int = 2):
+    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+    return ShardingPlanner(plan_overrides=plan_overrides).plan(build_model(arch), None, cp_size=cp)
+
+
+def test_head_tail_with_mixer_method_is_refused():
+    from hyper_parallel.distributed.errors import CPConfigError
+
+    with pytest.raises(CPConfigError) as err:
+        _plan("qwen3_next", entries("qwen3_next", "head_tail", "gather"))
+    msg = str(err.value)
+    print(msg)
+    assert msg.startswith("[plan_overrides[1].inner_wrapper]"), msg
+    assert "token-mixer method sequence_gather_cp_wrapper needs the contiguous layout" in msg, msg
+    assert "plan_overrides[0].inner_wrapper declares Head-Tail load balance on 'model.layers.1.self_attn'" in msg
+    assert "model.layers.0.linear_attn" in msg
+
+
+def test_mixer_declaration_mistakes_are_refused():
+    from hyper_parallel.distributed.errors import CPConfigError
+
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    attn = {**base, "match": "*.self_attn", "inner_wrapper": "sdpa_hf"}
+    # '*.conv' also matches LFM2's inner nn.Conv1d 'conv.conv'
+    with pytest.raises(CPConfigError, match=r"declared on a torch\.nn layer \(Conv1d\).*'\*\[0-9\]\.conv'"):
+        _plan("lfm2", [attn, {**base, "match": "*.conv", "inner_wrapper": "sequence_gather"}])
+    # the halo method is exact only for LFM2's short conv
+    with pytest.raises(CPConfigError, match=r"short_conv_halo_cp_wrapper is exact only for .*"
+                                            r"Qwen3NextGatedDeltaNet is not one of them"):
+        _plan("qwen3_next", [attn, {**base, "match": "*.linear_attn", "inner_wrapper": "short_conv_halo"}])
+    # a mixer method around a declared attention (the whole decoder layer)
+    with pytest.raises(CPConfigError, match=r"'model.layers.1.self_attn' is inside 'model.layers.1'"):
+        _plan("lfm2", [attn, {**base, "match": "model.layers.1", "inner_wrapper": "sequence_gather"}])
+    # without a mixer method the mixer module is still not an attention boundary
+    with pytest.raises(CPConfigError, match=r"is not an attention boundary.*declare a mixer method"):
+        _plan("falcon_h1", [attn, {**base, "match": "*.mamba", "inner_wrapper": "sdpa_hf"}])
+    plan = _plan("falcon_h1", entries("falcon_h1", "colossal", "gather"))
+    assert plan.batch_policy == "all_gather" and len(plan.cp_targets) == 4
+    assert plan.attention_boundaries == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
