@@ -83,37 +83,26 @@ def _check_index(t, name: str, batch: int, length: int, device: torch.device) ->
         raise ValueError(f"attention: {name} is on {t.device} but q is on {device}")
 
 
-def _validate_sinks(sinks, q) -> None:
-    if sinks is None:
+def _validate_per_head(name: str, t, q) -> None:
+    """``t`` (sinks / alibi_slopes) is None or a floating ``[Hq]`` tensor on q's device."""
+    if t is None:
         return
     Hq = q.shape[1]
-    if not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"attention: sinks must be a torch.Tensor [Hq] or None, "
-                         f"got {type(sinks).__name__}")
-    if not sinks.dtype.is_floating_point:
-        raise ValueError(f"attention: sinks must be a floating tensor, got {sinks.dtype}")
-    if tuple(sinks.shape) != (Hq,):
-        raise ValueError(f"attention: sinks must have shape [Hq] = [{Hq}], got {list(sinks.shape)}")
-    if sinks.device != q.device:
-        raise ValueError(f"attention: sinks is on {sinks.device} but q is on {q.device}")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"attention: {name} must be a torch.Tensor [Hq] or None, "
+                         f"got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"attention: {name} must be a floating tensor, got {t.dtype}")
+    if tuple(t.shape) != (Hq,):
+        raise ValueError(f"attention: {name} must have shape [Hq] = [{Hq}], got {list(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"attention: {name} is on {t.device} but q is on {q.device}")
 
 
 def _validate_alibi(alibi_slopes, q, softcap) -> None:
+    _validate_per_head("alibi_slopes", alibi_slopes, q)
     if alibi_slopes is None:
         return
-    Hq = q.shape[1]
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise ValueError(f"attention: alibi_slopes must be a torch.Tensor [Hq] or None, "
-                         f"got {type(alibi_slopes).__name__}")
-    if not alibi_slopes.dtype.is_floating_point:
-        raise ValueError(f"attention: alibi_slopes must be a floating tensor, "
-                         f"got {alibi_slopes.dtype}")
-    if tuple(alibi_slopes.shape) != (Hq,):
-        raise ValueError(f"attention: alibi_slopes must have shape [Hq] = [{Hq}], "
-                         f"got {list(alibi_slopes.shape)}")
-    if alibi_slopes.device != q.device:
-        raise ValueError(f"attention: alibi_slopes is on {alibi_slopes.device} but q is on "
-                         f"{q.device}")
     if alibi_slopes.requires_grad:
         raise ValueError("attention: alibi_slopes are constants (no gradient is computed for "
                          "them); pass a tensor that does not require grad")
@@ -229,7 +218,7 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     """
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
     window, softcap = _validate_options(window, softcap)
-    _validate_sinks(sinks, q)
+    _validate_per_head("sinks", sinks, q)
     _validate_alibi(alibi_slopes, q, softcap)
     dev = q.device.type
     if dev == "cpu":
