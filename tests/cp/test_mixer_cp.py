@@ -161,6 +161,37 @@ def mixer_cases(cases: list) -> list:
     return [mixer_case(*c[0], **c[1]) for c in cases]
 
 
+def broken_halo_case(cp: int = 2) -> dict:
+    """Negative control: LFM2 + short_conv_halo whose received halo is zeroed (the exchange still
+    runs, so backward stays symmetric). The proof must refuse it naming the conv as a declared
+    method that differs, and the parity step must see the error."""
+    from hyper_parallel.distributed.context_parallel import mixers
+    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
+    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+    real = mixers.halo_exchange
+
+    def broken(x, cp_mesh, h):
+        ext = real(x, cp_mesh, h)
+        return torch.cat([ext[:, :h] * 0, ext[:, h:]], dim=1)
+
+    mixers.halo_exchange = broken
+    try:
+        model, ref = build_model("lfm2").float().train(), build_model("lfm2").float().train()
+        ref.load_state_dict(model.state_dict())
+        mesh = mesh_ctx(cp)
+        plan = ShardingPlanner(plan_overrides=entries("lfm2", "colossal", "halo")).plan(model, mesh, cp_size=cp)
+        try:
+            apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=True)
+            refused = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the subject
+            refused = f"{type(exc).__name__}: {exc}"
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+        return {"refused": refused, "step": parity_step(model, ref, mesh, plan, "plain", 30, 3)}
+    finally:
+        mixers.halo_exchange = real
+
+
 # ============================================================================ tests
 def _check(results: list) -> None:
     for per_rank in zip(*results):
@@ -196,7 +227,14 @@ def test_mixers_exact_cp2(ranks):
         (("falcon_h1", "colossal", "gather", 2), {}),
         (("falcon_h1", "ulysses", "gather", 2), {"kinds": ("padding", "packed"), "S": 29}),
     ]
-    _check(ranks(2).run(mixer_cases, cases, timeout=600.0))
+    pool = ranks(2)
+    _check(pool.run(mixer_cases, cases, timeout=600.0))
+    for res in pool.run(broken_halo_case, timeout=300.0):     # the checks above can fail
+        print("broken halo (negative control):", res["step"], res["refused"][:300])
+        assert res["step"]["logits_rel"] > 10 * TOL and res["step"]["grads"] > 10 * TOL, res
+        assert res["refused"].startswith("CPConfigError: [plan_overrides[1].inner_wrapper]"), res["refused"]
+        assert "'model.layers.0.conv' (Lfm2ShortConv), covered by plan_overrides[1]" in res["refused"]
+        assert "declared CP method differs from the module's own computation" in res["refused"]
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
 
