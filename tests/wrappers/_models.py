@@ -158,3 +158,18 @@ class ToyModel(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList([ToyLayer(attn_cls()) for _ in range(2)])
+
+
+def extra_kwarg_attention(model, name: str = "foo_bias", value=1.0):
+    """In place: every ``self_attn`` passes one more kwarg to its attention interface (an input the
+    CP attention does not understand)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        base = type(attn)
+
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, _base=base, **kwargs):
+            return _base.forward(self, hidden_states, position_embeddings, attention_mask, **{name: value},
+                                 **kwargs)
+
+        attn.__class__ = type(f"ExtraKwarg{base.__name__}", (base,), {"forward": forward})
+    return model

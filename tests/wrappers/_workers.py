@@ -145,7 +145,7 @@ def validate_detects_mismatch(cfg_path: str):
     attn = model.model.layers[1].self_attn
     strategy = attn.forward.__hp_strategy__
     real = strategy.attention
-    strategy.attention = lambda q, k, v, *, meta, scale=None: real(q, k, v, meta=meta, scale=scale) * 1.01
+    strategy.attention = lambda q, k, v, *, meta, scale=None, **kw: real(q, k, v, meta=meta, scale=scale, **kw) * 1.01
     batch = global_batch(2, 32, model.config.vocab_size)
     local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(local.meta):
@@ -199,14 +199,223 @@ def rollback_on_failure(cfg_path: str):
 
 
 def runtime_misfire(cfg_path: str):
-    """The model stops calling SDPA after apply (switched to eager): the first forward raises."""
+    """The attention stops reaching the wrapper after apply (its module's config switched back to a
+    plain implementation, so the call goes to transformers' own eager attention): the first forward
+    raises."""
     cfg = _models.load_cfg(cfg_path)
     model, _ = build_pair(cfg, "hf")
     mesh = mesh_ctx(cfg.accelerator.cp_size)
     plan = ShardingPlanner(cfg.plan_overrides).plan(model, mesh, cp_size=cfg.accelerator.cp_size)
     model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
     model.config._attn_implementation = "eager"
+    for layer in model.model.layers:      # the wrapped modules route through a private config copy
+        layer.self_attn.config.__dict__["_attn_implementation_internal"] = "eager"
     batch = global_batch(2, 32, model.config.vocab_size)
+    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
+    with cp_batch_context(local.meta):
+        model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+
+
+# ------------------------------------------------------------------ attention semantics (issue 12)
+WRAPPERS = "hyper_parallel.distributed.context_parallel.wrappers."
+METHODS = {   # name -> (cp, inner_wrapper)
+    "colossal": (2, "sdpa_hf"),
+    "ulysses": (2, "sdpa_hf_ulysses"),
+    "head_tail": (2, {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"}),
+    "hybrid": (4, {"_target_": WRAPPERS + "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2}),
+}
+WINDOW = 5          # sliding window < every test sequence
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+ATTN_MATCH = {"falcon": "*.self_attention", "falcon_alibi": "*.self_attention", "persimmon": "*.self_attn", "gpt2": "*.attn",
+              "bloom": "*.self_attention"}
+
+
+def arch_config(arch: str):
+    """A tiny random transformers config (fp32, dropout 0) and its attn_implementation."""
+    import transformers as T
+
+    c = dict(_COMMON)
+    w = WINDOW
+    two = ["sliding_attention", "full_attention"]
+    if arch == "llama":
+        return T.LlamaConfig(**c), "sdpa"
+    if arch == "llama_eager":
+        return T.LlamaConfig(**c), "eager"
+    if arch == "mistral":
+        return T.MistralConfig(sliding_window=w, **c), "sdpa"
+    if arch == "mixtral":
+        return T.MixtralConfig(sliding_window=w, num_local_experts=4, num_experts_per_tok=2, **c), "sdpa"
+    if arch == "phi3":
+        return T.Phi3Config(sliding_window=w, resid_pdrop=0.0, embd_pdrop=0.0, **c), "sdpa"
+    if arch == "starcoder2":
+        return T.Starcoder2Config(sliding_window=w, residual_dropout=0.0, embedding_dropout=0.0, **c), "sdpa"
+    if arch == "qwen2":
+        return T.Qwen2Config(use_sliding_window=True, sliding_window=w, max_window_layers=1, **c), "sdpa"
+    if arch == "gemma3":
+        return T.Gemma3TextConfig(sliding_window=w, head_dim=16, layer_types=two, **c), "sdpa"
+    if arch == "cohere2":
+        return T.Cohere2Config(sliding_window=w, layer_types=two, **c), "sdpa"
+    if arch == "gemma2":       # softcap + window: transformers refuses SDPA, eager through the interface
+        return T.Gemma2Config(sliding_window=w, head_dim=16, attn_logit_softcapping=2.0, layer_types=two,
+                              **c), "eager"
+    if arch == "gpt_oss":      # sinks + window, eager
+        return T.GptOssConfig(sliding_window=w, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                              layer_types=two, **c), "eager"
+    if arch == "deepseek_v3":  # MLA: v_head_dim != qk head dim
+        c.update(num_key_value_heads=4)
+        return T.DeepseekV3Config(moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                  first_k_dense_replace=1, n_group=1, topk_group=1, **c), "sdpa"
+    if arch == "falcon":
+        return T.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              new_decoder_architecture=False, multi_query=False, alibi=False,
+                              hidden_dropout=0.0, attention_dropout=0.0), "sdpa"
+    if arch == "persimmon":
+        return T.PersimmonConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"
+    if arch == "falcon_alibi":
+        return T.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              alibi=True, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"
+    if arch == "gpt2":         # default attn_pdrop=0.1
+        return T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4), "sdpa"
+    if arch == "bloom":
+        return T.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4), "eager"
+    raise ValueError(arch)
+
+
+def build_arch(arch: str):
+    """(CP model, CP=1 reference) with identical weights, both train() (dropout is 0)."""
+    import transformers as T
+
+    cfg, impl = arch_config(arch)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).float().train()
+    ref = T.AutoModelForCausalLM.from_config(cfg).float().train()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def attention_batch(kind: str, S: int, vocab: int, seed: int = 7):
+    """(CP global batch, CP=1 reference inputs, valid [B, S]).
+
+    ``plain``; ``padding`` (right padding, attention_mask); ``packed`` (transformers' convention:
+    position_ids restarting inside the rows, no seq_lens); ``packed_padding`` (the same plus a
+    right-padded tail in the CP batch's attention_mask; the CP=1 reference gets the tail as one
+    more restarting document, which no real token sees)."""
+    g = torch.Generator().manual_seed(seed + S)
+    ids = torch.randint(3, vocab, (2, S), generator=g)
+    batch, ref = {"input_ids": ids}, {"input_ids": ids, "use_cache": False}   # HF packs only without a cache
+    valid = torch.ones(2, S, dtype=torch.bool)
+    if kind == "padding":
+        mask = torch.ones(2, S, dtype=torch.int64)
+        mask[0, S - 5:] = 0
+        mask[1, S - 11:] = 0
+        batch["attention_mask"] = ref["attention_mask"] = mask
+        valid = mask.bool()
+    elif kind in ("packed", "packed_padding"):
+        docs = [[S // 3, S // 4, S - S // 3 - S // 4], [7, S - 7 - 6, 6]]
+        pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in docs])
+        batch["position_ids"] = ref["position_ids"] = pos
+        if kind == "packed_padding":
+            mask = torch.ones(2, S, dtype=torch.int64)
+            mask[0, S - 4:] = 0          # the tail of the last document becomes padding
+            mask[1, S - 6:] = 0          # the whole last document becomes padding
+            batch["attention_mask"] = mask
+            rp = pos.clone()
+            rp[0, S - 4:] = torch.arange(4)
+            ref["position_ids"] = rp
+            valid = mask.bool()
+    return batch, ref, valid
+
+
+def semantics_step(model, ref, mesh, plan, batch: dict, ref_inputs: dict, valid, seed: int) -> dict:
+    """One forward+backward of the CP model and the CP=1 reference; errors on this rank (logits
+    over valid tokens; gradients: max |g_cp - g_ref| over parameters / the reference's largest |g|)."""
+    from hyper_parallel import platform as P
+
+    S = batch["input_ids"].shape[1]
+    vocab = model.config.vocab_size
+    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
+    meta = local.meta
+    w = torch.randn(2, meta.global_seq_len, vocab, generator=torch.Generator().manual_seed(seed))
+    w[:, :S] *= valid[..., None]
+    w[:, S:] = 0
+    lo = meta.cp_rank * meta.local_seq_len
+    for p in list(model.parameters()) + list(ref.parameters()):
+        p.grad = None
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
+    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
+    ref_logits = ref(**ref_inputs).logits
+    (ref_logits * w[:, :S]).sum().backward()
+    ref_logits = ref_logits.detach()
+    diff = ((full - ref_logits).abs() * valid[..., None]).max().item()
+    ref_max = (ref_logits.abs() * valid[..., None]).max().item()
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None and ref_params[n].grad is None:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = P.all_reduce(g.contiguous(), mesh.cp_mesh.get_group())
+        rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
+        gerr = max(gerr, (g - rg).abs().max().item())
+    return {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "grads_abs": gerr,
+            "grads": gerr / max(gmax, 1e-12)}
+
+
+def semantics_cases(method: str, cases, *, mode: str = "production", proof: bool = False) -> list:
+    """[(arch, kind, S)] -> one result dict per case (or {"case", "refused": message}). One model
+    pair per arch (consecutive cases of one arch reuse it)."""
+    from hyper_parallel.distributed.errors import CPConfigError
+
+    cp, wrapper = METHODS[method]
+    mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
+    out, built = [], None
+    for i, (arch, kind, S) in enumerate(cases):
+        name = f"{method}/{arch}/{kind}/S={S}"
+        if built is None or built[0] != arch:
+            model, ref = build_arch(arch)
+            entry = [{"match": ATTN_MATCH.get(arch, "*.self_attn"), "when": "cp", "region_dispatch": False,
+                      "inner_target": "self", "inner_wrapper": wrapper}]
+            try:
+                plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+                model, _ = apply_sharding_plan(model, plan, mesh, mode=mode, fsdp=False, preflight_proof=proof)
+            except (CPConfigError, ValueError) as exc:
+                built = (arch, None)
+                out.append({"case": name, "refused": str(exc)})
+                continue
+            built = (arch, (model, ref, plan))
+        if built[1] is None:
+            out.append({"case": name, "refused": out[-1].get("refused")})
+            continue
+        model, ref, plan = built[1]
+        batch, ref_inputs, valid = attention_batch(kind, S, model.config.vocab_size)
+        out.append({"case": name, **semantics_step(model, ref, mesh, plan, batch, ref_inputs, valid, i)})
+    return out
+
+
+def validate_detects_dropped_window():
+    """validate mode raises on every CP rank when the strategy drops the window (Mistral)."""
+    cp, wrapper = METHODS["colossal"]
+    model, _ = build_arch("mistral")
+    mesh = mesh_ctx(cp)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": wrapper}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, mode="validate", fsdp=False)
+    for layer in model.model.layers:
+        strategy = layer.self_attn.forward.__hp_strategy__
+        real = strategy.attention
+        strategy.attention = (lambda q, k, v, *, meta, scale=None, window=None, _real=real, **kw:
+                              _real(q, k, v, meta=meta, scale=scale, **kw))
+    batch, _, _ = attention_batch("plain", 32, model.config.vocab_size)
     local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(local.meta):
         model(input_ids=local["input_ids"], position_ids=local["position_ids"])

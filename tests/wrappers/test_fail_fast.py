@@ -139,9 +139,12 @@ def test_flex_on_sdpa_model_and_sdpa_on_flex_model(llama, llama_flex):
            fragments=("need attn_implementation='sdpa'", "flex_hf* wrapper"))
 
 
-def test_eager_model_rejected(cfg):
+def test_eager_model_goes_through_the_attention_interface(cfg):
+    """An eager HF attention module calls transformers' attention interface: the sdpa_hf* wrappers
+    route it there (transformers refuses SDPA for softcap/sinks models); flex stays flex_hf*."""
     eager = _models.build_hf(cfg.model, "eager")
-    raises(eager, [entry("sdpa_hf")], fragments=("uses attn_implementation='eager'",))
+    assert len(plan(eager, [entry("sdpa_hf")]).cp_targets) == 2
+    raises(eager, [entry("flex_hf")], fragments=("uses attn_implementation='eager'",))
 
 
 def test_attention_dropout_rejected():

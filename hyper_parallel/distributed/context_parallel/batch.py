@@ -4,7 +4,11 @@ Order of work (no collective anywhere; cp rank/size come from the mesh):
   1. validate fields (training only: no ``past_key_values``/``use_cache=True``; no 4-D mask;
      unknown tensors rejected unless listed in ``passthrough``);
   2. on the *global* sequence: key doc ids (packed ``seq_lens``/``seq_lens_padded`` -> doc
-     index, ``attention_mask`` 0 -> -1), ``position_ids`` (arange per row, restarting per
+     index, or — transformers' convention — ``position_ids`` restarting inside a row: a new
+     document wherever consecutive positions do not differ by 1, exactly
+     ``masking_utils.find_packed_sequence_indices`` at CP=1; both given and cutting the rows
+     differently -> refused; ``attention_mask`` 0 -> -1; unlike transformers, which ignores the
+     restarts when a 2-D mask is passed, CP keeps the documents and the padding), ``position_ids`` (arange per row, restarting per
      document when packed) and ``shift_labels`` (next token of ``labels`` else ``input_ids``;
      last token, padding targets and document boundaries -> ``ignore_index``);
   3. pad S to the policy multiple (cp for all_gather/ulysses/hybrid, 2*cp for load_balance):
@@ -169,6 +173,34 @@ def _pack_layout(lens: torch.Tensor, padded: Optional[torch.Tensor], S: int):
     return doc, pos, start, lens, slots
 
 
+def _restart_docs(pos: torch.Tensor) -> Optional[torch.Tensor]:
+    """Doc ids [B, S] from restarting ``position_ids`` exactly as transformers finds packed
+    sequences at CP=1 (``masking_utils.find_packed_sequence_indices``: a new document wherever
+    consecutive positions do not differ by 1), or None when no row restarts."""
+    first = pos[:, :1] - 1
+    diff = torch.diff(pos, prepend=first, dim=-1)
+    doc = (diff != 1).cumsum(-1)
+    if not bool((doc[:, -1] != 0).any()):
+        return None
+    return doc.to(torch.int64)
+
+
+def _check_restarts_agree(restart: torch.Tensor, doc: torch.Tensor) -> None:
+    """Explicit ``seq_lens`` and restarting ``position_ids`` must cut the rows at the same tokens."""
+    both = (doc[:, 1:] >= 0) & (doc[:, :-1] >= 0)
+    cut_lens = doc[:, 1:] != doc[:, :-1]
+    cut_pos = restart[:, 1:] != restart[:, :-1]
+    bad = both & (cut_lens != cut_pos)
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0])
+        raise CPBatchError(
+            f"position_ids restart (a packed-document boundary in transformers' convention) and seq_lens "
+            f"disagree in row {b} between tokens {j} and {j + 1}: seq_lens "
+            f"{'cuts' if bool(cut_lens[b, j]) else 'does not cut'} there, position_ids "
+            f"{'restart' if bool(cut_pos[b, j]) else 'do not restart'}; CP does not guess which one is meant — "
+            "pass one consistent description of the documents")
+
+
 def _shift(src: torch.Tensor, doc: Optional[torch.Tensor], ignore_index: int) -> torch.Tensor:
     out = torch.full_like(src, ignore_index)
     out[:, :-1] = src[:, 1:]
@@ -215,6 +247,17 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     if packed:
         doc, pos, start, lens, slots = _pack_layout(b["seq_lens"].to(dev), None if b.get("seq_lens_padded") is None
                                                     else b["seq_lens_padded"].to(dev), S)
+    restart = None
+    if b.get("position_ids") is not None:
+        restart = _restart_docs(b["position_ids"].to(dev).expand(B, S))
+    if restart is not None:
+        if packed:
+            _check_restarts_agree(restart, doc)
+        else:
+            # transformers' packed convention (position_ids restarting inside a row, no seq_lens):
+            # documents on the *global* rows, as transformers derives them at CP=1
+            packed = True
+            doc = restart
     mask = b.get("attention_mask")
     if mask is not None:
         valid = mask.to(dev) != 0
@@ -253,7 +296,7 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     L = S_pad // cp_size
     lo, hi = cp_rank * L, (cp_rank + 1) * L
     out = CPBatch({k: v[:, lo:hi] for k, v in full.items()})
-    if packed:
+    if b.get("seq_lens") is not None:
         out["seq_lens"] = _local_lengths(start, lens, lo, hi).to(b["seq_lens"].dtype)
         if b.get("seq_lens_padded") is not None:
             out["seq_lens_padded"] = _local_lengths(start, slots, lo, hi).to(b["seq_lens_padded"].dtype)
@@ -264,6 +307,9 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
                            key_doc=key_doc, policy=policy_name, causal=True,
                            position_ids=full["position_ids"], seq_len=S)   # global, for RoPE (rope.py)
+    # documents derived from restarting position_ids: the wrappers check on the first call that the
+    # model's own (local) mask separates them too (some models build their mask without position_ids)
+    out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None
     out.num_valid_tokens_local = (int((out["shift_labels"] != ignore_index).sum())
                                   if "shift_labels" in out else None)
     out.seq_len, out.pad_len = S, n_pad

@@ -60,8 +60,14 @@ class AttentionCall:
     dropout_p: float = 0.0
     enable_gqa: bool = False         # SDPA: k/v carry Hk heads; else they may be repeat_kv'ed
     kv_groups: int = 1               # the module's num_key_value_groups (Hq // Hk before repeat)
-    source: str = "sdpa"             # "sdpa" | "hf_interface"
-    extra: dict = dataclasses.field(default_factory=dict)
+    source: str = "sdpa"             # "sdpa" | "hf_interface" | "flex"
+    extra: dict = dataclasses.field(default_factory=dict)   # kwargs not understood: refused by the handler
+    # attention semantics read from the call (HF interface kwargs) and carried to the engine
+    window: Optional[int] = None     # transformers' sliding_window: q - window < k <= q
+    softcap: Optional[float] = None  # logit softcapping (Gemma2)
+    sinks: Optional[torch.Tensor] = None   # [Hq] learned sink logits (gpt-oss s_aux)
+    module_training: bool = False    # the module's training flag at the call (dropout is live)
+    hf_kwargs: dict = dataclasses.field(default_factory=dict)   # the interface call's kwargs, as passed
 
 
 class _TLS(threading.local):
@@ -198,6 +204,43 @@ def current_apply_context() -> ApplyContext:
 _REGISTER_LOCK = threading.Lock()
 
 
+# HF attention-interface kwargs that carry no attention semantics (bookkeeping the model threads
+# through every layer); anything else that is not None is refused by the handler, naming it.
+HF_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_router_logits",
+                               "output_hidden_states", "return_dict", "layer_idx", "past_key_values",
+                               "cache", "token_type_ids"})
+HF_FALSY_KWARGS = frozenset({"output_attentions"})
+
+
+def hf_call(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs) -> AttentionCall:
+    """Normalize one HF attention-interface call into an :class:`AttentionCall`.
+
+    ``sliding_window`` / ``softcap`` / ``s_aux`` (sinks) become explicit fields; ``is_causal``
+    (default ``module.is_causal``) becomes ``is_causal``; bookkeeping kwargs
+    (:data:`HF_IGNORED_KWARGS`, falsy :data:`HF_FALSY_KWARGS`) are dropped; every other kwarg
+    that is not None lands in ``extra`` (the handler refuses it by name).
+    """
+    raw = dict(kwargs)
+    window = kwargs.pop("sliding_window", None)
+    softcap = kwargs.pop("softcap", None)
+    sinks = kwargs.pop("s_aux", None)
+    if sinks is None:
+        sinks = kwargs.pop("sinks", None)
+    is_causal = kwargs.pop("is_causal", None)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    extra = {}
+    for k, v in kwargs.items():
+        if k in HF_IGNORED_KWARGS or v is None or (k in HF_FALSY_KWARGS and not v):
+            continue
+        extra[k] = v
+    return AttentionCall(q=query, k=key, v=value, scale=scaling, attn_mask=attention_mask,
+                         is_causal=bool(is_causal), dropout_p=float(dropout or 0.0), enable_gqa=True,
+                         kv_groups=_kv_groups(module), source="hf_interface", extra=extra,
+                         window=window, softcap=softcap, sinks=sinks,
+                         module_training=bool(getattr(module, "training", False)), hf_kwargs=raw)
+
+
 def _hf_cp_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     scope = None
     for s in reversed(_TLS_STATE.scopes):
@@ -207,12 +250,9 @@ def _hf_cp_attention(module, query, key, value, attention_mask=None, scaling=Non
     if scope is None:
         raise CPInterceptionError(
             f"{type(module).__name__}: the '{HF_CP_INTERFACE}' attention interface was called outside a "
-            "CP-wrapped forward (it exists only for modules wrapped by flex_hf* wrappers)"
+            "CP-wrapped forward (it exists only for modules wrapped by the built-in *_hf wrappers)"
         )
-    call = AttentionCall(q=query, k=key, v=value, scale=scaling, attn_mask=attention_mask,
-                         is_causal=bool(getattr(module, "is_causal", True)), dropout_p=float(dropout or 0.0),
-                         enable_gqa=True, kv_groups=_kv_groups(module), source="hf_interface",
-                         extra={k: v for k, v in kwargs.items() if v is not None})
+    call = hf_call(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     out = scope.dispatch(call)
     # HF attention interfaces return [B, S, H, D] plus optional weights
     return out.transpose(1, 2).contiguous(), None
@@ -261,11 +301,30 @@ def intercept_hf_interface(owner: str, module: nn.Module, handler: Callable[[Att
         scope.finish()
 
 
+@contextlib.contextmanager
+def intercept_hf_any(owner: str, module: nn.Module, handler: Callable[[AttentionCall], torch.Tensor],
+                     *, max_calls: int = 1, check: bool = True):
+    """Both routes at once, one shared call count: the module's HF attention-interface call (when
+    its private config names :data:`HF_CP_INTERFACE`) and any direct SDPA call."""
+    scope = InterceptScope(owner, module, handler, "torch.nn.functional.scaled_dot_product_attention "
+                           f"nor its HF attention interface ('{HF_CP_INTERFACE}')", max_calls)
+    _TLS_STATE.scopes.append(scope)
+    try:
+        with _SDPAMode(scope):
+            yield scope
+    finally:
+        _TLS_STATE.scopes.remove(scope)
+    if check:
+        scope.finish()
+
+
 def interceptor_for(primitive: str):
     if primitive == "sdpa":
         return intercept_sdpa
     if primitive == "hf_interface":
         return intercept_hf_interface
+    if primitive == "hf_any":
+        return intercept_hf_any
     raise ValueError(f"unknown attention primitive {primitive!r}")
 
 
@@ -276,8 +335,32 @@ def _param_sample(module: nn.Module):
     return None
 
 
-def hf_probe_inputs(module: nn.Module, seq: int = 2) -> Optional[dict]:
-    """Tiny inputs for an HF ``forward(hidden_states, position_embeddings, attention_mask)``."""
+def _rotary_dims(module: nn.Module, head_dim: int) -> list:
+    """Candidate cos/sin widths: the head dim, then a partial rotary width (Phi, StableLM, ...)."""
+    dims = [head_dim]
+    cfg = getattr(module, "config", None)
+    for attr in ("rotary_ndims", "rotary_dim", "rotary_emb_dim"):
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and v > 0:
+            dims.append(v)
+    qk_rope = getattr(cfg, "qk_rope_head_dim", None) if cfg is not None else None
+    if isinstance(qk_rope, int) and qk_rope > 0:
+        dims.append(qk_rope)
+    rope = getattr(cfg, "rope_parameters", None) if cfg is not None else None
+    frac = getattr(cfg, "partial_rotary_factor", None) if cfg is not None else None
+    if frac is None and isinstance(rope, dict):
+        frac = rope.get("partial_rotary_factor")
+    if isinstance(frac, (int, float)) and 0 < frac < 1:
+        dims.append(int(head_dim * frac))
+    dims.append(head_dim // 2)       # rotate-half layouts that pass half-width cos/sin (gpt-oss)
+    return list(dict.fromkeys(d for d in dims if d > 0))
+
+
+def hf_probe_inputs(module: nn.Module, seq: int = 2, rot_dim: Optional[int] = None) -> Optional[dict]:
+    """Tiny inputs for an HF ``forward(hidden_states, position_embeddings, attention_mask, ...)``.
+
+    Required parameters the probe cannot know (e.g. Falcon's ``alibi``, ``layer_past``) get None.
+    """
     p = _param_sample(module)
     if p is None or p.device.type == "meta" or type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
         return None
@@ -287,51 +370,105 @@ def hf_probe_inputs(module: nn.Module, seq: int = 2) -> Optional[dict]:
         q_proj = getattr(module, "q_proj", None)
         hidden = getattr(q_proj, "in_features", None)
     head_dim = getattr(module, "head_dim", None)
+    if head_dim is None and cfg is not None and getattr(cfg, "qk_rope_head_dim", None):
+        head_dim = cfg.qk_rope_head_dim
     if hidden is None or head_dim is None:
         return None
+    rot = rot_dim or head_dim
     params = inspect.signature(module.forward).parameters
     kwargs: dict = {"hidden_states": torch.zeros(1, seq, hidden, dtype=p.dtype, device=p.device)}
     if "position_embeddings" in params:
-        kwargs["position_embeddings"] = (torch.ones(1, seq, head_dim, dtype=p.dtype, device=p.device),
-                                         torch.zeros(1, seq, head_dim, dtype=p.dtype, device=p.device))
+        kwargs["position_embeddings"] = (torch.ones(1, seq, rot, dtype=p.dtype, device=p.device),
+                                         torch.zeros(1, seq, rot, dtype=p.dtype, device=p.device))
     if "attention_mask" in params:
         kwargs["attention_mask"] = None
+    if "position_ids" in params:
+        kwargs["position_ids"] = torch.arange(seq, device=p.device)[None]
+    for name, par in params.items():
+        if name not in kwargs and par.default is inspect.Parameter.empty and par.kind in (
+                par.POSITIONAL_OR_KEYWORD, par.KEYWORD_ONLY):
+            kwargs[name] = None
     return kwargs
 
 
-def probe_attention_calls(module: nn.Module, primitive: str, owner: str = "") -> Optional[int]:
-    """Run the module's *original* forward on tiny dummy inputs and count attention calls.
+@dataclasses.dataclass
+class ProbeResult:
+    """What a probe forward of a module's original forward did (nothing computed, nothing sent)."""
 
-    The primitive is not computed (the probe handler returns zeros), nothing communicates.
-    Returns None when the module cannot be probed (no HF signature, meta/DTensor parameters,
-    or its forward raised for reasons unrelated to the attention call; the latter is logged as
-    a WARNING naming the module and the exception).
-    """
-    kwargs = hf_probe_inputs(module)
+    count: int                           # attention calls intercepted
+    route: str                           # "hf_interface" | "sdpa" | "none"
+    calls: list = dataclasses.field(default_factory=list)    # AttentionCall (train mode)
+
+
+def _probe_once(module: nn.Module, primitive: str, owner: str, rot_dim):
+    kwargs = hf_probe_inputs(module, rot_dim=rot_dim)
     if kwargs is None:
         return None
+    calls: list = []
 
     def zeros(call: AttentionCall) -> torch.Tensor:
+        calls.append(call)
         q, v = call.q, call.v
         return q.new_zeros(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
     undo = None
+    was_training = module.training
     try:
-        if primitive == "hf_interface":
+        if primitive in ("hf_interface",):
             ensure_hf_interface_registered()
             undo = install_private_config(module)
+        module.train(True)     # the dropout the module passes in training is what CP must honour
         with torch.no_grad(), interceptor_for(primitive)(owner, module, zeros, max_calls=1 << 30,
                                                           check=False) as scope:
             module.forward(**kwargs)
-        return scope.count
-    except CPInterceptionError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - not probeable; runtime detection still applies
+        return scope.count, calls
+    finally:
+        module.train(was_training)
+        if undo is not None:
+            undo()
+
+
+def probe_module(module: nn.Module, primitive: str, owner: str = "") -> Optional[ProbeResult]:
+    """Run the module's *original* forward on tiny dummy inputs (train mode) and record its calls.
+
+    ``primitive`` "hf_any" tries the HF attention-interface route first (private config naming
+    :data:`HF_CP_INTERFACE`: the call carries mask, scaling, dropout, sliding_window, softcap,
+    sinks) and falls back to direct SDPA calls (the module's own config, e.g. Falcon's
+    ``_attn_implementation == "sdpa"`` branch); the route that saw calls is returned.
+    Returns None when the module cannot be probed (no HF signature, meta/DTensor parameters,
+    or its forward raised for reasons unrelated to the attention call; logged as a WARNING).
+    """
+    head_dim = getattr(module, "head_dim", None)
+    dims = _rotary_dims(module, head_dim) if isinstance(head_dim, int) else [None]
+    routes = ["hf_interface", "sdpa"] if primitive == "hf_any" else [primitive]
+    if primitive == "hf_any" and getattr(module, "config", None) is None:
+        routes = ["sdpa"]
+    last_exc = None
+    for route in routes:
+        for rot in dims:
+            try:
+                res = _probe_once(module, route, owner, rot)
+            except CPInterceptionError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - try the next rotary width / route
+                last_exc = exc
+                continue
+            if res is None:
+                return None
+            count, calls = res
+            if count:
+                return ProbeResult(count, route, calls)
+            break     # ran without a call: try the next route
+    if last_exc is not None:
         log.warning("%s: the probe forward of %s (primitive=%s) raised %s: %s; the misfire / "
                     "double-interception preflight check is skipped for this module (it is still "
                     "detected at the first real forward)", owner or "CP wrapper", type(module).__name__,
-                    primitive, type(exc).__name__, exc)
+                    primitive, type(last_exc).__name__, last_exc)
         return None
-    finally:
-        if undo is not None:
-            undo()
+    return ProbeResult(0, "none", [])
+
+
+def probe_attention_calls(module: nn.Module, primitive: str, owner: str = "") -> Optional[int]:
+    """Count the attention calls of a probe forward (see :func:`probe_module`); None = not probeable."""
+    res = probe_module(module, primitive, owner)
+    return None if res is None else res.count

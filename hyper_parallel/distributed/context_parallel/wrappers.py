@@ -21,9 +21,14 @@ registry name                ``_target_``         method / style
 
 How each style hooks in (see :mod:`.interception` and docs/wrappers.md):
 
-* ``sdpa_hf*``: HF ``forward(hidden_states, ...)``; the forward runs unchanged (projections,
-  QK-norm, RoPE, o_proj) and its single ``F.scaled_dot_product_attention`` call is replaced
-  by the strategy (scoped TorchFunctionMode).
+* ``sdpa_hf*``: HF ``forward(hidden_states, ...)`` (``attn_implementation`` "sdpa" or
+  "eager"); the forward runs unchanged (projections, QK-norm, RoPE, o_proj) and its single
+  attention call is replaced by the strategy: through transformers' attention interface (a
+  private config naming ``hyper_parallel_cp``, as ``flex_hf*``: the call's ``sliding_window``,
+  ``softcap``, ``s_aux`` sinks, ``scaling`` and ``dropout`` are read) when the probe sees the
+  module use it, else its direct ``F.scaled_dot_product_attention`` call (scoped
+  TorchFunctionMode; the mask is then the only carrier, so windows and additive biases are
+  refused).
 * ``sdpa_qkv*``: ``forward(q, k, v, ...)`` core attention that calls SDPA; the arguments are
   bound and checked, the forward runs unchanged, the SDPA call is replaced.
 * ``flex_hf*``: HF attention built with ``attn_implementation="flex_attention"``; its
@@ -40,21 +45,26 @@ repeated for GQA (``repeat_kv``) are un-repeated by a strided view (``k_rep[:, :
 only Hk heads are communicated; ``enable_gqa=True`` K/V are used as given.
 
 Validation (``validate`` hook, at resolution and again in the planner with TP-local heads):
-style/signature, ``attn_implementation``, unsupported features (sliding window, softcap,
-attention dropout), head divisibility for the method, and for HF styles a probe forward on a
-2-token dummy input that counts attention calls (0 = misfire, >1 = double interception).
+style/signature, ``attn_implementation``, refused inputs (attention dropout > 0, ALiBi, and on
+the probe's recorded call: unknown kwargs, non-causal, a window or an additive bias on the SDPA
+route), head divisibility for the method, and for HF styles a probe forward (train mode) on a
+2-token dummy input that counts attention calls (0 = misfire, >1 = double interception). The
+same call checks run again at every real call.
 
 Modes (``apply_sharding_plan(mode=...)``): ``production`` runs the CP path; ``validate`` also
 computes a full-sequence reference from the CP-gathered input and raises
 :class:`CPValidationError` on every CP rank when they differ by more than
-:data:`VALIDATE_TOLERANCE`. HF styles run the original forward on the gathered sequence with
-its attention primitive replaced by the engine; qkv styles attend this rank's queries to the
-gathered K/V. The reference attention is :func:`hyper_parallel.ops.attention` with global
-positions and the meta's doc ids (float32 for half inputs): no ``S x S`` mask is built in
-either mode. Outputs and gradients are those of the CP path in both modes.
+:data:`VALIDATE_TOLERANCE`. HF styles run the original forward on the gathered sequence; an
+attention-interface call is computed by the module's own attention function with its own
+kwargs and the model's own mask for the layer (transformers' mask functions on the global
+sequence, the batch's padding/documents added); SDPA-route calls by the engine; qkv styles
+attend this rank's queries to the gathered K/V with the engine (float32 for half inputs). Only
+validate mode builds an ``S x S`` mask (the model's own, for its reference); production never
+does. Outputs and gradients are those of the CP path in both modes.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from typing import Callable, Optional
@@ -64,8 +74,8 @@ import torch.nn as nn
 
 from ... import platform as P
 from .interception import (AttentionCall, InterceptScope, current_apply_context,
-                           ensure_hf_interface_registered, install_private_config, intercept_hf_interface,
-                           intercept_sdpa, probe_attention_calls)
+                           ensure_hf_interface_registered, install_private_config, intercept_hf_any,
+                           intercept_hf_interface, intercept_sdpa, probe_module)
 from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
@@ -196,9 +206,14 @@ def _check_impl(primitive: str, module: nn.Module, who: str, wrapper_kind: str) 
     impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
     if impl is None:
         return
-    want = "sdpa" if primitive == "sdpa" else "flex_attention"
-    if impl != want:
-        other = "flex_hf" if impl == "flex_attention" else ("sdpa_hf" if impl == "sdpa" else None)
+    # sdpa_hf*: SDPA models, and eager models whose attention goes through transformers' attention
+    # interface (Gemma2 softcap, gpt-oss sinks: transformers refuses SDPA for them) — the probe
+    # then proves the module really calls the interface (an eager matmul attention misfires).
+    allowed = ("sdpa", "eager") if primitive == "hf_any" else (
+        ("sdpa",) if primitive == "sdpa" else ("flex_attention",))
+    if impl not in allowed:
+        want = allowed[0]
+        other = "flex_hf" if impl == "flex_attention" else ("sdpa_hf" if impl in ("sdpa", "eager") else None)
         hint = (f"declare the {other}* wrapper instead" if other else
                 f"build the model with attn_implementation='{want}'")
         raise ValueError(
@@ -206,44 +221,115 @@ def _check_impl(primitive: str, module: nn.Module, who: str, wrapper_kind: str) 
             f"{type(module).__name__} uses attn_implementation='{impl}'; {hint}")
 
 
+def _dropout_p(obj) -> float:
+    if isinstance(obj, nn.Dropout):
+        return float(obj.p)
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        return float(obj)
+    return 0.0
+
+
 def _check_features(module: nn.Module, who: str) -> None:
+    """Static refusals: attention-probability dropout > 0 and ALiBi (an additive position bias).
+
+    Sliding windows, softcap and sinks are read from the attention call itself (the HF
+    interface kwargs) and carried to the engine; a module that calls SDPA directly cannot
+    carry them and is refused by the probe / at the call (:func:`_check_call`).
+    """
+    cfg = getattr(module, "config", None)
+    name = type(module).__name__
+    for attr in ("attention_dropout", "attn_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+        for owner, where in ((module, name), (cfg, "config")):
+            val = getattr(owner, attr, None) if owner is not None else None
+            p = _dropout_p(val)
+            if p > 0:
+                raise ValueError(
+                    f"{who}: {where}.{attr}={val} ({name}): attention dropout > 0 is not supported by the CP "
+                    f"attention (no dropout in the engine); set attention_dropout: 0.0 (attn_pdrop for GPT-2)")
+    takes_alibi = "alibi" in inspect.signature(module.forward).parameters
+    if (cfg is not None and getattr(cfg, "alibi", False) is True) or (
+            takes_alibi and (cfg is None or not hasattr(cfg, "alibi"))):   # Bloom: always ALiBi
+        raise ValueError(f"{who}: {name} uses ALiBi: its additive position bias arrives in "
+                         "the attention mask, which CP does not carry (the engine refuses alibi_slopes); "
+                         "ALiBi is not supported")
+
+
+def _check_core_features(module: nn.Module, who: str) -> None:
+    """qkv styles bind q/k/v only: a window or softcap on the module cannot be carried."""
     cfg = getattr(module, "config", None)
     if getattr(module, "sliding_window", None) is not None:
         raise ValueError(f"{who}: sliding-window attention (sliding_window={module.sliding_window}) is not "
-                         "supported by the built-in CP wrappers; write a model-specific wrapper")
+                         "carried by the *_qkv wrappers; use the *_hf wrapper on the HF attention module")
     soft = getattr(cfg, "attn_logit_softcapping", None) if cfg is not None else None
     if soft:
-        raise ValueError(f"{who}: attention logit softcapping ({soft}) is not supported by the CP engine")
-    drop = getattr(module, "attention_dropout", None)
-    if drop is None and cfg is not None:
-        drop = getattr(cfg, "attention_dropout", 0.0)
-    if drop:
-        raise ValueError(f"{who}: attention_dropout={drop} is not supported by the CP wrappers (the CP attention "
-                         "has no dropout); set attention_dropout: 0.0")
+        raise ValueError(f"{who}: attention logit softcapping ({soft}) is not carried by the *_qkv wrappers; "
+                         "use the *_hf wrapper on the HF attention module")
+
+
+def _check_call(call: AttentionCall, module: nn.Module, who: str, *, at: str) -> None:
+    """Refuse what a call carries that CP would not compute exactly; ``at`` names where (probe/run)."""
+    name = type(module).__name__
+    if call.extra:
+        raise ValueError(f"{who}: {name}'s attention call passes {sorted(call.extra)} ({at}), which the CP "
+                         "attention does not understand; refused rather than dropped")
+    if call.dropout_p and (call.module_training or call.source == "sdpa"):
+        raise ValueError(f"{who}: {name}'s attention call passes dropout={call.dropout_p} in training ({at}); "
+                         "attention dropout > 0 is not supported by the CP attention")
+    if not call.is_causal and call.source == "hf_interface":
+        raise ValueError(f"{who}: {name} is non-causal (is_causal=False, {at}); the built-in CP wrappers "
+                         "compute causal decoder attention only")
+    if call.window is not None and (isinstance(call.window, bool) or not isinstance(call.window, int)
+                                    or call.window < 1):
+        raise ValueError(f"{who}: {name}'s attention call passes sliding_window={call.window!r} ({at}); "
+                         "expected an int >= 1 or None")
+    if call.source == "sdpa":
+        win = getattr(module, "sliding_window", None)
+        if win is not None:
+            raise ValueError(f"{who}: {name} (sliding_window={win}) calls SDPA directly, so the window exists "
+                             f"only inside its mask ({at}); CP cannot read it from the call. Route the module "
+                             "through transformers' attention interface (ALL_ATTENTION_FUNCTIONS)")
+        m = call.attn_mask
+        if isinstance(m, torch.Tensor) and m.dtype.is_floating_point:
+            bias = torch.isfinite(m) & (m != 0) & (m > torch.finfo(m.dtype).min / 2)
+            if bool(bias.any()):
+                raise ValueError(f"{who}: {name} passes SDPA an additive float mask with finite non-zero "
+                                 f"values ({at}), e.g. ALiBi or a relative position bias; CP computes only "
+                                 "causal + padding + documents + window and refuses the bias")
 
 
 _PROBE_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def _check_probe(primitive: str, module: nn.Module, who: str) -> None:
+def _probe(primitive: str, module: nn.Module, who: str):
     cache = _PROBE_CACHE.setdefault(module, {})
     if primitive not in cache:
-        cache[primitive] = probe_attention_calls(module, primitive, owner=who)
-    n = cache[primitive]
-    what = ("torch.nn.functional.scaled_dot_product_attention" if primitive == "sdpa"
-            else "its HF attention interface")
-    if n == 0:
+        cache[primitive] = probe_module(module, primitive, owner=who)
+    return cache[primitive]
+
+
+def _check_probe(primitive: str, module: nn.Module, who: str) -> None:
+    res = _probe(primitive, module, who)
+    what = {"sdpa": "torch.nn.functional.scaled_dot_product_attention",
+            "hf_interface": "its HF attention interface",
+            "hf_any": "torch.nn.functional.scaled_dot_product_attention"}[primitive]
+    if res is None:
+        return
+    if res.count == 0:
+        extra = " call (nor an HF attention-interface call)" if primitive == "hf_any" else " call"
         raise ValueError(
-            f"{who}: a probe forward of {type(module).__name__} made no {what} call, so the wrapper would never "
-            "run (misfire); check attn_implementation and inner_target")
-    if n is not None and n > 1:
+            f"{who}: a probe forward of {type(module).__name__} made no {what}{extra}, so the wrapper would "
+            "never run (misfire); check attn_implementation and inner_target")
+    if res.count > 1:
         raise ValueError(
-            f"{who}: a probe forward of {type(module).__name__} made {n} {what} calls; the wrapper replaces "
-            "exactly one (double interception) — use a model-specific wrapper or a narrower inner_target")
+            f"{who}: a probe forward of {type(module).__name__} made {res.count} {what} calls; the wrapper "
+            "replaces exactly one (double interception) — use a model-specific wrapper or a narrower inner_target")
+    for call in res.calls:
+        _check_call(call, module, who, at="preflight probe, train mode")
 
 
 def _make_validate(name: str, method: str, style: str, primitive: str):
-    kind = {"sdpa": "SDPA", "hf_interface": "FlexAttention", "flex_direct": "FlexAttention"}[primitive]
+    kind = {"sdpa": "SDPA", "hf_any": "SDPA", "hf_interface": "FlexAttention",
+            "flex_direct": "FlexAttention"}[primitive]
 
     def validate(target_module: nn.Module, *, cp_size: int, tp_size: int = 1, ulysses_degree=None,
                  probe: bool = True) -> None:
@@ -252,6 +338,8 @@ def _make_validate(name: str, method: str, style: str, primitive: str):
         if style in ("hf", "flex_hf"):
             _check_impl(primitive, target_module, who, kind)
         _check_features(target_module, who)
+        if style in ("qkv", "flex_qkv"):
+            _check_core_features(target_module, who)
         _check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
         if probe and style in ("hf", "flex_hf"):
             _check_probe(primitive, target_module, who)
@@ -297,31 +385,82 @@ def _check_repeat(call: AttentionCall, owner: str) -> None:
                                 f"copy (groups={g}); declare num_key_value_groups correctly or pass enable_gqa")
 
 
-def _make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False):
+def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, owner: str) -> None:
+    """Packed rows given as restarting position_ids: the model's own local mask must separate the
+    documents CP derived. transformers derives them only where the model passes position_ids to
+    its mask functions (e.g. gpt-oss does not: at CP=1 its documents see each other), and only
+    without a KV cache (``use_cache=False``, training); a model that does not is refused instead
+    of computing something else than at CP=1. Checked once per batch per module, on the local chunk."""
+    if not getattr(meta, "docs_from_positions", False) or call.source != "hf_interface":
+        return
+    if call.hf_kwargs.get("use_cache"):
+        return      # with a KV cache transformers never derives documents from the positions: nothing to compare
+    doc = meta.doc_slice(meta.q_index)
+    if doc is None:
+        return
+    L = doc.shape[1]
+    i = torch.arange(L)
+    causal = i[None, :] <= i[:, None]
+    valid = (doc[:, :, None] >= 0) & (doc[:, None, :] >= 0)
+    cross = (doc[:, :, None] != doc[:, None, :]) & causal & valid           # [B, L, L]
+    if call.window is not None:
+        cross &= (i[:, None] - i[None, :]) < call.window
+    if not bool(cross.any()):
+        return
+    m = call.attn_mask
+    if m is None:
+        allowed = torch.ones_like(cross)
+    elif isinstance(m, torch.Tensor) and m.dim() == 4 and tuple(m.shape[-2:]) == (L, L):
+        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        allowed = allowed.any(dim=1).to(cross.device)
+    else:
+        return          # a mask format this check cannot read (e.g. a BlockMask): the proof decides
+    if bool((allowed & cross).any()):
+        raise ValueError(
+            f"module '{owner}': the batch packs documents as restarting position_ids, but the model's own "
+            "mask lets them see each other (this model builds its mask without position_ids, so at CP=1 "
+            "transformers treats the row as one sequence); CP would separate them and compute something "
+            "else than CP=1 — refused. Pass the documents as seq_lens (and an explicit attention "
+            "boundary at CP=1), or do not pack rows for this model")
+
+
+def _make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False,
+                  module: Optional[nn.Module] = None):
+    checked = [None]      # the meta whose documents were checked against the model's mask
+
     def handler(call: AttentionCall) -> torch.Tensor:
         meta = current_cp_batch_meta()
         for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
             if not isinstance(t, torch.Tensor) or _is_dtensor(t):
                 raise TypeError(f"module '{owner}': the intercepted attention got a {type(t).__name__} {name}; "
                                 "CP wrappers need local tensors (TP plans must use use_local_output=True)")
-        if call.dropout_p:
-            raise ValueError(f"module '{owner}': attention dropout_p={call.dropout_p} is not supported by CP")
-        extra = {k: v for k, v in call.extra.items() if k in ("softcap", "s_aux", "position_bias")}
-        if extra:
-            raise ValueError(f"module '{owner}': {sorted(extra)} are not supported by the CP attention")
+        if module is not None:
+            _check_call(call, module, f"module '{owner}'", at="at the call")
+        else:
+            if call.dropout_p:
+                raise ValueError(f"module '{owner}': attention dropout_p={call.dropout_p} is not supported by CP")
+            if call.extra:
+                raise ValueError(f"module '{owner}': {sorted(call.extra)} are not supported by the CP attention")
+        if module is not None and id(meta) != checked[0]:
+            checked[0] = id(meta)
+            _check_model_separates_documents(call, meta, owner)
         if validate_attention or check_repeat:
             _check_repeat(call, owner)
         k, v = _unrepeat(call)
         q = call.q
+        sinks = call.sinks
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
             # autocast casts SDPA's inputs to its fast dtype; the engine is a custom op that
             # autocast does not see, so apply the same cast here (q/k/v may arrive mixed).
             dt = torch.get_autocast_dtype(device_type)
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
-        out = strategy.attention(q, k, v, meta=meta, scale=call.scale)
+        if sinks is not None and sinks.dtype != q.dtype:
+            sinks = sinks.to(q.dtype)
+        out = strategy.attention(q, k, v, meta=meta, scale=call.scale, window=call.window, softcap=call.softcap,
+                                 sinks=sinks)
         if validate_attention:
-            _validate_attention(out, q, k, v, call.scale, meta, cp_group, owner)
+            _validate_attention(out, q, k, v, call, meta, cp_group, owner)
         return out
 
     return handler
@@ -373,7 +512,7 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, rows: Optional[torch.Tensor],
 
 
 def _full_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
-                         meta: CPBatchMeta, scale) -> torch.Tensor:
+                         meta: CPBatchMeta, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
     """Validate mode's reference: queries at global ``q_pos`` over the *whole* key sequence.
 
     k/v ``[B, Hk, S, D]`` hold every key (global positions ``0..S-1``, ``S ==
@@ -386,27 +525,29 @@ def _full_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = engine_attention(q.to(acc), k.to(acc), v.to(acc), q_pos=q_pos, k_pos=meta.k_index, meta=meta,
-                           scale=scale)
+                           scale=scale, window=window, softcap=softcap,
+                           sinks=None if sinks is None else sinks.detach().to(acc))
     return out.to(q.dtype)
 
 
-def _validate_attention(out, q, k, v, scale, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
+def _validate_attention(out, q, k, v, call: AttentionCall, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
     """qkv styles: compare the CP output with this rank's queries attending to the gathered K/V."""
     group = _rank_group(cp_mesh)
     kf, vf = (_gather_seq(t, group, 2) for t in (k, v))     # [B, Hk, S, D]: every key
     with torch.no_grad():
-        ref = _full_sequence_attention(q.detach(), kf, vf, q_pos=meta.q_index, meta=meta, scale=scale)
+        ref = _full_sequence_attention(q.detach(), kf, vf, q_pos=meta.q_index, meta=meta, scale=call.scale,
+                                       window=call.window, softcap=call.softcap, sinks=call.sinks)
     _compare(out, ref, _valid_query_rows(meta, out.shape[0]), 2, group, owner, "attention output")
 
 
 def _hf_module_reference(original: Callable, module: nn.Module, primitive: str, args, kwargs,
-                         meta: CPBatchMeta, group, owner: str):
+                         meta: CPBatchMeta, group, owner: str, orig_cfg=None):
     """Run the original forward on the CP-gathered full sequence; return this rank's output slice.
 
-    The module's own projections/norms/RoPE run unchanged on the full sequence; its attention
-    primitive (SDPA or the HF interface) is replaced by :func:`_full_sequence_attention` over the
-    full sequence (global positions, doc ids from ``meta``), so no ``S x S`` mask is built and
-    HF's ``attention_mask`` is passed as None.
+    The module's own projections/norms/RoPE run unchanged on the full sequence (KV cache None,
+    HF's local ``attention_mask`` None); its attention call is computed by
+    :func:`_run_with_reference_attention`: the module's own attention function with the model's
+    own mask (interface route) or the engine at global positions (SDPA route).
     """
     sig = inspect.signature(original)
     bound = sig.bind(*args, **kwargs)
@@ -425,20 +566,87 @@ def _hf_module_reference(original: Callable, module: nn.Module, primitive: str, 
         new.update(extra)
     if "attention_mask" in new or "attention_mask" in sig.parameters:
         new["attention_mask"] = None      # local mask: meaningless on the full sequence, never used
+    for key in ("cache", "past_key_values", "past_key_value", "layer_past"):
+        if key in new:
+            new[key] = None               # the step's KV cache holds local keys: never extend it
     with torch.no_grad():
-        res = _run_with_reference_attention(original, module, primitive, new, meta, owner)
+        res = _run_with_reference_attention(original, module, primitive, new, meta, owner, orig_cfg)
     out = res[0] if isinstance(res, tuple) else res
     lo = meta.cp_rank * meta.local_seq_len
     return out[:, lo:lo + meta.local_seq_len]
 
 
-def _run_with_reference_attention(original, module, primitive, kwargs, meta, owner):
+def _model_mask(module: nn.Module, cfg, call: AttentionCall, hidden: torch.Tensor, meta: CPBatchMeta, impl: str):
+    """The mask the model itself builds for this layer, on the global sequence.
+
+    transformers' own mask function for the layer's type (``config.layer_types[layer_idx]``, else
+    the config's ``sliding_window``: Mistral-style models), evaluated with the original
+    attention implementation's mask format on the gathered (padded) sequence; padding and packed
+    documents of the batch (``meta.key_doc``) enter as an ``and_mask_function``.
+    """
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    layer_types = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(idx, int) and idx < len(layer_types):
+        sliding = layer_types[idx] in ("sliding_attention", "chunked_attention") and \
+            getattr(cfg, "sliding_window", None) is not None
+    else:
+        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+    mask_cfg = copy.copy(cfg)
+    mask_cfg.__dict__["_attn_implementation_internal"] = impl
+    docs = meta.key_doc
+    and_fn = None
+    if docs is not None:
+        docs = docs.to(hidden.device)
+
+        def and_fn(b, h, q_idx, kv_idx):
+            return (docs[b, q_idx] == docs[b, kv_idx]) & (docs[b, kv_idx] >= 0)
+
+    fn = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return fn(config=mask_cfg, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
+              and_mask_function=and_fn, allow_is_causal_skip=False)
+
+
+def _original_attention(module: nn.Module, impl: str):
+    """The attention function the module would call with its own config (``impl``)."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl != "eager" and impl in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[impl]
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def _run_with_reference_attention(original, module, primitive, kwargs, meta, owner, orig_cfg=None):
+    hidden = kwargs.get("hidden_states")
+
     def ref_handler(call: AttentionCall):
-        k, v = _unrepeat(call)
         if call.q.shape[2] != meta.global_seq_len:
             raise CPValidationError(f"module '{owner}': validate reference saw {call.q.shape[2]} query tokens "
                                     f"after gathering, expected the global length {meta.global_seq_len}")
-        return _full_sequence_attention(call.q, k, v, q_pos=meta.k_index, meta=meta, scale=call.scale)
+        impl = getattr(orig_cfg, "_attn_implementation", None) if orig_cfg is not None else None
+        if call.source == "hf_interface" and impl in ("sdpa", "eager"):
+            # the module's own attention function, its own kwargs, the model's own mask
+            acc = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+            q, k, v = (t.to(acc) for t in (call.q, call.k, call.v))
+            mask_impl = "eager" if impl == "eager" else "sdpa"
+            mask = _model_mask(module, orig_cfg, call, hidden.to(acc), meta, mask_impl)
+            kw = dict(call.hf_kwargs)
+            if call.sinks is not None:
+                kw["s_aux"] = call.sinks.detach().to(acc)
+            out, _ = _original_attention(module, impl)(module, q, k, v, mask, scaling=call.scale, dropout=0.0,
+                                                       **kw)
+            # rows that see no key (padding queries): the CP output is defined as 0 there, and
+            # they are not compared (_valid_query_rows)
+            return out.transpose(1, 2).to(call.q.dtype)
+        k, v = _unrepeat(call)
+        return _full_sequence_attention(call.q, k, v, q_pos=meta.k_index, meta=meta, scale=call.scale,
+                                        window=call.window, softcap=call.softcap, sinks=call.sinks)
 
     ctx = intercept_sdpa if primitive == "sdpa" else intercept_hf_interface
     with ctx(f"{owner} (validate reference)", module, ref_handler):
@@ -453,12 +661,21 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
     validate_mode = ctx.mode == "validate"
     original = target_module.forward
     undo: list = []
-    if primitive == "hf_interface":
+    route = primitive
+    if primitive == "hf_any":
+        # the probe found which route this module's attention takes; unprobeable modules with a
+        # config get the interface route (every attention of transformers >= 5 goes through it)
+        res = _probe(primitive, target_module, owner)
+        route = res.route if res is not None and res.count else (
+            "hf_interface" if getattr(target_module, "config", None) is not None else "sdpa")
+    orig_cfg = getattr(target_module, "config", None)
+    if route == "hf_interface":
         ensure_hf_interface_registered()
         undo.append(install_private_config(target_module))
     group = _rank_group(cp_mesh)
-    handler = _make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode)
-    interceptor = intercept_sdpa if primitive == "sdpa" else intercept_hf_interface
+    handler = _make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
+                            module=target_module if style in ("hf", "flex_hf") else None)
+    interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface, "hf_any": intercept_hf_any}[primitive]
     sig = inspect.signature(original)
 
     def cp_forward(*args, **kwargs):
@@ -471,7 +688,8 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
             out = original(*args, **kwargs)
         if validate_mode and style in ("hf", "flex_hf"):
             meta = current_cp_batch_meta()
-            ref = _hf_module_reference(original, target_module, primitive, args, kwargs, meta, group, owner)
+            ref = _hf_module_reference(original, target_module, route, args, kwargs, meta, group, owner,
+                                       orig_cfg)
             got = out[0] if isinstance(out, tuple) else out
             _compare(got, ref, _valid_query_rows(meta, got.shape[0]), 1, group, owner, "module output")
         return out
@@ -536,10 +754,10 @@ def _install(name: str, method: str, style: str, primitive: str, target_module, 
 # ============================================================================ the wrappers
 _SPECS = {
     # function name: (registry name or None, method, style, primitive)
-    "sdpa_hf_cp_wrapper": ("sdpa_hf", "colossal", "hf", "sdpa"),
-    "sdpa_hf_ulysses_cp_wrapper": ("sdpa_hf_ulysses", "ulysses", "hf", "sdpa"),
-    "sdpa_hf_hybrid_cp_wrapper": (None, "hybrid", "hf", "sdpa"),
-    "sdpa_hf_load_balance_cp_wrapper": (None, "load_balance", "hf", "sdpa"),
+    "sdpa_hf_cp_wrapper": ("sdpa_hf", "colossal", "hf", "hf_any"),
+    "sdpa_hf_ulysses_cp_wrapper": ("sdpa_hf_ulysses", "ulysses", "hf", "hf_any"),
+    "sdpa_hf_hybrid_cp_wrapper": (None, "hybrid", "hf", "hf_any"),
+    "sdpa_hf_load_balance_cp_wrapper": (None, "load_balance", "hf", "hf_any"),
     "sdpa_qkv_cp_wrapper": ("sdpa_qkv", "colossal", "qkv", "sdpa"),
     "sdpa_qkv_ulysses_cp_wrapper": ("sdpa_qkv_ulysses", "ulysses", "qkv", "sdpa"),
     "sdpa_qkv_hybrid_cp_wrapper": (None, "hybrid", "qkv", "sdpa"),

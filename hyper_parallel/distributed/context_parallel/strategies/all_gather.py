@@ -13,7 +13,7 @@ import torch
 
 from ..collectives import flex_cp_allgather
 from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, engine_attention
+from .base import CPGroupStrategy, check_sinks, engine_attention
 
 
 class AllGatherStrategy(CPGroupStrategy):
@@ -23,9 +23,11 @@ class AllGatherStrategy(CPGroupStrategy):
     method = "colossal"
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        check_sinks(type(self).__name__, sinks, q.shape[1])
         k_all, v_all = flex_cp_allgather(k, v, 2, self.group)
         return engine_attention(q, k_all, v_all, q_pos=meta.q_index, k_pos=meta.k_index, meta=meta,
-                                scale=scale)
+                                scale=scale, window=window, softcap=softcap, sinks=sinks)

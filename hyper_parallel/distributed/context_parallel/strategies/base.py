@@ -50,12 +50,17 @@ class ContextParallelStrategy:
         """Raise ValueError naming the heads/degree that do not fit (called at apply time)."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Local-chunk attention over the global sequence (see the class contract).
 
-        q ``[B, Hq, S_local, D]``, k/v ``[B, Hk, S_local, D]`` (chunk ``meta.cp_rank``);
-        ``scale`` defaults to ``1/sqrt(D)``. Returns ``[B, Hq, S_local, D]``. Collectives run
-        on the strategy's group(s); backward mirrors them.
+        q ``[B, Hq, S_local, D]``, k ``[B, Hk, S_local, D]``, v ``[B, Hk, S_local, Dv]`` (chunk
+        ``meta.cp_rank``; the value head dim may differ from the qk head dim, MLA);
+        ``scale`` defaults to ``1/sqrt(D)``. ``window`` (left sliding window on global
+        positions, transformers' ``sliding_window``), ``softcap`` (logit softcapping) and
+        ``sinks`` (``[Hq]`` per-head sink logits, sliced by head where heads are split) go to
+        :func:`hyper_parallel.ops.attention` unchanged. Returns ``[B, Hq, S_local, Dv]``.
+        Collectives run on the strategy's group(s); backward mirrors them.
         """
         raise NotImplementedError
 
@@ -81,7 +86,8 @@ class ContextParallelStrategy:
                 raise ValueError(f"{who}: {name} must be [B, H, S_local, D], got shape {t}")
         q, k, v = (t for _, t in shapes)
         if not (q[0] == k[0] == v[0]) or k[1] != v[1] or q[3] != k[3]:
-            raise ValueError(f"{who}: q {q}, k {k}, v {v} disagree on batch, kv heads or head dim")
+            raise ValueError(f"{who}: q {q}, k {k}, v {v} disagree on batch, kv heads or qk head dim "
+                             "(v's head dim may differ)")
         if meta.cp_size != cp_size or meta.cp_rank != cp_rank:
             raise ValueError(f"{who}: meta was built for cp rank {meta.cp_rank} of {meta.cp_size}, but this "
                              f"strategy's group puts this rank at {cp_rank} of {cp_size}")
@@ -137,16 +143,41 @@ def check_gqa(who: str, num_q_heads: int, num_kv_heads: int) -> None:
                          f"num_kv_heads={num_kv_heads} (GQA groups)")
 
 
+def check_sinks(who: str, sinks, num_q_heads: int) -> None:
+    """``sinks`` must be None or ``[Hq]`` (this rank's query heads, before any head split)."""
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_q_heads,)):
+        raise ValueError(f"{who}: sinks must be a [num_q_heads={num_q_heads}] tensor, got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
+
+
+def head_slice_sinks(sinks, num_q_heads: int, degree: int, index: int):
+    """The sinks of head slice ``index`` of ``degree`` (Ulysses/Hybrid head split), or None."""
+    if sinks is None:
+        return None
+    n = num_q_heads // degree
+    return sinks[index * n:(index + 1) * n]
+
+
 def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
-                     k_pos: torch.Tensor, meta: CPBatchMeta, scale: float | None = None) -> torch.Tensor:
+                     k_pos: torch.Tensor, meta: CPBatchMeta, scale: float | None = None,
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Run :func:`hyper_parallel.ops.attention` for queries/keys at global indices ``q_pos``/``k_pos``.
 
     Doc ids come from ``meta.key_doc`` (padding = -1 is never attended, packed documents do
-    not see each other); causality from ``meta.causal``. No dense mask is ever built here.
+    not see each other); causality from ``meta.causal``; ``window`` / ``softcap`` / ``sinks``
+    (``[q.shape[1]]``) are passed through. No dense mask is ever built here.
     """
     dev = q.device
     q_doc, k_doc = meta.doc_slice(q_pos), meta.doc_slice(k_pos)
     if q_doc is not None:
         q_doc, k_doc = q_doc.to(dev), k_doc.to(dev)
+    extra = {}
+    if window is not None:
+        extra["window"] = int(window)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if sinks is not None:
+        extra["sinks"] = sinks
     return _ops.attention(q, k, v, q_pos=q_pos.to(dev), k_pos=k_pos.to(dev), causal=meta.causal,
-                          q_doc=q_doc, k_doc=k_doc, scale=scale)
+                          q_doc=q_doc, k_doc=k_doc, scale=scale, **extra)

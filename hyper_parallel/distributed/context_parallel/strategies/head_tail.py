@@ -26,7 +26,7 @@ import torch
 from ..collectives import (flex_cp_allgather, head_tail_combine, head_tail_dispatch,
                            head_tail_sub_chunks)
 from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, engine_attention
+from .base import CPGroupStrategy, check_sinks, engine_attention
 
 
 class HeadTailStrategy(CPGroupStrategy):
@@ -39,7 +39,8 @@ class HeadTailStrategy(CPGroupStrategy):
         return 2 * cp_size
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
         C, r = self.cp_size, self.cp_rank
         if meta.global_seq_len % (2 * C):
@@ -48,6 +49,7 @@ class HeadTailStrategy(CPGroupStrategy):
                 f"2*cp_size={2 * C} (batch policy {meta.policy!r}); shard the batch with policy='load_balance'"
             )
         self.check_inputs(q, k, v, meta, cp_size=C, cp_rank=r)
+        check_sinks(type(self).__name__, sinks, q.shape[1])
         k_all, v_all = flex_cp_allgather(k, v, 2, self.group)
         q_head, q_tail = head_tail_dispatch(q, self.group)
         sub = meta.global_seq_len // (2 * C)
@@ -57,5 +59,6 @@ class HeadTailStrategy(CPGroupStrategy):
             n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
             k_pos = torch.arange(n_keys, dtype=torch.int64)
             outs.append(engine_attention(q_part, k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos=q_pos,
-                                         k_pos=k_pos, meta=meta, scale=scale))
+                                         k_pos=k_pos, meta=meta, scale=scale, window=window, softcap=softcap,
+                                         sinks=sinks))
         return head_tail_combine(outs[0], outs[1], self.group)

@@ -21,7 +21,7 @@ from ....platform import group_rank, group_size
 from ..collectives import (group_desc, hybrid_kv_allgather, resolve_group, ulysses_head_to_seq,
                            ulysses_seq_to_head)
 from ..meta import CPBatchMeta
-from .base import ContextParallelStrategy, engine_attention
+from .base import ContextParallelStrategy, check_sinks, engine_attention, head_slice_sinks
 from .ulysses import check_head_split
 
 
@@ -76,14 +76,18 @@ class HybridStrategy(ContextParallelStrategy):
         check_head_split(who, num_q_heads, num_kv_heads, u, "ulysses_degree")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        check_sinks(type(self).__name__, sinks, q.shape[1])
         u = self.ulysses_degree
+        sinks_h = head_slice_sinks(sinks, q.shape[1], u, group_rank(self.ulysses_group))
         q_h = ulysses_seq_to_head(q, self.ulysses_group, tag="cp.ulysses_s2h_q")
         k_all, v_all = hybrid_kv_allgather(k, v, self.colossal_group, self.ulysses_group)
         n = meta.local_seq_len * u
         start = group_rank(self.colossal_group) * n
         q_pos = torch.arange(start, start + n, dtype=torch.int64)
-        out_h = engine_attention(q_h, k_all, v_all, q_pos=q_pos, k_pos=meta.k_index, meta=meta, scale=scale)
+        out_h = engine_attention(q_h, k_all, v_all, q_pos=q_pos, k_pos=meta.k_index, meta=meta, scale=scale,
+                                 window=window, softcap=softcap, sinks=sinks_h)
         return ulysses_head_to_seq(out_h, self.ulysses_group, tag="cp.ulysses_h2s_out")

@@ -14,7 +14,7 @@ import torch
 
 from ..collectives import ulysses_head_to_seq, ulysses_seq_to_head
 from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_gqa, engine_attention
+from .base import CPGroupStrategy, check_gqa, check_sinks, engine_attention, head_slice_sinks
 
 
 def check_head_split(who: str, num_q_heads: int, num_kv_heads: int, degree: int, what: str) -> None:
@@ -55,13 +55,17 @@ class UlyssesStrategy(CPGroupStrategy):
         check_head_split(who, num_q_heads, num_kv_heads, cp_size, "cp_size (ulysses_degree)")
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        check_sinks(type(self).__name__, sinks, q.shape[1])
+        sinks_h = head_slice_sinks(sinks, q.shape[1], self.cp_size, self.cp_rank)   # this rank's heads
         g = self.group
         q_h = ulysses_seq_to_head(q, g, tag="cp.ulysses_s2h_q")
         k_h = ulysses_seq_to_head(k, g, tag="cp.ulysses_s2h_k")
         v_h = ulysses_seq_to_head(v, g, tag="cp.ulysses_s2h_v")
         idx = meta.k_index
-        out_h = engine_attention(q_h, k_h, v_h, q_pos=idx, k_pos=idx, meta=meta, scale=scale)
+        out_h = engine_attention(q_h, k_h, v_h, q_pos=idx, k_pos=idx, meta=meta, scale=scale, window=window,
+                                 softcap=softcap, sinks=sinks_h)
         return ulysses_head_to_seq(out_h, g, tag="cp.ulysses_h2s_out")

@@ -1,0 +1,190 @@
+"""Attention semantics read from the call (issue 12): every attention a tiny random transformers
+decoder asks for is computed exactly under CP, or refused before the first step naming the module.
+
+Parity (fp32, ``train()``, dropout 0, nothing downloaded): logits over the valid tokens (max abs
+<= ``LOGIT_TOL``) and every parameter gradient (max |g_cp - g_cp1| / the reference's largest
+|gradient| <= ``GRAD_TOL``) against the same model at CP=1, for
+
+* sliding windows shorter than the sequence (``WINDOW`` = 5, S = 27/32): Mistral, Mixtral,
+  Phi3, Starcoder2, Qwen2 (``use_sliding_window``), Gemma3 and Cohere2 (window + full layers);
+* Gemma2 (softcap + window) and gpt-oss (sinks + window), built eager (transformers refuses
+  SDPA for them) and routed through the attention interface;
+* DeepSeek-V3 MLA (``v_head_dim`` 12 != qk head dim 16); Falcon / Persimmon (attention dropout
+  is an ``nn.Dropout(p=0.0)`` module); Llama;
+* packed rows in transformers' convention (``position_ids`` restarting inside a row, no
+  ``seq_lens``), with and without right padding,
+
+x Colossal, Ulysses and Head-Tail at cp 2 and Hybrid (u=2) at cp 4. Refusals (GPT-2's default
+``attn_pdrop=0.1``, ALiBi, an unknown attention kwarg, seq_lens disagreeing with restarting
+positions) assert their message. Rank functions and models: ``tests/wrappers/_workers.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyper_parallel.distributed.errors import CPConfigError
+from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+
+from . import _models, _workers as W
+
+LOGIT_TOL = 1e-5          # fp32: max |logits_cp - logits_cp1| over valid tokens
+GRAD_TOL = 1e-5           # fp32: max |g_cp - g_cp1| / max over all parameters of |g_cp1|
+
+WINDOW_ARCHS = ["mistral", "mixtral", "phi3", "starcoder2", "qwen2", "gemma3", "cohere2", "gemma2", "gpt_oss"]
+KINDS = ["plain", "padding", "packed", "packed_padding"]
+# transformers builds these models' masks without position_ids: at CP=1 restarting positions are one
+# sequence, so CP refuses them (test_packed_positions_refused_where_the_model_ignores_them)
+NO_PACKED_POSITIONS = {"gpt_oss"}
+
+
+def check(results, expect_refused=()) -> None:
+    """Print the worst errors over ranks and cases next to the tolerance, then assert every case."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].rsplit("::", 1)[-1]
+    flat = [r for per_rank in results for r in per_rank]
+    refused = [r for r in flat if "refused" in r]
+    bad_refusals = [r for r in refused if not any(a in r["case"] for a in expect_refused)]
+    assert not bad_refusals, "\n".join(f"{r['case']}: refused: {r['refused']}" for r in bad_refusals)
+    ran = [r for r in flat if "refused" not in r]
+    if ran:
+        print(f"{test} ({len(results[0])} cases) logits: max abs {max(r['logits'] for r in ran):.2e} "
+              f"rel {max(r['logits_rel'] for r in ran):.2e} (tol abs {LOGIT_TOL:g}); grads: max abs "
+              f"{max(r['grads_abs'] for r in ran):.2e} rel {max(r['grads'] for r in ran):.2e} "
+              f"(tol {GRAD_TOL:g} x the largest |grad|)")
+    bad = [r for r in ran if r["logits"] > LOGIT_TOL or r["grads"] > GRAD_TOL]
+    assert not bad, "\n".join(f"{r['case']}: logits {r['logits']:.2e} grads {r['grads']:.2e}" for r in bad)
+
+
+def _cases(archs, start: int = 0, S=(27, 32)):
+    """One or two steps per architecture, the batch kinds rotating over the architectures."""
+    out = []
+    for i, arch in enumerate(archs):
+        kind = KINDS[(start + i) % len(KINDS)]
+        if arch in NO_PACKED_POSITIONS and kind.startswith("packed"):
+            kind = "padding"
+        out.append((arch, kind, S[i % 2]))
+    return out
+
+
+# ---------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("method", ["colossal", "ulysses", "head_tail"])
+def test_window_softcap_sinks_mla_packed_cp2(ranks, method):
+    """Every window architecture (+ Gemma2 softcap, gpt-oss sinks), DeepSeek-V3 MLA, Falcon /
+    Persimmon (Dropout(p=0) modules) and Llama packed rows, at cp 2, in one pool call."""
+    start = {"colossal": 0, "ulysses": 1, "head_tail": 2}[method]
+    cases = _cases(WINDOW_ARCHS, start)
+    cases += [("deepseek_v3", "packed", 27), ("llama", "packed", 32), ("llama", "packed_padding", 27),
+              ("mistral", "packed_padding", 32)]
+    if method == "colossal":
+        cases += [("falcon", "padding", 27), ("persimmon", "plain", 32), ("llama_eager", "packed", 27)]
+    check(ranks(2).run(W.semantics_cases, method, cases, timeout=600))
+
+
+def test_hybrid_cp4(ranks):
+    """Hybrid (u=2) at cp 4: window, softcap + window, sinks + window (sinks sliced by head), packed."""
+    cases = [("mistral", "packed", 32), ("gemma2", "plain", 27), ("gpt_oss", "padding", 32),
+             ("qwen2", "padding", 27)]
+    check(ranks(4).run(W.semantics_cases, "hybrid", cases, timeout=600))
+
+
+def test_validate_mode_uses_the_call(ranks):
+    """mode='validate' on windowed / softcapped / sink models agrees with the CP output (no error),
+    and a strategy that drops the window is caught on every rank."""
+    cases = [("mistral", "packed", 32), ("gemma2", "padding", 27), ("gpt_oss", "plain", 32)]
+    check(ranks(2).run(W.semantics_cases, "colossal", cases, mode="validate", timeout=600))
+    res = ranks(2).outcomes(W.validate_detects_dropped_window, timeout=600)
+    assert all(type(r).__name__ == "CPValidationError" and "differs from the original path" in str(r)
+               for r in res), res
+
+
+# ---------------------------------------------------------------------------- refusals
+ENTRY = {"when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": "sdpa_hf"}
+
+
+def _refused(arch: str, model=None, cp: int = 2) -> str:
+    if model is None:
+        model, _ = W.build_arch(arch)
+    entry = [{**ENTRY, "match": W.ATTN_MATCH.get(arch, "*.self_attn")}]
+    with pytest.raises(CPConfigError) as ei:
+        ShardingPlanner(plan_overrides=entry).plan(model, None, cp_size=cp)
+    return str(ei.value)
+
+
+def test_refused_at_preflight_by_name():
+    msg = _refused("gpt2")
+    assert "transformer.h.0.attn" in msg and "attn_dropout=Dropout(p=0.1" in msg, msg
+    assert "attention dropout > 0 is not supported" in msg, msg
+    msg = _refused("falcon_alibi")
+    assert "transformer.h.0.self_attention" in msg and "uses ALiBi" in msg, msg
+    msg = _refused("bloom")
+    assert "uses ALiBi" in msg, msg
+    model, _ = W.build_arch("llama")
+    msg = _refused("llama", _models.extra_kwarg_attention(model))
+    assert "model.layers.0.self_attn" in msg and "passes ['foo_bias']" in msg and "refused" in msg, msg
+
+
+def test_accepted_dropout_modules_and_eager():
+    """nn.Dropout(p=0.0) attention dropout (Falcon, Persimmon) and eager attention modules going
+    through the attention interface (Gemma2, gpt-oss, eager Llama) plan without refusal."""
+    for arch in ("falcon", "persimmon", "gemma2", "gpt_oss", "llama_eager"):
+        model, _ = W.build_arch(arch)
+        entry = [{**ENTRY, "match": W.ATTN_MATCH.get(arch, "*.self_attn")}]
+        plan = ShardingPlanner(plan_overrides=entry).plan(model, None, cp_size=2)
+        assert len(plan.cp_targets) == 2, arch
+
+
+def test_packed_positions_contract():
+    """Restarting position_ids -> documents on the global rows (transformers' rule), labels never
+    cross a document; restarting positions that disagree with seq_lens are refused."""
+    from hyper_parallel.distributed.context_parallel.batch import CPBatchError, shard_batch_for_cp
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]])
+    batch = {"input_ids": torch.arange(9)[None], "position_ids": pos}
+    whole = shard_batch_for_cp(batch, (0, 1))
+    assert whole.meta.key_doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2]]
+    assert whole["shift_labels"].tolist() == [[1, 2, -100, 4, 5, 6, -100, 8, -100]]
+    second = shard_batch_for_cp(batch, (1, 2))          # rank 1 of 2: the docs are global
+    assert second.meta.key_doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2, -1]]
+    assert second["shift_labels"].tolist() == [[6, -100, 8, -100, -100]]
+    agree = shard_batch_for_cp({**batch, "seq_lens": torch.tensor([[3, 4, 2]])}, (0, 2))
+    assert agree.meta.key_doc[:, :9].tolist() == whole.meta.key_doc.tolist()
+    with pytest.raises(CPBatchError, match="position_ids restart .* and seq_lens disagree in row 0 between "
+                                           "tokens 5 and 6"):
+        shard_batch_for_cp({**batch, "seq_lens": torch.tensor([[3, 3, 3]])}, (0, 2))
+    shifted = shard_batch_for_cp({"input_ids": torch.arange(9)[None], "position_ids": torch.arange(9)[None] + 5},
+                                 (0, 1))
+    assert shifted.meta.key_doc is None                  # shifted, not restarting: one document
+
+
+def _cp1_wrapped(arch: str):
+    """The model with sdpa_hf installed directly at cp 1 (no process group): the handler's checks run."""
+    from hyper_parallel.distributed.context_parallel import wrappers
+
+    model, ref = W.build_arch(arch)
+    for layer in model.model.layers:
+        layer.self_attn.forward = wrappers.sdpa_hf_cp_wrapper(layer.self_attn, None, None, None, None)
+    return model, ref
+
+
+def test_packed_positions_refused_where_the_model_ignores_them():
+    """gpt-oss builds its mask without position_ids (documents see each other at CP=1): CP refuses
+    restarting positions at the first forward instead of separating the documents; Llama (whose
+    mask follows position_ids) runs and equals CP=1."""
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+
+    for arch in ("gpt_oss", "llama"):
+        model, ref = _cp1_wrapped(arch)
+        batch, ref_inputs, valid = W.attention_batch("packed", 27, model.config.vocab_size)
+        local = shard_batch_for_cp(batch, None)
+        with cp_batch_context(local.meta):
+            if arch == "gpt_oss":
+                with pytest.raises(ValueError, match="the model's own mask lets them see each other"):
+                    model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+                continue
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        err = ((logits - ref(**ref_inputs).logits).abs() * valid[..., None]).max().item()
+        print(f"{arch} packed at cp 1 through the wrapper: max abs {err:.2e} (tol {LOGIT_TOL:g})")
+        assert err <= LOGIT_TOL
