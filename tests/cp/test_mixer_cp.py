@@ -40,7 +40,7 @@ ATTN = {   # name -> inner_wrapper
 }
 MIXER_FQN = {"qwen3_next": "*.linear_attn", "lfm2": "*[0-9].conv", "falcon_h1": "*.mamba"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
-         "halo": "short_conv_halo"}
+         "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses"}
 
 
 def entries(arch: str, attn: str, mixer: str) -> list:
@@ -209,8 +209,8 @@ def _check(results: list) -> None:
             assert worst_l <= TOL and worst_g <= TOL, (per_rank[0]["case"], step)
         for res in per_rank:
             method = res["case"].split("+")[1].split("/")[0]
-            assert res["mixers"] and res["installed"] == [("short_conv_halo_cp_wrapper" if method == "halo" else
-                                                           "sequence_gather_cp_wrapper")], res
+            want = {"halo": "short_conv_halo_cp_wrapper", "gdn_ulysses": "gated_deltanet_ulysses_cp_wrapper"}
+            assert res["mixers"] and res["installed"] == [want.get(method, "sequence_gather_cp_wrapper")], res
             if "proof_rel" in res:
                 assert res["proof_rel"] < 1e-5, res
 
@@ -221,6 +221,8 @@ def test_mixers_exact_cp2(ranks):
     cases = [
         (("qwen3_next", "colossal", "gather", 2), {}),
         (("qwen3_next", "ulysses", "gather_target", 2), {"kinds": ("padding", "packed"), "S": 29}),
+        (("qwen3_next", "ulysses", "gdn_ulysses", 2), {}),
+        (("qwen3_next", "colossal", "gdn_ulysses", 2), {"kinds": ("padding", "packed"), "S": 29}),
         (("lfm2", "colossal", "gather", 2), {"S": 29}),
         (("lfm2", "ulysses", "halo", 2), {}),
         (("lfm2", "colossal", "halo", 2), {"S": 29, "proof": False}),
@@ -283,6 +285,13 @@ def test_mixer_declaration_mistakes_are_refused():
     with pytest.raises(CPConfigError, match=r"short_conv_halo_cp_wrapper is exact only for .*"
                                             r"Qwen3NextGatedDeltaNet is not one of them"):
         _plan("qwen3_next", [attn, {**base, "match": "*.linear_attn", "inner_wrapper": "short_conv_halo"}])
+    # Gated DeltaNet Ulysses: linear heads (2 key heads) must divide cp
+    with pytest.raises(CPConfigError, match=r"linear_num_key_heads=2, linear_num_value_heads=4 \(both must be "
+                                            r"divisible by cp_size\)"):
+        _plan("qwen3_next", entries("qwen3_next", "colossal", "gdn_ulysses"), cp=4)
+    with pytest.raises(CPConfigError, match=r"gated_deltanet_ulysses_cp_wrapper re-runs the forward of "
+                                            r"Qwen3NextGatedDeltaNet.*FalconH1Mixer is not one"):
+        _plan("falcon_h1", [attn, {**base, "match": "*.mamba", "inner_wrapper": "gated_deltanet_ulysses"}])
     # a mixer method around a declared attention (the whole decoder layer)
     with pytest.raises(CPConfigError, match=r"'model.layers.1.self_attn' is inside 'model.layers.1'"):
         _plan("lfm2", [attn, {**base, "match": "model.layers.1", "inner_wrapper": "sequence_gather"}])

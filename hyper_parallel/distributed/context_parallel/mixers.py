@@ -71,7 +71,7 @@ from .collectives import all_gather_seq, resolve_group
 from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
-__all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "CPMixerError", "HALO_CLASSES"]
+__all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "gated_deltanet_ulysses_cp_wrapper", "CPMixerError", "HALO_CLASSES"]
 
 #: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
 HALO_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
@@ -418,5 +418,97 @@ def short_conv_halo_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     return forward
 
 
+# ============================================================================ gated_deltanet_ulysses
+GDN_CLASSES = ("Qwen3NextGatedDeltaNet",)
+
+
+def validate_gated_deltanet_ulysses(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
+    what = "gated_deltanet_ulysses_cp_wrapper"
+    _validate_common(what, target_module, tp_size)
+    cls = type(target_module).__name__
+    if cls not in GDN_CLASSES:
+        raise ValueError(f"{what} re-runs the forward of {', '.join(GDN_CLASSES)} head-parallel; {cls} is not one "
+                         "of them — declare sequence_gather (generic, exact) for it instead")
+    hk, hv = target_module.num_k_heads, target_module.num_v_heads
+    if hk % cp_size or hv % cp_size:
+        raise ValueError(f"{what}: Ulysses splits the linear-attention heads over cp_size={cp_size}, but {cls} has "
+                         f"linear_num_key_heads={hk}, linear_num_value_heads={hv} (both must be divisible by "
+                         "cp_size) — declare sequence_gather, or a cp_size that divides them")
+
+
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_gated_deltanet_ulysses)
+def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """Ulysses for Qwen3-Next's Gated DeltaNet: the token-wise projections on the local tokens, a
+    sequence->head all-to-all of q/k/v/b/a (rank i gets linear heads [i*H/C, (i+1)*H/C) of the
+    whole sequence), the module's causal conv1d (its weight's channels of those heads) and
+    ``torch_chunk_gated_delta_rule`` per document on the full sequence, head->sequence all-to-all
+    back, then the token-wise gated norm and ``out_proj``. The same lines as the module's forward
+    (transformers 5.24), split by heads: compute / cp, 5 + 1 all-to-alls forward (and backward)."""
+    del mesh, tp_mesh, ep_mesh
+    import sys
+
+    import torch.nn.functional as F
+
+    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    what = "gated_deltanet_ulysses_cp_wrapper"
+    m = target_module
+    original = m.forward
+    name = _hidden_param(m)
+    fqn = _fqn()
+    hf = sys.modules[type(m).__module__]
+    conv_fn, rule = hf.causal_conv1d_fn, hf.torch_chunk_gated_delta_rule
+    dk, dv = m.head_k_dim, m.head_v_dim
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta()
+        hs, _rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+        _check_call(what, fqn, hs, rest_kwargs, meta)
+        if cp_mesh is None or meta.cp_size == 1:
+            return original(*args, **kwargs)
+        group = resolve_group(cp_mesh)
+        C, r = P.group_size(group), P.group_rank(group)
+        hk, hv = m.num_k_heads // C, m.num_v_heads // C
+        B, L, _ = hs.shape
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
+        s2h = lambda x, t: ulysses_seq_to_head(x, group, seq_dim=1, head_dim=2, tag=f"cp.gdn_s2h_{t}")  # noqa: E731
+        q, k, v = s2h(q.contiguous(), "q"), s2h(k.contiguous(), "k"), s2h(v.contiguous(), "v")       # [B, S, h, d]
+        ba = s2h(torch.stack([b, a], dim=-1).contiguous(), "ba")                                      # [B, S, hv, 2]
+        S = q.shape[1]
+        ks, vs = slice(r * hk * dk, (r + 1) * hk * dk), slice(r * hv * dv, (r + 1) * hv * dv)
+        w = m.conv1d.weight.squeeze(1)
+        w = torch.cat([w[ks], w[m.key_dim:][ks], w[2 * m.key_dim:][vs]], dim=0)
+        heads = slice(r * hv, (r + 1) * hv)
+        A_log, dt_bias = m.A_log[heads], m.dt_bias[heads]
+        feats = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1), ba.reshape(B, S, -1)],
+                          dim=-1)
+        nq, nv = hk * dk, hv * dv
+
+        def core(x):                     # [N, T, F] -> [N, T, hv * dv]: the module's lines 683-755
+            n, t = x.shape[:2]
+            mixed, bb_aa = x[..., :2 * nq + nv], x[..., 2 * nq + nv:].reshape(n, t, hv, 2)
+            mixed = conv_fn(mixed.transpose(1, 2), w, None, activation=m.activation).transpose(1, 2)
+            qq, kk, vv = torch.split(mixed, [nq, nq, nv], dim=-1)
+            qq, kk, vv = qq.reshape(n, t, hk, dk), kk.reshape(n, t, hk, dk), vv.reshape(n, t, hv, dv)
+            beta = bb_aa[..., 0].sigmoid()
+            g = -A_log.float().exp() * F.softplus(bb_aa[..., 1].float() + dt_bias)
+            out, _ = rule(qq, kk, vv, g=g, beta=beta, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=True)
+            return out.reshape(n, t, -1)
+
+        key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        o = _run_rows(core, lambda x, a_, kw: ((x,), {}), feats, key_doc, 0, S, (), {}, mask_param=False,
+                      what=what, fqn=fqn)                                                      # [B, S, hv*dv]
+        o = ulysses_head_to_seq(o.reshape(B, S, hv, dv).contiguous(), group, seq_dim=1, head_dim=2,
+                                tag="cp.gdn_h2s")                                              # [B, L, Hv, dv]
+        o = m.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(B, L, -1)
+        return m.out_proj(o)
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = what
+    return forward
+
+
 register_inner_wrapper("sequence_gather", sequence_gather_cp_wrapper, overwrite=True)
 register_inner_wrapper("short_conv_halo", short_conv_halo_cp_wrapper, overwrite=True)
+register_inner_wrapper("gated_deltanet_ulysses", gated_deltanet_ulysses_cp_wrapper, overwrite=True)
