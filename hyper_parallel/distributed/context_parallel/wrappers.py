@@ -396,26 +396,26 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
     if call.hf_kwargs.get("use_cache"):
         return      # with a KV cache transformers never derives documents from the positions: nothing to compare
     doc = meta.doc_slice(meta.q_index)
-    if doc is None:
+    if doc is None or (call.window is not None and call.window < 2):
         return
     L = doc.shape[1]
-    i = torch.arange(L)
-    causal = i[None, :] <= i[:, None]
-    valid = (doc[:, :, None] >= 0) & (doc[:, None, :] >= 0)
-    cross = (doc[:, :, None] != doc[:, None, :]) & causal & valid           # [B, L, L]
-    if call.window is not None:
-        cross &= (i[:, None] - i[None, :]) < call.window
-    if not bool(cross.any()):
+    # O(boundaries): the first token of a document must not see the last token of the previous one
+    cut = (doc[:, 1:] != doc[:, :-1]) & (doc[:, 1:] >= 0) & (doc[:, :-1] >= 0)        # [B, L-1]
+    if not bool(cut.any()):
         return
+    b_idx, t = cut.nonzero(as_tuple=True)
+    t = t + 1                                                                          # first token of the new doc
     m = call.attn_mask
     if m is None:
-        allowed = torch.ones_like(cross)
+        allowed = torch.ones(len(t), dtype=torch.bool)
     elif isinstance(m, torch.Tensor) and m.dim() == 4 and tuple(m.shape[-2:]) == (L, L):
-        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
-        allowed = allowed.any(dim=1).to(cross.device)
+        pair = m[b_idx.to(m.device) if m.shape[0] > 1 else torch.zeros_like(b_idx).to(m.device), :,
+                 t.to(m.device), (t - 1).to(m.device)]                                  # [n, H]
+        allowed = pair if pair.dtype == torch.bool else pair > torch.finfo(pair.dtype).min / 2
+        allowed = allowed.reshape(len(t), -1).any(dim=1)
     else:
         return          # a mask format this check cannot read (e.g. a BlockMask): the proof decides
-    if bool((allowed & cross).any()):
+    if bool(allowed.any()):
         raise ValueError(
             f"module '{owner}': the batch packs documents as restarting position_ids, but the model's own "
             "mask lets them see each other (this model builds its mask without position_ids, so at CP=1 "
