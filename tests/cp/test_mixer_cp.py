@@ -38,7 +38,8 @@ ATTN = {   # name -> inner_wrapper
     "hybrid": {"_target_": WRAPPERS + "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2},
     "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
 }
-MIXER_FQN = {"qwen3_next": "*.linear_attn", "lfm2": "*[0-9].conv", "falcon_h1": "*.mamba"}
+MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "lfm2": "*[0-9].conv",
+             "falcon_h1": "*.mamba"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
          "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses"}
 
@@ -50,6 +51,23 @@ def entries(arch: str, attn: str, mixer: str) -> list:
 
 
 # ============================================================================ rank functions
+def build(arch: str):
+    """test_model_proof's tiny models, plus Qwen3-Next with 4 linear key heads (Gated DeltaNet
+    Ulysses at cp 4)."""
+    if arch != "qwen3_next_h4":
+        return build_model(arch)
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", head_dim=16,
+                            linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                            layer_types=["linear_attention", "full_attention"], num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return T.AutoModelForCausalLM.from_config(cfg)
+
+
 def make_batch(kind: str, S: int, vocab: int, seed: int):
     """(CP global batch, documents [(row, start, length)]) for plain / padding / packed."""
     g = torch.Generator().manual_seed(seed)
@@ -140,7 +158,7 @@ def mixer_case(arch: str, attn: str, mixer: str, cp: int, kinds=("plain", "paddi
     from hyper_parallel.distributed.sharding_planner import ShardingPlanner
 
     t0 = time.perf_counter()
-    model, ref = build_model(arch).float().train(), build_model(arch).float().train()
+    model, ref = build(arch).float().train(), build(arch).float().train()
     ref.load_state_dict(model.state_dict())
     mesh = mesh_ctx(cp, hybrid=(2,) if attn == "hybrid" else ())
     plan = ShardingPlanner(plan_overrides=entries(arch, attn, mixer)).plan(model, mesh, cp_size=cp)
@@ -245,6 +263,7 @@ def test_mixers_exact_cp4(ranks):
     t0 = time.perf_counter()
     cases = [
         (("qwen3_next", "hybrid", "gather", 4), {"kinds": ("padding", "packed"), "S": 34}),
+        (("qwen3_next_h4", "hybrid", "gdn_ulysses", 4), {"kinds": ("padding", "packed"), "S": 34}),
         (("lfm2", "colossal", "halo", 4), {"kinds": ("plain", "packed"), "S": 34}),
         (("lfm2", "hybrid", "gather", 4), {"kinds": ("padding",), "S": 34, "proof": False}),
         (("falcon_h1", "colossal", "gather", 4), {"kinds": ("padding", "packed"), "S": 34}),
