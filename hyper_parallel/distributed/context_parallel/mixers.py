@@ -11,7 +11,7 @@ Under CP each of them must be declared like the attention, on the mixer's own mo
         inner_target: self
         inner_wrapper: sequence_gather  # or {_target_: hyper_parallel.distributed.context_parallel.mixers.sequence_gather_cp_wrapper}
 
-Methods (both ``@inner_wrapper(mixer=True)``: declarable on a non-attention module, contiguous
+Methods (all ``@inner_wrapper(mixer=True)``: declarable on a non-attention module, contiguous
 layout only — the planner refuses them next to a Head-Tail load-balance attention):
 
 ``sequence_gather`` (:func:`sequence_gather_cp_wrapper`) — generic, for any module whose forward
@@ -39,7 +39,15 @@ layout only — the planner refuses them next to a Head-Tail load-balance attent
     whose output at token t reads inputs ``t-k+1 .. t``. Cost: compute / S_local (+ k - 1 tokens),
     one ring exchange of ``B x (k-1) x H`` forward and backward.
 
-Padding and packed documents (both methods): the CP batch's ``meta.key_doc`` says which tokens are
+``gated_deltanet_ulysses`` (:func:`gated_deltanet_ulysses_cp_wrapper`) — Qwen3-Next's Gated DeltaNet
+    split by its linear heads: token-wise projections on the local tokens, sequence->head all-to-all
+    of q/k/v and the b/a gates, the module's causal conv1d (the weight's channels of the rank's
+    heads) and transformers' ``torch_chunk_gated_delta_rule`` per document on the whole sequence,
+    head->sequence all-to-all back, the token-wise gated norm and ``out_proj`` (the module's own
+    forward lines, split by heads; ``linear_num_key_heads`` and ``linear_num_value_heads`` must be
+    divisible by cp). Compute / cp; 5 all-to-alls forward and backward.
+
+Padding and packed documents (all methods): the CP batch's ``meta.key_doc`` says which tokens are
 padding (-1) and which document every token belongs to. Every document is run as **its own
 sequence** (a right-padded row, with a 2-D ``attention_mask`` when the module's forward takes one,
 as transformers passes it at CP=1 for a padded batch), so the recurrent state and the conv window
