@@ -188,3 +188,11 @@ def test_packed_positions_refused_where_the_model_ignores_them():
         err = ((logits - ref(**ref_inputs).logits).abs() * valid[..., None]).max().item()
         print(f"{arch} packed at cp 1 through the wrapper: max abs {err:.2e} (tol {LOGIT_TOL:g})")
         assert err <= LOGIT_TOL
+
+
+def test_preflight_proof_accepts_what_is_exact(ranks):
+    """The whole-model preflight proof (model_proof.py) now accepts windowed / softcapped / sink /
+    MLA models on Colossal instead of refusing them (it used to refuse Mistral's dropped window)."""
+    cases = [("mistral", "plain", 32), ("gemma2", "padding", 27), ("gpt_oss", "plain", 32),
+             ("deepseek_v3", "packed", 27), ("qwen2", "packed_padding", 32)]
+    check(ranks(2).run(W.semantics_cases, "colossal", cases, proof=True, timeout=600))
