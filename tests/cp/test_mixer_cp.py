@@ -320,3 +320,24 @@ def test_mixer_declaration_mistakes_are_refused():
     plan = _plan("falcon_h1", entries("falcon_h1", "colossal", "gather"))
     assert plan.batch_policy == "all_gather" and len(plan.cp_targets) == 4
     assert plan.attention_boundaries == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+# ---------------------------------------------------------------------------- trainer (YAML-level)
+def test_trainer_lfm2_declared_mixer_same_losses_as_cp1(ranks, tmp_path):
+    """The trainer (preflight proof on by default) builds LFM2 with the attention and the short
+    conv declared, and its losses equal the same config at cp_size 1, step for step."""
+    from tests.cp.test_model_proof import LFM2_TINY
+    from tests.trainer import _workers as TW
+
+    cfg = TW.make_cfg("llama", cp=2, steps=3, out_dir=str(tmp_path / "cp2"))
+    cfg["model"] = {"architecture": "lfm2", "config": dict(LFM2_TINY), "seed": 0}
+    cfg["plan_overrides"].append({"match": "*[0-9].conv", "when": "cp", "region_dispatch": False,
+                                  "inner_target": "self", "inner_wrapper": "short_conv_halo"})
+    one = dict(cfg, accelerator=dict(cfg["accelerator"], cp_size=1),
+               logging=dict(cfg["logging"], out_dir=str(tmp_path / "cp1")))
+    cp2 = ranks(2).run(TW.train_losses, cfg, timeout=300.0)
+    cp1 = ranks(1).run(TW.train_losses, one, timeout=300.0)[0]["losses"]
+    print("cp1", cp1, "cp2", cp2[0]["losses"])
+    assert cp2[0]["losses"] == cp2[1]["losses"] and len(cp1) == 3
+    for a, b in zip(cp1, cp2[0]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (cp1, cp2[0]["losses"])
