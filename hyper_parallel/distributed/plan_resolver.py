@@ -3,7 +3,8 @@ boundary of a real model instance, or fails before any collective with a message
 the YAML field, the module FQN and the fix.
 
 Checks (cp_size > 1): every ``when: cp`` entry matches at least one module; every matched
-module is an attention boundary (or the entry declares a token-mixer method, ``mixer=True``); every attention boundary gets exactly one method;
+module is an attention boundary (or the entry declares a token-mixer method, ``mixer=True``);
+every attention boundary gets exactly one method;
 ``inner_wrapper`` XOR ``local_compute_fn``; ``region_dispatch: false`` present whenever the
 method communicates; ``inner_target`` exists; ``_target_`` imports, is ``@inner_wrapper``-
 decorated and its named parameters exist; the wrapper's own ``validate`` hook passes.

@@ -129,8 +129,9 @@ def _check_mixer_layout(targets: list) -> None:
     mixers = [t for t in targets if t.info is not None and getattr(t.info, "mixer", False)]
     for m in mixers:
         for t in targets:
-            if t is not m and (t.inner_fqn.startswith(m.inner_fqn + ".") or m.inner_fqn.startswith(t.inner_fqn + ".")):
-                outer, inner = (m, t) if t.inner_fqn.startswith(m.inner_fqn + ".") else (t, m)
+            m_outer = t.inner_fqn.startswith(m.inner_fqn + ".")
+            if t is not m and (m_outer or m.inner_fqn.startswith(t.inner_fqn + ".")):
+                outer, inner = (m, t) if m_outer else (t, m)
                 raise CPConfigError(
                     _field(inner), f"'{inner.inner_fqn}' is inside '{outer.inner_fqn}', which {_field(outer)} also "
                     "declares a CP method for: a token-mixer method runs its module on the whole sequence, so "

@@ -9,7 +9,7 @@ Under CP each of them must be declared like the attention, on the mixer's own mo
         when: cp
         region_dispatch: false
         inner_target: self
-        inner_wrapper: sequence_gather  # or {_target_: hyper_parallel.distributed.context_parallel.mixers.sequence_gather_cp_wrapper}
+        inner_wrapper: sequence_gather  # or {_target_: <this module>.sequence_gather_cp_wrapper}
 
 Methods (all ``@inner_wrapper(mixer=True)``: declarable on a non-attention module, contiguous
 layout only — the planner refuses them next to a Head-Tail load-balance attention):
@@ -79,7 +79,8 @@ from .collectives import all_gather_seq, resolve_group
 from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
-__all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "gated_deltanet_ulysses_cp_wrapper", "CPMixerError", "HALO_CLASSES"]
+__all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "gated_deltanet_ulysses_cp_wrapper",
+           "CPMixerError", "HALO_CLASSES", "GDN_CLASSES", "halo_exchange"]
 
 #: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
 HALO_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
