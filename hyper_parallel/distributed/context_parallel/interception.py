@@ -416,7 +416,10 @@ def _probe_once(module: nn.Module, primitive: str, owner: str, rot_dim):
     try:
         if primitive in ("hf_interface",):
             ensure_hf_interface_registered()
-            undo = install_private_config(module)
+            try:
+                undo = install_private_config(module)
+            except CPInterceptionError:
+                return 0, []          # no HF config to route: the interface route sees no call
         module.train(True)     # the dropout the module passes in training is what CP must honour
         with torch.no_grad(), interceptor_for(primitive)(owner, module, zeros, max_calls=1 << 30,
                                                           check=False) as scope:

@@ -73,7 +73,7 @@ import torch
 import torch.nn as nn
 
 from ... import platform as P
-from .interception import (AttentionCall, InterceptScope, current_apply_context,
+from .interception import (AttentionCall, CPInterceptionError, InterceptScope, current_apply_context,
                            ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                            intercept_hf_interface, intercept_sdpa, probe_module)
 from .meta import CPBatchMeta, current_cp_batch_meta
@@ -671,7 +671,12 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
     orig_cfg = getattr(target_module, "config", None)
     if route == "hf_interface":
         ensure_hf_interface_registered()
-        undo.append(install_private_config(target_module))
+        try:
+            undo.append(install_private_config(target_module))
+        except CPInterceptionError:
+            if primitive != "hf_any":
+                raise
+            route = "sdpa"            # no routable HF config: only a direct SDPA call can be caught
     group = _rank_group(cp_mesh)
     handler = _make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
                             module=target_module if style in ("hf", "flex_hf") else None)
