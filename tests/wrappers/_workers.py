@@ -276,6 +276,10 @@ def arch_config(arch: str):
     if arch == "persimmon":
         return T.PersimmonConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"
+    if arch == "phi":          # partial rotary
+        return T.PhiConfig(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, **c), "sdpa"
+    if arch == "stablelm":     # partial rotary
+        return T.StableLmConfig(partial_rotary_factor=0.25, hidden_dropout=0.0, **c), "sdpa"
     if arch == "falcon_alibi":
         return T.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               alibi=True, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"

@@ -78,7 +78,8 @@ def test_window_softcap_sinks_mla_packed_cp2(ranks, method):
     cases += [("deepseek_v3", "packed", 27), ("llama", "packed", 32), ("llama", "packed_padding", 27),
               ("mistral", "packed_padding", 32)]
     if method == "colossal":
-        cases += [("falcon", "padding", 27), ("persimmon", "plain", 32), ("llama_eager", "packed", 27)]
+        cases += [("falcon", "padding", 27), ("persimmon", "plain", 32), ("llama_eager", "packed", 27),
+                  ("phi", "packed_padding", 32), ("stablelm", "padding", 27)]
     check(ranks(2).run(W.semantics_cases, method, cases, timeout=600))
 
 
@@ -196,3 +197,29 @@ def test_preflight_proof_accepts_what_is_exact(ranks):
     cases = [("mistral", "plain", 32), ("gemma2", "padding", 27), ("gpt_oss", "plain", 32),
              ("deepseek_v3", "packed", 27), ("qwen2", "packed_padding", 32)]
     check(ranks(2).run(W.semantics_cases, "colossal", cases, proof=True, timeout=600))
+
+
+def test_probe_runs_for_every_architecture(caplog):
+    """The preflight probe builds the inputs each attention forward needs (Falcon's alibi=None, the
+    partial-rotary width of Phi / StableLM, gpt-oss's half-width cos/sin, MLA) and records the
+    call's route and semantics without a 'probe ... skipped' warning."""
+    import logging
+
+    from hyper_parallel.distributed.context_parallel.interception import probe_module
+
+    want = {"falcon": ("sdpa", None), "phi": ("hf_interface", None), "stablelm": ("hf_interface", None),
+            "gpt_oss": ("hf_interface", W.WINDOW), "deepseek_v3": ("hf_interface", None),
+            "mistral": ("hf_interface", W.WINDOW), "gemma2": ("hf_interface", W.WINDOW)}
+    with caplog.at_level(logging.WARNING):
+        for arch, (route, window) in want.items():
+            model, _ = W.build_arch(arch)
+            module = model.get_submodule(("transformer.h.0." if arch == "falcon" else "model.layers.0.")
+                                         + W.ATTN_MATCH.get(arch, "*.self_attn")[2:])
+            res = probe_module(module, "hf_any", arch)
+            assert res is not None and res.count == 1 and res.route == route, (arch, res)
+            assert res.calls[0].window == window and not res.calls[0].extra, (arch, res.calls[0])
+            if arch == "gemma2":
+                assert res.calls[0].softcap == 2.0
+            if arch == "gpt_oss":
+                assert res.calls[0].sinks is not None and tuple(res.calls[0].sinks.shape) == (4,)
+    assert "probe forward" not in caplog.text, caplog.text
