@@ -99,27 +99,16 @@ def parity_step(model, ref, mesh, plan, kind: str, S: int, seed: int) -> dict:
     """One forward+backward under CP and at CP=1 (every document its own right-padded row with
     attention_mask); max errors on this rank."""
     from hyper_parallel import platform as P
-    from hyper_parallel.distributed.context_parallel.batch import gather_from_cp, shard_batch_for_cp
-    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from tests.wrappers._workers import cp_forward_backward
 
     vocab = model.config.vocab_size
     batch, docs = make_batch(kind, S, vocab, seed)
-    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
-    meta = local.meta
     valid = torch.zeros(2, S, dtype=torch.bool)
     for b, s, n in docs:
         valid[b, s:s + n] = True
-    w = torch.randn(2, meta.global_seq_len, vocab, generator=torch.Generator().manual_seed(seed + 1))
-    w[:, :S] *= valid[..., None]
-    w[:, S:] = 0
-    lo = meta.cp_rank * meta.local_seq_len
-    for p in list(model.parameters()) + list(ref.parameters()):
+    full, w_valid, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed + 1)
+    for p in ref.parameters():
         p.grad = None
-    with cp_batch_context(meta):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
-    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
-
     n_max = max(n for _b, _s, n in docs)
     ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
     mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
@@ -132,7 +121,7 @@ def parity_step(model, ref, mesh, plan, kind: str, S: int, seed: int) -> dict:
     gb = torch.tensor([b for b, _s, n in docs for _ in range(n)])
     gs = torch.tensor([s + j for _b, s, n in docs for j in range(n)])
     ref_tok = ref_logits[rows, cols]                                   # [tokens, V]
-    (ref_tok * w[gb, gs]).sum().backward()
+    (ref_tok * w_valid[gb, gs]).sum().backward()
     diff = (full[gb, gs] - ref_tok.detach()).abs().max().item()
     ref_max = ref_tok.detach().abs().max().item()
     ref_params = dict(ref.named_parameters())

@@ -119,38 +119,10 @@ def _reference_inputs(batch: dict):
 
 def _step(model, ref, mesh, plan, batch: dict, seed: int) -> dict:
     """One forward+backward of the CP model and of the CP=1 reference; errors on this rank."""
-    from hyper_parallel import platform as P
-    from hyper_parallel.distributed.context_parallel.batch import gather_from_cp, shard_batch_for_cp
-    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from tests.wrappers._workers import parity_errors
 
-    S = batch["input_ids"].shape[1]
-    vocab = model.config.vocab_size
     ref_inputs, valid = _reference_inputs(batch)
-    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
-    meta = local.meta
-    w = torch.randn(2, meta.global_seq_len, vocab, generator=torch.Generator().manual_seed(seed))
-    w[:, :S] *= valid[..., None]
-    w[:, S:] = 0
-    lo = meta.cp_rank * meta.local_seq_len
-    for p in list(model.parameters()) + list(ref.parameters()):
-        p.grad = None
-    with cp_batch_context(meta):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
-    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
-    ref_logits = ref(**ref_inputs).logits
-    (ref_logits * w[:, :S]).sum().backward()
-    ref_logits = ref_logits.detach()
-    diff = ((full - ref_logits).abs() * valid[..., None]).max().item()
-    ref_max = (ref_logits.abs() * valid[..., None]).max().item()
-    ref_grads = dict(ref.named_parameters())
-    gmax = max(p.grad.abs().max().item() for p in ref.parameters())
-    gerr = 0.0
-    for n, p in model.named_parameters():
-        gp = P.all_reduce(p.grad.contiguous(), mesh.cp_mesh.get_group())
-        gerr = max(gerr, (gp - ref_grads[n].grad).abs().max().item())
-    return {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "grads_abs": gerr,
-            "grads": gerr / max(gmax, 1e-12)}
+    return parity_errors(model, ref, mesh, plan, batch, ref_inputs, valid, seed)
 
 
 def _build(rope_type: str, method: str, rotary=None, hook: bool = True):

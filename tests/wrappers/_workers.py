@@ -336,30 +336,35 @@ def attention_batch(kind: str, S: int, vocab: int, seed: int = 7):
     return batch, ref, valid
 
 
-def semantics_step(model, ref, mesh, plan, batch: dict, ref_inputs: dict, valid, seed: int) -> dict:
-    """One forward+backward of the CP model and the CP=1 reference; errors on this rank (logits
-    over valid tokens; gradients: max |g_cp - g_ref| over parameters / the reference's largest |g|)."""
-    from hyper_parallel import platform as P
-
+def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **model_kwargs):
+    """Shard ``batch`` by the plan's batch contract, run the CP model on this rank's chunk and
+    backpropagate ``sum(logits * w)`` for a random weight ``w`` ([B, global_seq_len, vocab], zero
+    on invalid and CP-padding tokens, seeded by ``seed``). Every parameter's ``.grad`` is reset
+    first. -> (CP logits gathered to [B, S, vocab], ``w[:, :S]`` for the reference's backward,
+    the batch meta)."""
     S = batch["input_ids"].shape[1]
     vocab = model.config.vocab_size
     local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
     meta = local.meta
-    w = torch.randn(2, meta.global_seq_len, vocab, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(batch["input_ids"].shape[0], meta.global_seq_len, vocab,
+                    generator=torch.Generator().manual_seed(seed))
     w[:, :S] *= valid[..., None]
     w[:, S:] = 0
     lo = meta.cp_rank * meta.local_seq_len
-    for p in list(model.parameters()) + list(ref.parameters()):
+    for p in model.parameters():
         p.grad = None
     with cp_batch_context(meta):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **model_kwargs).logits
         (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
     full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
-    ref_logits = ref(**ref_inputs).logits
-    (ref_logits * w[:, :S]).sum().backward()
-    ref_logits = ref_logits.detach()
-    diff = ((full - ref_logits).abs() * valid[..., None]).max().item()
-    ref_max = (ref_logits.abs() * valid[..., None]).max().item()
+    return full, w[:, :S], meta
+
+
+def grad_error(model, ref, mesh) -> tuple[float, float]:
+    """(max over parameters of max |CP grad summed over the CP group - reference grad|, the
+    reference's largest |grad|); a parameter without a grad on one side counts as zeros."""
+    from hyper_parallel import platform as P
+
     ref_params = dict(ref.named_parameters())
     gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
     gerr = 0.0
@@ -370,8 +375,30 @@ def semantics_step(model, ref, mesh, plan, batch: dict, ref_inputs: dict, valid,
         g = P.all_reduce(g.contiguous(), mesh.cp_mesh.get_group())
         rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
         gerr = max(gerr, (g - rg).abs().max().item())
+    return gerr, gmax
+
+
+def parity_errors(model, ref, mesh, plan, batch: dict, ref_inputs: dict, valid, seed: int,
+                  **model_kwargs) -> dict:
+    """One forward+backward of the CP model and the CP=1 reference (``ref(**ref_inputs)``);
+    errors on this rank (logits over valid tokens; gradients: max |g_cp - g_ref| over parameters
+    / the reference's largest |g|)."""
+    full, w, _meta = cp_forward_backward(model, mesh, plan, batch, valid, seed, **model_kwargs)
+    for p in ref.parameters():
+        p.grad = None
+    ref_logits = ref(**ref_inputs).logits
+    (ref_logits * w).sum().backward()
+    ref_logits = ref_logits.detach()
+    diff = ((full - ref_logits).abs() * valid[..., None]).max().item()
+    ref_max = (ref_logits.abs() * valid[..., None]).max().item()
+    gerr, gmax = grad_error(model, ref, mesh)
     return {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "grads_abs": gerr,
             "grads": gerr / max(gmax, 1e-12)}
+
+
+def semantics_step(model, ref, mesh, plan, batch: dict, ref_inputs: dict, valid, seed: int) -> dict:
+    """:func:`parity_errors` without a KV cache (transformers derives packed documents only then)."""
+    return parity_errors(model, ref, mesh, plan, batch, ref_inputs, valid, seed, use_cache=False)
 
 
 def semantics_cases(method: str, cases, *, mode: str = "production", proof: bool = False) -> list:
