@@ -145,3 +145,75 @@ def test_batch_on_mesh_and_gather_from_cp(ranks):
     for r in res:
         assert torch.equal(r["gathered"], expect)
         assert torch.equal(r["grad"], torch.full((2, 4), 4.0)), "gather_from_cp backward is a reduce-scatter (sum)"
+
+
+# ------------------------------------------------- transformers' cu_seq_lens_* flattening convention
+def _flattened(docs):
+    from transformers import DataCollatorWithFlattening
+
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    return collate([{"input_ids": d} for d in docs])
+
+
+@pytest.mark.parametrize("cp,policy", [(2, "all_gather"), (4, "ulysses"), (2, "load_balance")])
+def test_cu_seq_lens_read_as_documents(cp, policy):
+    """DataCollatorWithFlattening's real output: cu_seq_lens_* give the same documents, shift labels
+    and positions as the equivalent seq_lens (and as the restarting position_ids alone), and are not
+    passed on to the local batch."""
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(1, 100, (int(n),), generator=g).tolist() for n in (5, 1, 7, 4)]
+    batch = _flattened(docs)
+    assert "cu_seq_lens_q" in batch and batch["position_ids"].shape == batch["input_ids"].shape
+    via_cu = _shards(batch, cp, policy)
+    lens = torch.tensor([[len(d) for d in docs]])
+    plain = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    via_lens = _shards({**plain, "seq_lens": lens}, cp, policy)
+    via_pos = _shards(plain, cp, policy)
+    for a, b, c in zip(via_cu, via_lens, via_pos):
+        assert not any(k in a for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
+        assert torch.equal(a.meta.key_doc, b.meta.key_doc) and torch.equal(a.meta.key_doc, c.meta.key_doc)
+        for key in ("input_ids", "shift_labels", "position_ids", "seq_lens"):
+            assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a["shift_labels"], c["shift_labels"])
+    shift = _cat(via_cu, "shift_labels")[0]
+    ends = torch.tensor([len(d) for d in docs]).cumsum(0) - 1
+    assert bool((shift[ends] == IGN).all()), "no target crosses a document boundary"
+
+
+def test_cu_seq_lens_rows_and_tail():
+    """B > 1: cu indexes the row-major flattened batch; tokens after the last document are no document."""
+    ids = torch.arange(1, 17).reshape(2, 8)
+    cu = torch.tensor([0, 3, 8, 12, 14], dtype=torch.int32)
+    got = shard_batch_for_cp({"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
+                              "max_length_q": 5, "max_length_k": 5}, (0, 1), "all_gather")
+    ref = shard_batch_for_cp({"input_ids": ids, "seq_lens": torch.tensor([[3, 5], [4, 2]])}, (0, 1), "all_gather")
+    assert torch.equal(got.meta.key_doc, ref.meta.key_doc)
+    assert torch.equal(got.meta.key_doc[1, 6:], torch.tensor([-1, -1]))
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda b: b.pop("cu_seq_lens_k"), "given without cu_seq_lens_k"),
+    (lambda b: b.update(cu_seq_lens_k=torch.tensor([0, 2, 5], dtype=torch.int32)), "differ"),
+    (lambda b: b.update(seq_lens=torch.tensor([[3, 2]])), "pass one of them"),
+    (lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 4, 3]), cu_seq_lens_k=torch.tensor([0, 4, 3])),
+     "never decrease"),
+    (lambda b: b.update(cu_seq_lens_q=torch.tensor([0.0, 5.0]), cu_seq_lens_k=torch.tensor([0.0, 5.0])),
+     "integer"),
+    (lambda b: b.update(position_ids=torch.tensor([[0, 1, 0, 1, 2]])), "disagree"),
+])
+def test_cu_seq_lens_refusals(change, msg):
+    from hyper_parallel.distributed.context_parallel.batch import CPBatchError
+
+    batch = _flattened([[1, 2, 3], [4, 5]])
+    change(batch)
+    with pytest.raises(CPBatchError, match=msg):
+        shard_batch_for_cp(batch, (0, 2), "all_gather")
+
+
+def test_cu_seq_lens_document_crossing_rows_refused():
+    from hyper_parallel.distributed.context_parallel.batch import CPBatchError
+
+    ids = torch.arange(1, 17).reshape(2, 8)
+    cu = torch.tensor([0, 5, 11, 16])
+    with pytest.raises(CPBatchError, match="crossing from row 0 into row 1"):
+        shard_batch_for_cp({"input_ids": ids, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}, (0, 2), "all_gather")
