@@ -41,7 +41,9 @@ ATTN = {   # name -> inner_wrapper
 MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "lfm2": "*[0-9].conv",
              "falcon_h1": "*.mamba"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
-         "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses"}
+         "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses",
+         "gdn_sp": "gated_deltanet_state_passing",
+         "gdn_sp_target": {"_target_": MIXERS + "gated_deltanet_state_passing_cp_wrapper"}}
 
 
 def entries(arch: str, attn: str, mixer: str) -> list:
@@ -216,7 +218,9 @@ def _check(results: list) -> None:
             assert worst_l <= TOL and worst_g <= TOL, (per_rank[0]["case"], step)
         for res in per_rank:
             method = res["case"].split("+")[1].split("/")[0]
-            want = {"halo": "short_conv_halo_cp_wrapper", "gdn_ulysses": "gated_deltanet_ulysses_cp_wrapper"}
+            want = {"halo": "short_conv_halo_cp_wrapper", "gdn_ulysses": "gated_deltanet_ulysses_cp_wrapper",
+                    "gdn_sp": "gated_deltanet_state_passing_cp_wrapper",
+                    "gdn_sp_target": "gated_deltanet_state_passing_cp_wrapper"}
             assert res["mixers"] and res["installed"] == [want.get(method, "sequence_gather_cp_wrapper")], res
             if "proof_rel" in res:
                 assert res["proof_rel"] < 1e-5, res
@@ -258,6 +262,23 @@ def test_mixers_exact_cp4(ranks):
         (("falcon_h1", "colossal", "gather", 4), {"kinds": ("padding", "packed"), "S": 34}),
     ]
     _check(ranks(4).run(mixer_cases, cases, timeout=600.0))
+    print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+def test_gated_deltanet_state_passing_exact(ranks):
+    """Gated DeltaNet state passing (the incoming recurrent state composed from every earlier rank's
+    affine map; conv halo): cp 2 and cp 4, plain / padded / packed rows whose documents cross one or
+    several rank edges, with Ulysses / Colossal / Hybrid attention. At cp 4 the model has 2 linear key
+    heads (Ulysses over linear heads is refused there; state passing has no head rule)."""
+    t0 = time.perf_counter()
+    _check(ranks(2).run(mixer_cases, [
+        (("qwen3_next", "ulysses", "gdn_sp", 2), {}),
+        (("qwen3_next", "colossal", "gdn_sp_target", 2), {"kinds": ("padding", "packed"), "S": 29}),
+    ], timeout=600.0))
+    _check(ranks(4).run(mixer_cases, [
+        (("qwen3_next", "colossal", "gdn_sp", 4), {"kinds": ("plain", "padding", "packed"), "S": 34}),
+        (("qwen3_next_h4", "hybrid", "gdn_sp", 4), {"kinds": ("packed",), "S": 45, "proof": False}),
+    ], timeout=600.0))
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
 

@@ -47,6 +47,17 @@ layout only — the planner refuses them next to a Head-Tail load-balance attent
     forward lines, split by heads; ``linear_num_key_heads`` and ``linear_num_value_heads`` must be
     divisible by cp). Compute / cp; 5 all-to-alls forward and backward.
 
+``gated_deltanet_state_passing`` (:func:`gated_deltanet_state_passing_cp_wrapper`) — the same module
+    on the local tokens with all its heads (no head rule: cp may exceed the linear head counts). The
+    conv gets a ``k - 1`` token halo from the previous rank; the recurrence of the first local
+    document starts from the state the previous ranks hand over. No rank waits for another rank's
+    recurrence: the delta rule is affine in its initial state, so each rank runs its documents from
+    a zero state plus, for a document continuing from the previous rank, an identity-state run
+    that gives the state's contribution to every output and the chunk's transition; one AllGather
+    of ``(transition, final state)`` (``B x Hv x dk x (dk + dv)`` per rank, independent of S) lets
+    every rank compose its incoming state locally. Cost: compute / cp, but ranks > 0 run the
+    recurrence of their first document twice (measured in benchmarks/linear_mixer_cp.py).
+
 Padding and packed documents (all methods): the CP batch's ``meta.key_doc`` says which tokens are
 padding (-1) and which document every token belongs to. Every document is run as **its own
 sequence** (a right-padded row, with a 2-D ``attention_mask`` when the module's forward takes one,
@@ -80,6 +91,7 @@ from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
 __all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "gated_deltanet_ulysses_cp_wrapper",
+           "gated_deltanet_state_passing_cp_wrapper",
            "CPMixerError", "HALO_CLASSES", "GDN_CLASSES", "halo_exchange"]
 
 #: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
@@ -518,6 +530,193 @@ def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
     return forward
 
 
+# ============================================================================ gated_deltanet_state_passing
+def validate_gated_deltanet_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
+    del cp_size
+    what = "gated_deltanet_state_passing_cp_wrapper"
+    _validate_common(what, target_module, tp_size)
+    cls = type(target_module).__name__
+    if cls not in GDN_CLASSES:
+        raise ValueError(f"{what} re-runs the forward of {', '.join(GDN_CLASSES)} with a passed recurrent state; "
+                         f"{cls} is not one of them — declare sequence_gather (generic, exact) for it instead")
+
+
+def _pack_rows(doc: Optional[torch.Tensor], B: int, L: int, device):
+    """Document runs of the local chunk as rows: (row, start, length) int64 tensors, every run
+    inside ``[0, L)``; ``doc`` None = one run per batch row."""
+    if doc is None:
+        z = torch.zeros(B, dtype=torch.int64, device=device)
+        return torch.arange(B, device=device), z, torch.full((B,), L, dtype=torch.int64, device=device)
+    return _segments(doc, 0, L)
+
+
+def _chain_flags(key_doc: Optional[torch.Tensor], B: int, C: int, L: int):
+    """Per CP rank j and batch row b (``[C, B]`` bool): ``cont`` — chunk j's first token continues
+    the document of chunk j-1's last token (it starts from the passed state); ``through`` — chunk j
+    is one run of that continuing document, so its outgoing state is an affine map of the incoming
+    one (else the outgoing state does not depend on it)."""
+    if key_doc is None:
+        cont = torch.ones(C, B, dtype=torch.bool)
+        cont[0] = False
+        return cont, cont.clone()
+    kd = key_doc.detach().to("cpu").view(B, C, L).transpose(0, 1)                 # [C, B, L]
+    first, last_prev = kd[:, :, 0], torch.roll(kd[:, :, -1], 1, dims=0)
+    cont = (first >= 0) & (first == last_prev)
+    cont[0] = False
+    through = cont & (kd == first[..., None]).all(-1)
+    return cont, through
+
+
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_gated_deltanet_state_passing)
+def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """State passing for Qwen3-Next's Gated DeltaNet: every rank runs all heads on its own tokens.
+
+    Exactness: the gated delta rule is affine in the incoming state. With ``S_t = A_t S_{t-1} +
+    B_t`` (``A_t = exp(g_t)(I - beta_t k_t k_t^T)``, ``[dk, dk]`` per head) and ``o_t = S_t^T q_t``,
+    a chunk started from state ``S_in`` gives ``o_t = o0_t + (P_t^T q_t) S_in`` and ``S_out = P_T
+    S_in + S0_T``, where ``o0``/``S0`` are the chunk run from a zero state and ``P_t = A_t..A_1``.
+    transformers' ``torch_chunk_gated_delta_rule`` computes ``P_t^T q_t`` and ``P_T`` when run on
+    the same q/k/g/beta with values 0 (``[.., dk]``) and ``initial_state = I``.
+
+    Forward (no rank waits for another's recurrence):
+      1. token-wise projections on the local tokens; the causal conv1d on ``[halo + local]`` with the
+         previous rank's last ``k - 1`` pre-conv tokens (:func:`halo_exchange`), per document;
+      2. the delta rule per local document from a zero state (all documents) and, for the first
+         document when it continues from the previous rank, the identity run above (2x the
+         recurrence work of that document — the price of never idling);
+      3. one AllGather of every rank's ``(P_T, S0_T)`` (``B x Hv x dk x (dk + dv)`` floats per rank);
+         each rank composes the incoming state of its first document from ranks ``0..r-1`` (a
+         chain that restarts where a document starts) and adds ``(P_t^T q_t) S_in`` to it;
+      4. the token-wise gated norm and ``out_proj``.
+    Backward: autograd through the same graph; the AllGather's backward is a ReduceScatter(sum) that
+    returns each ``(P_T, S0_T)``'s gradient to its owner, the halo's to the previous rank.
+    Packed documents: the state and the conv window restart at each document (exact w.r.t. documents
+    as their own sequences, like every mixer method here). Head rules: none (no head split).
+    """
+    del mesh, tp_mesh, ep_mesh
+    import sys
+
+    import torch.nn.functional as F
+
+    what = "gated_deltanet_state_passing_cp_wrapper"
+    m = target_module
+    original = m.forward
+    name = _hidden_param(m)
+    fqn = _fqn()
+    hf = sys.modules[type(m).__module__]
+    conv_fn, rule = hf.causal_conv1d_fn, hf.torch_chunk_gated_delta_rule
+    dk, dv, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
+    h = int(m.conv1d.weight.shape[-1]) - 1
+
+    def conv(x):                                                  # [N, T, F] -> [N, T, F], the module's conv
+        return conv_fn(x.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                       activation=m.activation).transpose(1, 2)
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta()
+        hs, _rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+        _check_call(what, fqn, hs, rest_kwargs, meta)
+        if cp_mesh is None or meta.cp_size == 1:
+            return original(*args, **kwargs)
+        group = resolve_group(cp_mesh)
+        C, r = P.group_size(group), P.group_rank(group)
+        B, L, _ = hs.shape
+        if L < h:
+            raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < conv kernel - 1 = {h}: the conv halo "
+                               "would span more than one rank; use longer sequences or fewer CP ranks")
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
+        mixed = torch.cat([x.reshape(B, L, -1) for x in (q, k, v)], dim=-1)            # [B, L, F] pre-conv
+        ext = halo_exchange(mixed, cp_mesh, h)                                          # [B, h + L, F]
+        key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        lo = r * L
+        ident = lambda x, a_, kw: ((x,), {})                                            # noqa: E731
+        if key_doc is None:
+            mixed = (_run_rows(conv, ident, ext[:, h:], None, 0, L, (), {}, mask_param=False, what=what, fqn=fqn)
+                     if r == 0 else
+                     _run_rows(conv, ident, ext, None, h, h + L, (), {}, mask_param=False, what=what, fqn=fqn))
+        else:
+            halo_doc = (key_doc[:, lo - h:lo] if r > 0 else
+                        torch.full((B, h), -1, dtype=key_doc.dtype, device=key_doc.device))
+            mixed = _run_rows(conv, ident, ext, torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1), h, h + L,
+                              (), {}, mask_param=False, what=what, fqn=fqn)             # [B, L, F], pads 0
+        beta = b.sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)                  # [B, L, Hv]
+
+        # -- documents of the local chunk as rows (zero beta/g after a row's end: state unchanged)
+        local_doc = None if key_doc is None else key_doc[:, lo:lo + L]
+        rows, starts, lens = _pack_rows(local_doc, B, L, hs.device)
+        N = int(rows.numel())
+        cont, through = _chain_flags(key_doc, B, C, L)
+        if N == 0:
+            rows, starts, lens, N = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), \
+                torch.zeros(1, dtype=torch.int64), 1
+        Lmax = max(int(lens.max()), 1)
+        j = torch.arange(Lmax, device=hs.device)
+        slot = j[None, :] < lens[:, None]
+        flat = (rows[:, None] * L + starts[:, None] + torch.where(slot, j[None, :], 0)).reshape(-1)
+
+        def pack(t):                                                                    # [B, L, ...] -> [N, Lmax, ...]
+            rest = tuple(t.shape[2:])
+            p = t.reshape(B * L, *rest).index_select(0, flat).view(N, Lmax, *rest)
+            return p * slot.view(N, Lmax, *([1] * len(rest))).to(p.dtype)
+
+        x = pack(mixed).float()
+        qq, kk, vv = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        qq, kk, vv = qq.reshape(N, Lmax, Hk, dk), kk.reshape(N, Lmax, Hk, dk), vv.reshape(N, Lmax, Hv, dv)
+        gg, bb = pack(g), pack(beta.float())
+        o0, s0 = rule(qq, kk, vv, g=gg, beta=bb, initial_state=None, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)                                    # [N, Lmax, Hv, dv], [N,Hv,dk,dv]
+
+        # -- the continuing first run of each batch row: identity run -> P_t^T q_t, P_T
+        first = starts == 0
+        c_idx = (first & cont[r].to(hs.device)[rows]).nonzero(as_tuple=True)[0]
+        P_out = s0.new_zeros(B, Hv, dk, dk)
+        S_out = s0.new_zeros(B, Hv, dk, dv)
+        last = torch.zeros(B, dtype=torch.int64)                     # run ending this chunk, per batch row
+        for i, (rb, st, ln) in enumerate(zip(rows.tolist(), starts.tolist(), lens.tolist())):
+            if ln and st + ln == L:
+                last[rb] = i + 1
+        for rb in range(B):
+            if last[rb]:
+                S_out = S_out.index_copy(0, torch.tensor([rb], device=hs.device), s0[last[rb] - 1][None])
+        oI = None
+        if c_idx.numel():
+            eye = torch.eye(dk, dtype=s0.dtype, device=hs.device).expand(len(c_idx), Hv, dk, dk).contiguous()
+            oI, pT = rule(qq[c_idx], kk[c_idx], vv.new_zeros(len(c_idx), Lmax, Hv, dk), g=gg[c_idx], beta=bb[c_idx],
+                          initial_state=eye, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            for i, ci in enumerate(c_idx.tolist()):
+                rb = int(rows[ci])
+                if bool(through[r, rb]):
+                    P_out = P_out.index_copy(0, torch.tensor([rb], device=hs.device), pT[i][None])
+
+        # -- one AllGather of (P_T, S0_T); compose the incoming state of this rank's first run
+        # (both ends stay in the graph on every rank, even one with nothing to pass or receive, so the
+        # AllGather's backward ReduceScatter runs on all ranks)
+        packed = torch.cat([P_out, S_out], dim=-1).unsqueeze(1) + x.sum() * 0           # [B, 1, Hv, dk, dk+dv]
+        allst = all_gather_seq(packed.contiguous(), cp_mesh, dim=1, tag="cp.gdn_state")  # [B, C, Hv, dk, dk+dv]
+        o = o0 + allst.sum() * 0
+        if oI is not None:
+            s_in = allst.new_zeros(B, Hv, dk, dv)
+            for jr in range(r):
+                Pj, Sj = allst[:, jr, ..., :dk], allst[:, jr, ..., dk:]
+                thr = through[jr].to(hs.device).view(B, 1, 1, 1)
+                s_in = torch.where(thr, Pj @ s_in, torch.zeros_like(s_in)) + Sj
+            corr = torch.einsum("nthk,nhkv->nthv", oI, s_in[rows[c_idx]])
+            o = o.index_add(0, c_idx, corr)
+        # -- rows back to [B, L, Hv*dv] (padding outputs 0), gated norm and out_proj as the module
+        sel = slot.reshape(-1)
+        tgt = flat[sel]
+        out = o.reshape(N * Lmax, Hv * dv)[sel].to(hs.dtype)
+        core = out.new_zeros(B * L, Hv * dv).index_add(0, tgt, out).view(B, L, Hv, dv)
+        core = m.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(B, L, -1)
+        return m.out_proj(core)
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = what
+    return forward
+
+
 register_inner_wrapper("sequence_gather", sequence_gather_cp_wrapper, overwrite=True)
 register_inner_wrapper("short_conv_halo", short_conv_halo_cp_wrapper, overwrite=True)
 register_inner_wrapper("gated_deltanet_ulysses", gated_deltanet_ulysses_cp_wrapper, overwrite=True)
+register_inner_wrapper("gated_deltanet_state_passing", gated_deltanet_state_passing_cp_wrapper, overwrite=True)
