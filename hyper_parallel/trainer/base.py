@@ -1,37 +1,23 @@
-"""BaseTrainer: the training-step lifecycle (design section 2.3) for any causal-LM-like task.
+"""BaseTrainer: YAML config -> distributed model -> optimizer steps, for any causal-LM-like task.
 
-One optimizer step::
+This module builds the run (distributed set-up, sharding, optimizer, LR schedule, data, logs,
+checkpoints) and runs the loop; the step itself is :mod:`~hyper_parallel.trainer.step` (batch ->
+CP shard -> forward -> local loss -> reductions -> step). The other jobs live where their names
+say: :mod:`.batch_prep` (the batch contract, the same at every CP size), :mod:`.grad_utils`
+(full copies, global-norm clipping, flat SUM reduction), :mod:`.tp_sync` (TP partial gradients),
+:mod:`.config_agreement` (every rank runs the same config).
 
-  global micro-batches (same on every CP rank of a DP rank)          ``next_micro_batches``
-    -> prepare: CP>1 ``shard_batch_for_cp`` (local input_ids, global position_ids,
-                global-shift ``shift_labels``, CPBatchMeta); CP=1 the plain batch
-    -> N = valid targets of *all* micro-batches, summed over ``dp_cp_mesh``   (one all-reduce)
-    -> per micro-batch, inside ``cp_batch_context(meta)`` (forward *and* backward, so
-       activation-checkpoint recomputation sees the same meta):
-         forward (declared CP wrappers, no HF attention_mask) -> local logits
-         local_loss_sum (never gathered at the CP boundary)
-         loss = local_loss_sum / N * grad_scale  -> backward
-    -> gradient reduction: FSDP2 (reduce-scatter, averaged over the fsdp mesh, hence
-       grad_scale = fsdp mesh size) or, without FSDP, one SUM all-reduce over dp_cp_mesh
-    -> global-norm clipping (DTensor norms reduced with ``full_tensor``)
-    -> optimizer.step, LR scheduler step
-
-With ``accelerator.cp_size == 1`` no CP code is on the path: no ``shard_batch_for_cp``, no
-wrappers, no meta; the loss is bit for bit Hugging Face's ``labels=`` loss.
-
-Subclasses provide the data (:meth:`build_data`) and the per-micro-batch loss
-(:meth:`compute_loss`); :class:`~hyper_parallel.trainer.text.TextTrainer` does byte-level
-text.
+Subclasses provide the data (:meth:`BaseTrainer.build_data`) and the per-micro-batch loss
+(:meth:`BaseTrainer.compute_loss`); :class:`~hyper_parallel.trainer.text.TextTrainer` does
+byte-level text. The names ``PreparedBatch``, ``StepProbe``, ``StepResult``,
+``clip_grad_norm_global`` and ``clean_param_name`` stay importable from here.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,127 +26,22 @@ import torch.nn as nn
 from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
 from ..distributed.preflight import agree_or_raise
-from ..platform import all_gather_object, all_reduce, get_platform, init_distributed, set_default_timeout
+from ..platform import get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
 from . import checkpoint as ckpt
+from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
-from .loss import global_token_count, mean_global_loss, reduce_loss_value
+from .config_agreement import check_same_config_on_every_rank
+from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog
 from .model import HyperAutoModel
+from .step import StepProbe, StepResult, run_step
+from .tp_sync import sync_tp_partial_grads, tp_partial_params
+
+__all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
+           "clean_param_name", "bind_local_device"]
 
 log = logging.getLogger("hyper_parallel.trainer")
-
-@dataclasses.dataclass
-class PreparedBatch:
-    """One micro-batch ready for forward on this rank."""
-
-    inputs: dict                    # model kwargs (input_ids, position_ids)
-    shift_labels: torch.Tensor      # local next-token targets (global shift)
-    num_valid_tokens: int           # local targets != ignore_index
-    meta: Any = None                # CPBatchMeta when CP > 1
-    seq_len: int = 0                # global (unpadded) sequence length of the micro-batch
-    local: Any = None               # the shard_batch_for_cp result (CP > 1)
-
-
-@dataclasses.dataclass
-class StepProbe:
-    """What :meth:`BaseTrainer.train_step` should capture for parity tests / debugging."""
-
-    logits: bool = False   # global logits per micro-batch (gathered over CP with gather_from_cp)
-    grads: bool = False    # full gradient of every parameter (before clipping)
-    params: bool = False   # full parameters after the optimizer step
-
-
-@dataclasses.dataclass
-class StepResult:
-    step: int
-    loss: float
-    valid_tokens: int
-    grad_norm: float | None
-    lr: float
-    time_s: float
-    tokens_per_s: float
-    logits: list | None = None
-    grads: dict | None = None
-    params: dict | None = None
-
-    def record(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "valid_tokens": self.valid_tokens,
-                "grad_norm": self.grad_norm, "lr": self.lr, "time_s": round(self.time_s, 4),
-                "tokens_per_s": round(self.tokens_per_s, 1)}
-
-
-def clean_param_name(name: str) -> str:
-    for wrapped in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapped, "")
-    return name
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A full, plain copy (collective for DTensors: every rank must call in the same order)."""
-    if _is_dtensor(t):
-        t = t.full_tensor()
-    return t.detach().clone()
-
-
-def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | None = None) -> torch.Tensor:
-    """Clip by the global 2-norm over every gradient; return the (pre-clip) total norm.
-
-    Plain tensors: exactly ``torch.nn.utils.clip_grad_norm_``. DTensors (FSDP/TP): norms are
-    computed per (mesh, placements) group and reduced with ``full_tensor()``, so shards are
-    summed and replicas counted once — the norm of the full gradient, identical on all ranks.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
-        return torch.tensor(0.0)
-    if not any(_is_dtensor(g) for g in grads):
-        if max_norm is None:
-            return torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
-    groups: dict = {}
-    for g in grads:
-        key = (g.device_mesh, tuple(g.placements)) if _is_dtensor(g) else ("local",)
-        groups.setdefault(key, []).append(g)
-    squares = []
-    for key in sorted(groups, key=str):
-        norm = torch.nn.utils.get_total_norm(groups[key], 2.0, False, foreach)
-        if _is_dtensor(norm):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
-    if max_norm is not None:
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return total
-
-
-def _check_same_config_on_every_rank(cfg: TrainerConfig) -> None:
-    """Every rank must run the same config: a per-rank difference would pair different
-    collectives across ranks. One object all-gather of per-section digests; on a mismatch every
-    rank raises the same CPConfigError naming the first differing section and the ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    import hashlib
-    import json
-
-    digests = {name: hashlib.sha256(json.dumps(section, sort_keys=True, default=str).encode()).hexdigest()
-               for name, section in sorted(cfg.to_dict().items())}
-    everyone = all_gather_object(digests)
-    for name in digests:
-        differ = [r for r, d in enumerate(everyone) if d.get(name) != everyone[0].get(name)]
-        if differ:
-            raise CPConfigError(name, f"the '{name}' section differs between ranks: rank(s) {differ} "
-                                f"were launched with another '{name}' than rank 0",
-                                fix="launch every rank with the same YAML and the same overrides")
 
 
 class BaseTrainer:
@@ -178,7 +59,7 @@ class BaseTrainer:
         if cfg.accelerator.comm_timeout_s is not None:  # before any group exists (see setup)
             set_default_timeout(cfg.accelerator.comm_timeout_s)
         init_distributed(self.platform)
-        _check_same_config_on_every_rank(cfg)
+        check_same_config_on_every_rank(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.schedule.seed)
@@ -196,7 +77,7 @@ class BaseTrainer:
         model = model.to(self.device)
         self.model, self.tp_grad_info = self.parallelize(model)
         self.uses_fsdp = _has_fsdp(self.model)
-        self.tp_partial_params = self._tp_head_local_params()
+        self.tp_partial_params = tp_partial_params(self.model, self.sharding_plan, self.tp_grad_info)
         self.grad_scale = float(self.mesh.fsdp_mesh.size()) if self.uses_fsdp else 1.0
         self.optimizer = self.build_optimizer()
         self.scheduler = self.build_scheduler()
@@ -288,27 +169,13 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ batch + loss
     def prepare_batch(self, batch: dict) -> PreparedBatch:
-        ignore = self.cfg.data.ignore_index
-        seq_len = int(batch["input_ids"].shape[1])
-        if self.cp_size == 1:
-            _check_right_padded(batch.get("attention_mask"))
-            labels = batch["labels"]
-            shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore)
-            inputs = {"input_ids": batch["input_ids"].to(self.device)}
-            if "position_ids" in batch:
-                inputs["position_ids"] = batch["position_ids"].to(self.device)
-            return PreparedBatch(inputs, shift.to(self.device), int((shift != ignore).sum()), None, seq_len)
-        from ..distributed.context_parallel.batch import shard_batch_for_cp
-
-        # a registered model spec's batch contract (register_cp_model_spec(batch_prepare_fn=...))
-        # replaces the standard one; same arguments, same CPBatch result
-        prepare = getattr(self.sharding_plan, "batch_prepare_fn", None) or shard_batch_for_cp
-        local = prepare(batch, self.mesh.cp_mesh, self.cp_policy, ignore_index=ignore,
-                        pad_token_id=self.cfg.data.pad_token_id)
-        inputs = {"input_ids": _field(local, "input_ids").to(self.device),
-                  "position_ids": _field(local, "position_ids").to(self.device)}
-        shift = _field(local, "shift_labels").to(self.device)
-        return PreparedBatch(inputs, shift, int(local.num_valid_tokens_local), local.meta, seq_len, local)
+        """The batch contract (:func:`~hyper_parallel.trainer.batch_prep.prepare_batch`): the same
+        ``shard_batch_for_cp`` at every CP size, CP=1 a CP group of one."""
+        return prepare_batch(batch, cp_mesh=self.mesh.cp_mesh if self.cp_size > 1 else None,
+                             cp_size=self.cp_size, policy=self.cp_policy, device=self.device,
+                             ignore_index=self.cfg.data.ignore_index, pad_token_id=self.cfg.data.pad_token_id,
+                             # a registered model spec's batch contract replaces the standard one
+                             prepare_fn=getattr(self.sharding_plan, "batch_prepare_fn", None))
 
     def batch_context(self, prepared: PreparedBatch):
         if prepared.meta is None:
@@ -327,7 +194,7 @@ class BaseTrainer:
         raise NotImplementedError
 
     def gather_logits(self, logits: torch.Tensor, prepared: PreparedBatch) -> torch.Tensor:
-        logits = _full(logits) if _is_dtensor(logits) else logits.detach()
+        logits = full_copy(logits) if is_dtensor(logits) else logits.detach()
         if prepared.meta is not None:
             from ..distributed.context_parallel.batch import gather_from_cp
 
@@ -339,73 +206,20 @@ class BaseTrainer:
         """Without FSDP: one SUM all-reduce of every gradient over dp_cp_mesh (grad_scale=1)."""
         if self.uses_fsdp or self.mesh.dp_cp_mesh.size() == 1:
             return
-        _sum_grads_in_place([p.grad for p in self.model.parameters() if p.grad is not None],
-                            self.mesh.dp_cp_mesh.get_group())
-
-    def _tp_head_local_params(self) -> list:
-        """Parameters whose per-TP-rank gradient is a partial sum (``TPGradInfo.partial_grad``,
-        e.g. Qwen3 ``q_norm``/``k_norm`` acting on TP-local heads)."""
-        plan = self.sharding_plan
-        if plan is None or plan.tp_size == 1:
-            return []
-        params = dict(self.model.named_parameters())
-        return [params[n] for n in self.tp_grad_info.partial_grad if n in params]
+        sum_grads_in_place([p.grad for p in self.model.parameters() if p.grad is not None],
+                           self.mesh.dp_cp_mesh.get_group())
 
     def sync_tp_partial_grads(self) -> None:
-        """SUM over the tp group the gradients of :meth:`_tp_head_local_params` (one all-reduce)."""
-        _sum_grads_in_place([p.grad for p in self.tp_partial_params if p.grad is not None],
-                            self.mesh.tp_mesh.get_group())
+        """SUM over the tp group the gradients of TP partial-gradient parameters (:mod:`.tp_sync`)."""
+        sync_tp_partial_grads(self.tp_partial_params, self.mesh.tp_mesh)
 
     def named_full(self, what: str) -> dict:
-        out = {}
-        for name, p in self.model.named_parameters():
-            t = p.grad if what == "grad" else p
-            if t is None:
-                continue
-            out[clean_param_name(name)] = _full(t).float().cpu()
-        return out
+        return named_full(self.model, what)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, micro_batches: list[dict], probe: StepProbe | None = None) -> StepResult:
-        """One optimizer step over this DP rank's global micro-batches (see module doc)."""
-        t0 = time.perf_counter()
-        self.model.train()
-        prepared = [self.prepare_batch(b) for b in micro_batches]
-        local_tokens = sum(p.num_valid_tokens for p in prepared)
-        n_global = global_token_count(local_tokens, self.mesh.dp_cp_mesh, self.device)
-        maybe_inject_fault(self.rank, self.step + 1, "forward")   # test hook (platform/faults.py)
-        loss_sum_total = torch.zeros((), dtype=torch.float32, device=self.device)
-        logits_out = [] if probe and probe.logits else None
-        for p in prepared:
-            with self.batch_context(p):
-                with self.autocast():
-                    logits, loss_sum, n_local = self.compute_loss(p)
-                if int(n_local) != p.num_valid_tokens:
-                    raise RuntimeError(f"valid-token mismatch: loss saw {int(n_local)} targets, the batch "
-                                       f"shard declares {p.num_valid_tokens}")
-                out = mean_global_loss(loss_sum, n_local, self.mesh.dp_cp_mesh, grad_scale=self.grad_scale,
-                                       global_valid_tokens=n_global, reduce_value=False)
-                out.loss.backward()
-            loss_sum_total += loss_sum.detach().float()
-            if logits_out is not None:
-                logits_out.append(self.gather_logits(logits, p))
-            del logits, loss_sum, out
-        self.sync_gradients()
-        self.sync_tp_partial_grads()
-        loss_value = reduce_loss_value(loss_sum_total, n_global, self.mesh.dp_cp_mesh)
-        grads = self.named_full("grad") if probe and probe.grads else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = clip_grad_norm_global(params, self.cfg.optimizer.grad_clip, self.cfg.optimizer.foreach)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        full_params = self.named_full("param") if probe and probe.params else None
-        dt = time.perf_counter() - t0
-        n = int(n_global)
-        return StepResult(self.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9),
-                          logits_out, grads, full_params)
+        """One optimizer step over this DP rank's global micro-batches (:func:`.step.run_step`)."""
+        return run_step(self, micro_batches, probe)
 
     # ------------------------------------------------------------------ loop
     def train(self, steps: int | None = None) -> list[StepResult]:
@@ -479,34 +293,3 @@ def _has_fsdp(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _field(local, name: str):
-    if isinstance(local, dict):
-        return local[name]
-    if hasattr(local, name):
-        return getattr(local, name)
-    return local[name]
-
-
-def _check_right_padded(mask) -> None:
-    """CP=1 passes no attention_mask: padding must be a suffix of each row (collator contract)."""
-    if mask is None:
-        return
-    m = mask.to(torch.int64)
-    if bool((m[:, 1:] > m[:, :-1]).any()):
-        raise ValueError("attention_mask has padding before valid tokens: the trainer's batches must be "
-                         "right-padded documents (no left padding, no packing)")
-
-
-def _sum_grads_in_place(grads: list, group) -> None:
-    """SUM-all-reduce ``grads`` (local shards of DTensor grads) over ``group`` in one flat collective."""
-    if not grads:
-        return
-    local = [g.to_local() if _is_dtensor(g) else g for g in grads]
-    flat = all_reduce(torch.cat([g.reshape(-1) for g in local]), group, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in local:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
