@@ -6,17 +6,24 @@ A plan maps a decoder-layer-relative FQN to a style::
              input Replicate, output a local tensor of out_features / tp
     rowwise  nn.Linear input features sharded over tp (weight Shard(1), bias Replicate);
              input the local shard, output all-reduced (Replicate) local tensor
+    replicated_with_grad_allreduce
+             a module kept replicated whose parameters act on TP-local heads (Qwen3/Gemma3
+             q_norm/k_norm): listed in ``TPGradInfo.partial_grad`` (gradient SUM over tp)
 
-Built-in plans (Llama / Qwen2 / Qwen3 / Mistral dense decoder layers)::
+Where the plan comes from (:func:`get_tp_plan`): a plan registered with :func:`register_tp_plan`
+for the model's ``model_type`` (an explicit override), else what transformers declares
+(``model.tp_plan`` / ``config.base_model_tp_plan``), translated by
+:func:`~.tp_plan_translation.translate_tp_plan` (refused styles raise naming style and module).
 
-    self_attn.q_proj/k_proj/v_proj: colwise    self_attn.o_proj: rowwise
-    mlp.gate_proj/up_proj:           colwise    mlp.down_proj:    rowwise
+Decoder layers (:func:`find_decoder_layers`) are what transformers declares as its unsplittable
+blocks (``_no_split_modules``: ``LlamaDecoderLayer``, ``GPTNeoXLayer``, ``BloomBlock``, ...) that sit
+in a ``ModuleList``; the layer-list heuristic is the fallback for models that declare none.
 
-Everything else (embeddings, norms, QK-norm, lm_head) stays replicated. Attention heads are
-split with the projections: the applier records the TP-local head counts on each attention
-module (``__hp_local_heads__``) and divides ``num_heads``-style attributes, so CP wrappers
-validate against the heads this rank actually computes. HF attention reshapes with ``-1``
-heads, so no forward change is needed.
+Everything not in the plan (embeddings, norms, lm_head, MoE experts) stays replicated. Attention
+heads are split with the projections: the applier records the TP-local head counts on each
+attention module of a layer it shards (``__hp_local_heads__``) and divides ``num_heads``-style
+attributes, so CP wrappers validate against the heads this rank actually computes. HF attention
+reshapes with ``-1`` heads, so no forward change is needed.
 
 :class:`TPGradInfo` (returned by ``apply_sharding_plan``) says, per parameter FQN, whether
 the parameter is TP-sharded (its local gradient-norm^2 must be summed over the tp group) or
@@ -29,7 +36,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch.nn as nn
 
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 DENSE_DECODER_TP_PLAN = {
     "self_attn.q_proj": "colwise",
@@ -41,30 +48,70 @@ DENSE_DECODER_TP_PLAN = {
     "mlp.down_proj": "rowwise",
 }
 
-_TP_PLANS: dict[str, dict] = {arch: dict(DENSE_DECODER_TP_PLAN) for arch in ("llama", "qwen2", "qwen3", "mistral")}
+# explicit overrides by model_type (register_tp_plan); models without one use their declared plan
+_TP_PLANS: dict[str, dict] = {}
 
 
 def register_tp_plan(architecture: str, layer_plan: Mapping[str, str]) -> None:
-    """Register (or replace) the decoder-layer TP plan of an HF ``model_type``."""
+    """Register (or replace) the decoder-layer TP plan of an HF ``model_type``; it overrides the
+    plan the model declares."""
     bad = {k: v for k, v in layer_plan.items() if v not in TP_STYLES}
     if bad:
         raise ValueError(f"register_tp_plan({architecture!r}): styles must be one of {TP_STYLES}, got {bad}")
     _TP_PLANS[architecture] = dict(layer_plan)
 
 
-def get_tp_plan(model: nn.Module) -> Optional[dict]:
+def get_tp_plan(model: nn.Module, layers: Optional[list] = None) -> Optional[dict]:
+    """The decoder-layer-relative TP plan of ``model``: the registered override for its
+    ``model_type``, else its declared transformers plan translated onto ``layers`` (default:
+    :func:`find_decoder_layers`); None when there is neither. Raises
+    :class:`~.errors.CPConfigError` when the declared plan has a style that cannot be honoured."""
+    from .tp_plan_translation import translate_tp_plan
+
     cfg = getattr(model, "config", None)
     arch = getattr(cfg, "model_type", None)
-    return dict(_TP_PLANS[arch]) if arch in _TP_PLANS else None
+    if arch in _TP_PLANS:
+        return dict(_TP_PLANS[arch])
+    tr = translate_tp_plan(model, find_decoder_layers(model) if layers is None else layers)
+    return dict(tr.plan) if tr is not None and tr.plan else None
+
+
+def _no_split_classes(model: nn.Module) -> set:
+    names: set = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(str(n) for n in declared)
+    return names
+
+
+def decoder_layers_from_declaration(model: nn.Module) -> list[str]:
+    """FQNs of the ``ModuleList`` entries whose class transformers declares unsplittable
+    (``_no_split_modules`` of the model and its sub-models), outermost only, in module order."""
+    classes = _no_split_classes(model)
+    if not classes:
+        return []
+    out: list[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList):
+            continue
+        for i, child in enumerate(mod):
+            fqn = f"{name}.{i}" if name else str(i)
+            if type(child).__name__ in classes and not any(fqn.startswith(o + ".") for o in out):
+                out.append(fqn)
+    return out
 
 
 def find_decoder_layers(model: nn.Module) -> list[str]:
-    """FQNs of the decoder layers: the entries of the ``ModuleList`` holding the attention layers.
+    """FQNs of the decoder layers (the TP, activation-checkpointing and FSDP2 units).
 
-    Prefers HF's ``model.layers``-style list (children whose class ends with ``DecoderLayer``
-    or which own a ``self_attn``); falls back to every module whose class name ends with
-    ``DecoderLayer``.
+    First what transformers declares (:func:`decoder_layers_from_declaration`); then, for
+    models that declare nothing, the first ``ModuleList`` whose children end with
+    ``DecoderLayer``/``Block`` or own a ``self_attn``; then every ``*DecoderLayer`` module.
     """
+    declared = decoder_layers_from_declaration(model)
+    if declared:
+        return declared
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and all(
                 type(c).__name__.endswith(("DecoderLayer", "Block")) or hasattr(c, "self_attn") for c in mod):
@@ -73,14 +120,22 @@ def find_decoder_layers(model: nn.Module) -> list[str]:
 
 
 def check_tp_plan(model: nn.Module, layers: list[str], plan: Mapping[str, str], tp_size: int) -> None:
-    """Raise ValueError when a planned module is missing / not Linear / not divisible by tp."""
+    """Raise ValueError when a planned entry matches no decoder layer, has an unknown style, is
+    not an nn.Linear (colwise/rowwise) or is not divisible by tp. An entry may be absent from some
+    layers (dense and MoE layers of one model differ); it must exist in at least one."""
     names = dict(model.named_modules())
-    for layer in layers:
-        for rel, style in plan.items():
-            fqn = f"{layer}.{rel}"
-            mod = names.get(fqn)
-            if mod is None:
-                raise ValueError(f"TP plan names '{rel}' but decoder layer '{layer}' has no such submodule")
+    for rel, style in plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"TP plan entry '{rel}' has style {style!r}; expected one of {TP_STYLES}")
+        found = [f"{layer}.{rel}" for layer in layers if f"{layer}.{rel}" in names]
+        if not found:
+            first = layers[0] if layers else "<none>"
+            raise ValueError(f"TP plan names '{rel}' but decoder layer '{first}' has no such submodule "
+                             f"(nor does any of the {len(layers)} decoder layers)")
+        if style == "replicated_with_grad_allreduce":
+            continue
+        for fqn in found:
+            mod = names[fqn]
             if not isinstance(mod, nn.Linear):
                 raise ValueError(f"TP plan entry '{fqn}' is a {type(mod).__name__}, expected nn.Linear")
             n = mod.out_features if style == "colwise" else mod.in_features
@@ -162,23 +217,39 @@ def _adjust_heads(layer: nn.Module, tp_size: int) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, layers: list[str], plan: Mapping[str, str]) -> TPGradInfo:
-    """``parallelize_module`` every decoder layer with ``plan`` on ``tp_mesh``; return the TP record."""
+    """``parallelize_module`` every decoder layer with the entries of ``plan`` it has, on
+    ``tp_mesh``; return the TP record.
+
+    ``colwise`` -> ``ColwiseParallel()``, ``rowwise`` -> ``RowwiseParallel()`` (DTensor parameters,
+    local activations); ``replicated_with_grad_allreduce`` modules stay replicated and their
+    parameters join ``partial_grad`` together with every other replicated parameter of an
+    attention module whose projections are sharded. Head attributes are divided by tp only in the
+    layers where something was sharded."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp_size = tp_mesh.size()
     names = dict(model.named_modules())
     check_tp_plan(model, layers, plan, tp_size)
     placed: dict[str, tuple] = {}
+    partial: list[str] = []
+    sharded_layers = []
     for layer_fqn in layers:
         layer = names[layer_fqn]
+        present = {rel: s for rel, s in plan.items() if f"{layer_fqn}.{rel}" in names}
+        styles = {rel: (ColwiseParallel() if s == "colwise" else RowwiseParallel())
+                  for rel, s in present.items() if s in ("colwise", "rowwise")}
+        if not styles:
+            continue
+        sharded_layers.append(layer_fqn)
         _adjust_heads(layer, tp_size)
-        styles = {rel: (ColwiseParallel() if s == "colwise" else RowwiseParallel()) for rel, s in plan.items()}
         parallelize_module(layer, tp_mesh, styles)
-        for rel, s in plan.items():
+        for rel, s in present.items():
             mod = names[f"{layer_fqn}.{rel}"]
-            for pname, _ in mod.named_parameters(recurse=False):
+            for pname, _ in mod.named_parameters(recurse=s == "replicated_with_grad_allreduce"):
                 fqn = f"{layer_fqn}.{rel}.{pname}"
-                if s == "colwise":
+                if s == "replicated_with_grad_allreduce":
+                    partial.append(fqn)
+                elif s == "colwise":
                     placed[fqn] = (True, "colwise", 0)
                 elif pname == "weight":
                     placed[fqn] = (True, "rowwise", 1)
@@ -188,11 +259,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, layers: list[str], plan: Ma
     for n, _ in model.named_parameters():
         sharded, style, dim = placed.get(n, (False, "replicate", None))
         infos[n] = TPParamInfo(n, sharded, style, dim)
-    partial = []
-    for layer_fqn in layers:
+    for layer_fqn in sharded_layers:
         for sub, mod in names[layer_fqn].named_modules():
             if not (hasattr(mod, "q_proj") and hasattr(mod, "k_proj")):
                 continue                              # attention modules only: heads are TP-local inside
             base = f"{layer_fqn}.{sub}" if sub else layer_fqn
-            partial += [f"{base}.{n}" for n, _ in mod.named_parameters() if f"{base}.{n}" not in placed]
+            partial += [f"{base}.{n}" for n, _ in mod.named_parameters()
+                        if f"{base}.{n}" not in placed and f"{base}.{n}" not in partial]
     return TPGradInfo(infos, tp_mesh, tp_size, partial_grad=partial)

@@ -39,10 +39,10 @@ ATTN = {   # name -> inner_wrapper
     "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
 }
 MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "lfm2": "*[0-9].conv",
-             "falcon_h1": "*.mamba"}
+             "falcon_h1": "*.mamba", "falcon_h1_rms": "*.mamba"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
          "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses",
-         "gdn_sp": "gated_deltanet_state_passing",
+         "gdn_sp": "gated_deltanet_state_passing", "m2_sp": "mamba2_state_passing",
          "gdn_sp_target": {"_target_": MIXERS + "gated_deltanet_state_passing_cp_wrapper"}}
 
 
@@ -56,10 +56,17 @@ def entries(arch: str, attn: str, mixer: str) -> list:
 def build(arch: str):
     """test_model_proof's tiny models, plus Qwen3-Next with 4 linear key heads (Gated DeltaNet
     Ulysses at cp 4)."""
-    if arch != "qwen3_next_h4":
-        return build_model(arch)
     import transformers as T
 
+    if arch == "falcon_h1_rms":      # Falcon-H1 with the gated RMS norm after the scan, 2 SSM groups
+        torch.manual_seed(0)
+        cfg = T.FalconH1Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", head_dim=16,
+                               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                               mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True)
+        return T.AutoModelForCausalLM.from_config(cfg)
+    if arch != "qwen3_next_h4":
+        return build_model(arch)
     torch.manual_seed(0)
     cfg = T.Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", head_dim=16,
@@ -220,6 +227,7 @@ def _check(results: list) -> None:
             method = res["case"].split("+")[1].split("/")[0]
             want = {"halo": "short_conv_halo_cp_wrapper", "gdn_ulysses": "gated_deltanet_ulysses_cp_wrapper",
                     "gdn_sp": "gated_deltanet_state_passing_cp_wrapper",
+                    "m2_sp": "mamba2_state_passing_cp_wrapper",
                     "gdn_sp_target": "gated_deltanet_state_passing_cp_wrapper"}
             assert res["mixers"] and res["installed"] == [want.get(method, "sequence_gather_cp_wrapper")], res
             if "proof_rel" in res:
@@ -278,6 +286,21 @@ def test_gated_deltanet_state_passing_exact(ranks):
     _check(ranks(4).run(mixer_cases, [
         (("qwen3_next", "colossal", "gdn_sp", 4), {"kinds": ("plain", "padding", "packed"), "S": 34}),
         (("qwen3_next_h4", "hybrid", "gdn_sp", 4), {"kinds": ("packed",), "S": 45, "proof": False}),
+    ], timeout=600.0))
+    print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+def test_mamba2_state_passing_exact(ranks):
+    """Mamba2 state passing on Falcon-H1 (scalar decay per head: the incoming SSM state's
+    contribution is one einsum; conv halo): cp 2 and cp 4, plain / padded / packed rows whose
+    documents cross rank edges, several scan chunks per rank (chunk 16), gated RMS norm variant."""
+    t0 = time.perf_counter()
+    _check(ranks(2).run(mixer_cases, [
+        (("falcon_h1", "ulysses", "m2_sp", 2), {"S": 45}),
+        (("falcon_h1_rms", "colossal", "m2_sp", 2), {"kinds": ("packed",), "S": 70}),
+    ], timeout=600.0))
+    _check(ranks(4).run(mixer_cases, [
+        (("falcon_h1", "colossal", "m2_sp", 4), {"kinds": ("plain", "padding", "packed"), "S": 66}),
     ], timeout=600.0))
     print(f"wall {time.perf_counter() - t0:.1f}s")
 

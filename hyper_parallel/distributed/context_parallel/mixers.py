@@ -58,6 +58,12 @@ layout only — the planner refuses them next to a Head-Tail load-balance attent
     every rank compose its incoming state locally. Cost: compute / cp, but ranks > 0 run the
     recurrence of their first document twice (measured in benchmarks/linear_mixer_cp.py).
 
+``mamba2_state_passing`` (:func:`mamba2_state_passing_cp_wrapper`) — Falcon-H1's Mamba2 mixer on the
+    local tokens with all its heads: conv halo, transformers' ``mamba2_chunk_scan`` from a zero state,
+    and the incoming SSM state's contribution added in closed form (Mamba2's decay is a scalar per
+    head, so no second scan is needed); one AllGather of ``(decay, final state)`` per rank. Compute /
+    cp, no idle rank, no head rule.
+
 Padding and packed documents (all methods): the CP batch's ``meta.key_doc`` says which tokens are
 padding (-1) and which document every token belongs to. Every document is run as **its own
 sequence** (a right-padded row, with a 2-D ``attention_mask`` when the module's forward takes one,
@@ -91,7 +97,7 @@ from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
 
 __all__ = ["sequence_gather_cp_wrapper", "short_conv_halo_cp_wrapper", "gated_deltanet_ulysses_cp_wrapper",
-           "gated_deltanet_state_passing_cp_wrapper",
+           "gated_deltanet_state_passing_cp_wrapper", "mamba2_state_passing_cp_wrapper", "MAMBA2_CLASSES",
            "CPMixerError", "HALO_CLASSES", "GDN_CLASSES", "halo_exchange"]
 
 #: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
@@ -716,7 +722,156 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
     return forward
 
 
+# ============================================================================ mamba2_state_passing
+MAMBA2_CLASSES = ("FalconH1Mixer",)
+
+
+def validate_mamba2_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
+    del cp_size
+    what = "mamba2_state_passing_cp_wrapper"
+    _validate_common(what, target_module, tp_size)
+    cls = type(target_module).__name__
+    if cls not in MAMBA2_CLASSES:
+        raise ValueError(f"{what} re-runs the forward of {', '.join(MAMBA2_CLASSES)} with a passed SSM state; {cls} "
+                         "is not one of them — declare sequence_gather (generic, exact) for it instead")
+
+
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_mamba2_state_passing)
+def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+    """State passing for a Mamba2 mixer (Falcon-H1's ``FalconH1Mixer``): all heads on the local tokens.
+
+    Exactness: the SSD recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``, ``y_t = C_t h_t + D x_t``
+    has a scalar decay per head, so a chunk started from ``h_in`` gives ``y_t = y0_t + exp(a_t) C_t h_in``
+    and ``h_out = exp(a_T) h_in + h0_T`` with ``a_t = sum_{s<=t} dt_s A`` (``dt`` after the module's
+    ``dt_bias``, softplus and ``time_step_limit`` clamp): ``y0``/``h0`` come from transformers'
+    ``mamba2_chunk_scan`` from a zero state (``return_final_states``), the correction is one einsum.
+
+    Forward: the module's token-wise lines (``ssm_in_multiplier``, ``in_proj``, ``mup_vector``, split);
+    the causal conv1d on ``[halo + local]`` per document (``k - 1`` pre-conv tokens from the previous
+    rank, :func:`halo_exchange`); the scan per local document (rows left-aligned so a row's final state
+    is its document's); one AllGather of every rank's ``(exp(a_T), h0_T)`` (``B x H x (1 + P x N)``
+    per rank, independent of S) from which each rank composes the incoming state of its first document
+    (a chain that restarts where a document starts); the gated norm (or ``silu`` gate) and ``out_proj``.
+    No rank waits for another's scan, and no recurrence runs twice. Backward: autograd through the
+    same graph (the AllGather's backward is a ReduceScatter(sum) to the owners; the halo's gradient
+    returns to the previous rank). Packed documents restart the state and the conv window.
+    """
+    del mesh, tp_mesh, ep_mesh
+    import sys
+
+    import torch.nn.functional as F
+
+    what = "mamba2_state_passing_cp_wrapper"
+    m = target_module
+    original = m.forward
+    name = _hidden_param(m)
+    fqn = _fqn()
+    hf = sys.modules[type(m).__module__]
+    conv_fn, scan = hf.causal_conv1d_fn, hf.mamba2_chunk_scan
+    H, Pd, Ns, G, I = m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups, m.intermediate_size
+    h = int(m.conv_kernel_size) - 1
+    lo_lim, hi_lim = (float(x) for x in m.time_step_limit)
+
+    def conv(x):
+        return conv_fn(x.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                       activation=m.activation).transpose(1, 2)
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta()
+        hs, _rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+        _check_call(what, fqn, hs, rest_kwargs, meta)
+        if cp_mesh is None or meta.cp_size == 1:
+            return original(*args, **kwargs)
+        group = resolve_group(cp_mesh)
+        C, r = P.group_size(group), P.group_rank(group)
+        Bsz, L, _ = hs.shape
+        if L < h:
+            raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < conv kernel - 1 = {h}: the conv halo "
+                               "would span more than one rank; use longer sequences or fewer CP ranks")
+        dtype = hs.dtype
+        proj = m.in_proj(hs * m.ssm_in_multiplier) * m.mup_vector
+        gate, xbc, dt = proj.split([I, m.conv_dim, H], dim=-1)
+        ext = halo_exchange(xbc, cp_mesh, h)                                            # [B, h + L, conv_dim]
+        key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        lo = r * L
+        ident = lambda x, a_, kw: ((x,), {})                                            # noqa: E731
+        if key_doc is None:
+            xbc = (_run_rows(conv, ident, ext[:, h:], None, 0, L, (), {}, mask_param=False, what=what, fqn=fqn)
+                   if r == 0 else
+                   _run_rows(conv, ident, ext, None, h, h + L, (), {}, mask_param=False, what=what, fqn=fqn))
+        else:
+            halo_doc = (key_doc[:, lo - h:lo] if r > 0 else
+                        torch.full((Bsz, h), -1, dtype=key_doc.dtype, device=key_doc.device))
+            xbc = _run_rows(conv, ident, ext, torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1), h, h + L,
+                            (), {}, mask_param=False, what=what, fqn=fqn)               # pads 0
+
+        # -- local documents as LEFT-aligned rows: leading pads (x = 0) leave a zero state at zero
+        local_doc = None if key_doc is None else key_doc[:, lo:lo + L]
+        rows, starts, lens = _pack_rows(local_doc, Bsz, L, hs.device)
+        if rows.numel() == 0:
+            rows, starts, lens = (torch.zeros(1, dtype=torch.int64, device=hs.device) for _ in range(3))
+        N = int(rows.numel())
+        cont, through = _chain_flags(key_doc, Bsz, C, L)
+        Lmax = max(int(lens.max()), 1)
+        j = torch.arange(Lmax, device=hs.device)
+        off = Lmax - lens
+        slot = j[None, :] >= off[:, None]                                                # [N, Lmax]
+        flat = (rows[:, None] * L + starts[:, None] + torch.where(slot, j[None, :] - off[:, None], 0)).reshape(-1)
+
+        def pack(t):
+            rest = tuple(t.shape[2:])
+            p = t.reshape(Bsz * L, *rest).index_select(0, flat).view(N, Lmax, *rest)
+            return p * slot.view(N, Lmax, *([1] * len(rest))).to(p.dtype)
+
+        xs, Bm, Cm = torch.split(pack(xbc), [I, G * Ns, G * Ns], dim=-1)
+        dtp = pack(dt)
+        A = -torch.exp(m.A_log.float())
+        y0, hT = scan(xs.reshape(N, Lmax, H, Pd), dtp, A, Bm.reshape(N, Lmax, G, Ns), Cm.reshape(N, Lmax, G, Ns),
+                      chunk_size=m.chunk_size, D=m.D, z=None, return_final_states=True, dt_bias=m.dt_bias,
+                      dt_softplus=True, dt_limit=m.time_step_limit)                     # [N,Lmax,H,Pd], [N,H,Pd,Ns]
+        # the per-head log decay of every real token, as the scan discretizes it
+        dts = torch.clamp(F.softplus(dtp.float() + m.dt_bias.float()), min=lo_lim, max=hi_lim)
+        a = torch.cumsum(dts * A * slot[..., None].float(), dim=1)                        # [N, Lmax, H]
+
+        first = starts == 0
+        c_idx = (first & cont[r].to(hs.device)[rows]).nonzero(as_tuple=True)[0]
+        dec_out = hT.new_zeros(Bsz, H)
+        st_out = hT.new_zeros(Bsz, H, Pd, Ns)
+        for i, (rb, st, ln) in enumerate(zip(rows.tolist(), starts.tolist(), lens.tolist())):
+            if ln and st + ln == L:
+                sel = torch.tensor([rb], device=hs.device)
+                st_out = st_out.index_copy(0, sel, hT[i][None])
+                if bool(through[r, rb]) and st == 0:
+                    dec_out = dec_out.index_copy(0, sel, a[i, -1].exp()[None])
+        packed = torch.cat([dec_out, st_out.reshape(Bsz, -1)], dim=-1).unsqueeze(1) + xs.sum() * 0
+        allst = all_gather_seq(packed.contiguous(), cp_mesh, dim=1, tag="cp.mamba2_state")  # [B, C, H*(1+Pd*Ns)]
+        y = y0 + allst.sum() * 0
+        if c_idx.numel() and r > 0:
+            s_in = hT.new_zeros(Bsz, H, Pd, Ns)
+            for jr in range(r):
+                dj = allst[:, jr, :H].view(Bsz, H, 1, 1)
+                sj = allst[:, jr, H:].view(Bsz, H, Pd, Ns)
+                thr = through[jr].to(hs.device).view(Bsz, 1, 1, 1)
+                s_in = torch.where(thr, dj * s_in, torch.zeros_like(s_in)) + sj
+            Ch = Cm[c_idx].reshape(len(c_idx), Lmax, G, Ns).float().repeat_interleave(H // G, dim=2)
+            corr = torch.einsum("nths,nhps->nthp", Ch, s_in[rows[c_idx]]) * a[c_idx].exp()[..., None]
+            y = y.index_add(0, c_idx, corr * slot[c_idx][..., None, None].to(corr.dtype))
+        sel = slot.reshape(-1)
+        out = y.reshape(N * Lmax, H * Pd)[sel]
+        scan_out = out.new_zeros(Bsz * L, H * Pd).index_add(0, flat[sel], out).view(Bsz, L, H * Pd)
+        if m.mamba_rms_norm:
+            scan_out = m.norm(scan_out, gate)
+        else:
+            scan_out = scan_out * F.silu(gate)
+        return m.out_proj(scan_out.to(dtype))
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = what
+    return forward
+
+
 register_inner_wrapper("sequence_gather", sequence_gather_cp_wrapper, overwrite=True)
 register_inner_wrapper("short_conv_halo", short_conv_halo_cp_wrapper, overwrite=True)
 register_inner_wrapper("gated_deltanet_ulysses", gated_deltanet_ulysses_cp_wrapper, overwrite=True)
 register_inner_wrapper("gated_deltanet_state_passing", gated_deltanet_state_passing_cp_wrapper, overwrite=True)
+register_inner_wrapper("mamba2_state_passing", mamba2_state_passing_cp_wrapper, overwrite=True)
