@@ -12,6 +12,10 @@ of a CP group is group-rank order: rank ``i`` holds the ``i``-th contiguous sequ
   flex_cp_allgather(k, v, cp_dim, cp_mesh)
       fwd: AllGather K and V along ``cp_dim``       [.., S/C, ..] -> [.., S, ..]
       bwd: ReduceScatter(sum) of dK, dV              [.., S, ..]   -> [.., S/C, ..]
+  window_chunk_ranges(world, local_len, window, causal) -> [(lo_r, hi_r)] per rank (no comm)
+  flex_cp_window_gather(k, v, cp_dim, cp_mesh, ranges)
+      fwd: rank r receives only chunks lo_r..hi_r  [.., S/C, ..] -> [.., (hi_r-lo_r+1)*S/C, ..]
+      bwd: each received chunk's gradient goes back to its owner and is summed there
   ulysses_seq_to_head(x, group)   [B, H, S/C, D] -> [B, H/C, S, D]   bwd: head_to_seq
   ulysses_head_to_seq(x, group)   [B, H/C, S, D] -> [B, H, S/C, D]   bwd: seq_to_head
   hybrid_kv_allgather(k, v, colossal, ulysses)
@@ -36,7 +40,7 @@ from ... import platform as P
 __all__ = [
     "resolve_group", "group_desc", "flex_cp_allgather", "all_gather_seq", "ulysses_seq_to_head",
     "ulysses_head_to_seq", "hybrid_kv_allgather", "head_tail_dispatch", "head_tail_combine",
-    "head_tail_sub_chunks", "CPCollectiveError",
+    "head_tail_sub_chunks", "CPCollectiveError", "window_chunk_ranges", "flex_cp_window_gather",
 ]
 
 
@@ -177,6 +181,95 @@ def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     if P.group_size(group) == 1:
         return k, v
     return _KVAllGather.apply(k, v, group, dk)
+
+
+def window_chunk_ranges(world: int, local_len: int, window: int, causal: bool = True) -> list[tuple[int, int]]:
+    """The contiguous chunk range ``(lo_r, hi_r)`` (inclusive) each rank's queries can see.
+
+    Contiguous layout: rank r holds global indices ``[r*L, (r+1)*L)`` (``L = local_len``). With
+    a left sliding window ``w`` (key j visible to query i only if ``i - w < j``; transformers'
+    ``sliding_window``), the earliest key any query of chunk r sees is ``r*L - w + 1``, so
+    ``lo_r = max(0, r - ceil((w - 1) / L))``; ``hi_r = r`` when ``causal`` (keys after the last
+    query are invisible), else ``world - 1`` (the window is left-only). Pure arithmetic on
+    values every rank shares (no communication); docs/padding are not used to trim further.
+    """
+    for name, val in (("world", world), ("local_len", local_len), ("window", window)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise CPCollectiveError(f"window_chunk_ranges: {name} must be an int >= 1, got {val!r}")
+    back = -(-(window - 1) // local_len)          # ceil((w - 1) / L): previous chunks reached
+    return [(max(0, r - back), r if causal else world - 1) for r in range(world)]
+
+
+def _window_counts(ranges, me: int):
+    world = len(ranges)
+    send = [1 if lo <= me <= hi else 0 for lo, hi in ranges]
+    lo, hi = ranges[me]
+    recv = [1 if lo <= s <= hi else 0 for s in range(world)]
+    return send, recv
+
+
+class _KVWindowGather(torch.autograd.Function):
+    """fwd: one uneven all_to_all per tensor (K and V both launched before either is waited):
+    this rank's chunk goes to every rank whose range contains it, and rank r receives its range
+    in source order. bwd: the inverse exchange of dK/dV; the copies of this rank's chunk that
+    came back (one per receiver, itself included) are summed."""
+
+    @staticmethod
+    def forward(ctx, k, v, group, dim, send, recv):
+        ctx.group, ctx.dim, ctx.send, ctx.recv = group, dim, send, recv
+        n = sum(send)
+        hk = P.all_to_all_uneven(torch.cat([k] * n, dim=dim), group, send, recv, dim, async_op=True,
+                                 tag="cp.window_gather_k")
+        hv = P.all_to_all_uneven(torch.cat([v] * n, dim=dim), group, send, recv, dim, async_op=True,
+                                 tag="cp.window_gather_v")
+        return hk.wait(), hv.wait()
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        g, d, send, recv = ctx.group, ctx.dim, ctx.send, ctx.recv
+        hk = P.all_to_all_uneven(gk.contiguous(), g, recv, send, d, async_op=True, tag="cp.window_gather_k.bwd")
+        hv = P.all_to_all_uneven(gv.contiguous(), g, recv, send, d, async_op=True, tag="cp.window_gather_v.bwd")
+        n = sum(send)
+        dk = torch.stack(hk.wait().chunk(n, dim=d), 0).sum(0)
+        dv = torch.stack(hv.wait().chunk(n, dim=d), 0).sum(0)
+        return dk, dv, None, None, None, None
+
+
+def flex_cp_window_gather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh,
+                          ranges: Sequence[tuple[int, int]]):
+    """Gather only the K/V chunks a rank can see: rank r gets chunks ``ranges[r] = (lo, hi)``.
+
+    ``k`` ``[.., L, ..]`` / ``v`` (same shape up to ``cp_dim``) are this rank's contiguous chunk
+    along ``cp_dim``; ``ranges`` (one inclusive ``(lo, hi)`` per group rank, identical on every
+    rank, e.g. :func:`window_chunk_ranges`; each must contain its own rank) says which chunks each
+    rank receives. Returns ``(k_vis, v_vis)`` ``[.., (hi-lo+1)*L, ..]`` = global indices
+    ``[lo*L, (hi+1)*L)`` in order: bit-identical to that slice of :func:`flex_cp_allgather`'s
+    output. One uneven all_to_all per tensor on the group (``platform.all_to_all_uneven``:
+    gloo, NCCL, HCCL); a rank sends its chunk only to the ranks whose range contains it.
+    When every range is the rank alone (window 1), nothing is communicated.
+    Backward: the gradient of each received chunk goes back to its owner, which sums the
+    copies from every receiver (itself included) — the sum a ReduceScatter of the full
+    gather would give, restricted to the ranks that can see the chunk.
+    """
+    fn = "flex_cp_window_gather"
+    group = resolve_group(cp_mesh)
+    dk = _check_dim(k, cp_dim, "k", fn)
+    dv = _check_dim(v, cp_dim, "v", fn)
+    if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
+        raise CPCollectiveError(
+            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
+        )
+    world, me = P.group_size(group), P.group_rank(group)
+    ranges = [tuple(int(x) for x in rg) for rg in ranges]
+    if len(ranges) != world or any(not (0 <= lo <= r <= hi < world) for r, (lo, hi) in enumerate(ranges)):
+        raise CPCollectiveError(
+            f"{fn}: ranges must give one (lo, hi) per rank of {group_desc(group)} with lo <= rank <= hi, "
+            f"got {ranges}"
+        )
+    if all(lo == hi for lo, hi in ranges):           # every rank sees only its own chunk
+        return k, v
+    send, recv = _window_counts(ranges, me)
+    return _KVWindowGather.apply(k, v, group, dk, send, recv)
 
 
 def all_gather_seq(x: torch.Tensor, cp_mesh, dim: int = 1, tag: str = "cp.allgather") -> torch.Tensor:
