@@ -30,15 +30,24 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from .context_parallel import catalogue
 from .context_parallel.model_spec import get_cp_model_spec, model_architecture
 from .errors import CPConfigError
 from .plan_resolver import PlanOverrideResolver, ResolvedCPTarget, ResolvedPlan
 from .sharding_config import ModuleShardingSpec, parse_plan_overrides
 from .tensor_parallel import check_tp_plan, find_decoder_layers, get_tp_plan
 
-# wrapper method -> shard_batch_for_cp policy (one policy per batch)
-METHOD_POLICY = {"colossal": "all_gather", "ulysses": "ulysses", "hybrid": "hybrid",
-                 "load_balance": "load_balance"}
+# wrapper method -> shard_batch_for_cp policy (one policy per batch), read from the catalogue
+METHOD_POLICY = catalogue.method_policies()
+
+
+def _reorders(method: str) -> bool:
+    """The method's batch layout is not the contiguous one (Head-Tail): it cannot share a model."""
+    return method in METHOD_POLICY and catalogue.get_method(method).layout != "contiguous"
+
+
+def _splits_heads(method: str) -> bool:
+    return method in METHOD_POLICY and catalogue.get_method(method).head_rule == "split"
 
 
 @dataclasses.dataclass
@@ -97,29 +106,31 @@ def _field(target: ResolvedCPTarget) -> str:
 
 
 def _batch_policy(targets: list) -> Optional[str]:
+    """One batch policy for the model (:func:`~.context_parallel.catalogue.batch_policy_for`);
+    a method that reorders the sequence (catalogue ``layout``, Head-Tail) must be on every
+    attention. Raises CPConfigError naming the field and module."""
     methods: dict[str, str] = {}
     for t in targets:
         methods.setdefault(t.info.method if t.info is not None else "custom", t.fqn)
     if not methods:
         return None
-    seq_head = [m for m in ("ulysses", "hybrid") if m in methods]
-    if "load_balance" in methods and seq_head:
-        lb = next(t for t in targets if t.info is not None and t.info.method == "load_balance")
-        raise CPConfigError(
-            _field(lb), f"Head-Tail load balance cannot be combined with {'/'.join(seq_head).title()} "
-            f"(used on '{methods[seq_head[0]]}') in one model: Ulysses/Hybrid + Head-Tail is not a supported "
-            "combination", module=lb.fqn,
-            fix="use the load-balance wrapper on every attention, or the Ulysses/Hybrid wrapper on every attention")
-    if "load_balance" in methods and len(methods) > 1:
-        lb = next(t for t in targets if t.info is not None and t.info.method == "load_balance")
-        raise CPConfigError(
-            _field(lb), f"Head-Tail load balance reorders the whole sequence and cannot be mixed with other CP "
-            f"methods in one model (found {sorted(methods)})", module=lb.fqn,
-            fix="declare the load-balance wrapper on every attention, or none")
-    for policy in ("load_balance", "hybrid", "ulysses", "all_gather"):
-        if any(METHOD_POLICY.get(m) == policy for m in methods):
-            return policy
-    return "all_gather"
+    seq_head = [m for m in methods if _splits_heads(m)]
+    reorder = [m for m in methods if _reorders(m)]
+    if reorder:
+        lb = next(t for t in targets if t.info is not None and t.info.method == reorder[0])
+        title = catalogue.get_method(reorder[0]).title
+        if seq_head:
+            raise CPConfigError(
+                _field(lb), f"{title} cannot be combined with {'/'.join(seq_head).title()} "
+                f"(used on '{methods[seq_head[0]]}') in one model: Ulysses/Hybrid + Head-Tail is not a supported "
+                "combination", module=lb.fqn,
+                fix="use the load-balance wrapper on every attention, or the Ulysses/Hybrid wrapper on every attention")
+        if len(methods) > 1:
+            raise CPConfigError(
+                _field(lb), f"{title} reorders the whole sequence and cannot be mixed with other CP "
+                f"methods in one model (found {sorted(methods)})", module=lb.fqn,
+                fix="declare the load-balance wrapper on every attention, or none")
+    return catalogue.batch_policy_for(methods)
 
 
 def _check_mixer_layout(targets: list) -> None:
@@ -138,7 +149,7 @@ def _check_mixer_layout(targets: list) -> None:
                     "nothing inside it may carry a CP method of its own", module=inner.fqn,
                     fix="make the match patterns select only the mixer modules themselves (e.g. '*[0-9].conv' "
                         "rather than '*.conv', which also matches LFM2's inner 'conv.conv')")
-    lb = next((t for t in targets if t.info is not None and t.info.method == "load_balance"), None)
+    lb = next((t for t in targets if t.info is not None and _reorders(t.info.method)), None)
     if mixers and lb is not None:
         m = mixers[0]
         raise CPConfigError(

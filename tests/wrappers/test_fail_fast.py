@@ -305,12 +305,12 @@ def test_interception_is_thread_local():
 
 def test_gqa_repeat_kv_is_unrepeated_without_copy():
     from hyper_parallel.distributed.context_parallel.interception import AttentionCall
-    from hyper_parallel.distributed.context_parallel.wrappers import _unrepeat
+    from hyper_parallel.distributed.context_parallel.wrappers import unrepeat_kv
     from transformers.integrations.sdpa_attention import repeat_kv
 
     k = torch.randn(2, 2, 6, 8)
     call = AttentionCall(q=torch.randn(2, 4, 6, 8), k=repeat_kv(k, 2), v=repeat_kv(k, 2), kv_groups=2)
-    ku, _ = _unrepeat(call)
+    ku, _ = unrepeat_kv(call)
     assert torch.equal(ku, k) and ku.data_ptr() == call.k.data_ptr()
     call = AttentionCall(q=torch.randn(2, 4, 6, 8), k=k, v=k, kv_groups=2, enable_gqa=True)
-    assert _unrepeat(call)[0] is k
+    assert unrepeat_kv(call)[0] is k

@@ -6,6 +6,10 @@ that installs one CP method on ``target_module``: it either returns a replacemen
 The framework fills the mesh family (None for inactive axes) and the Target's named params
 (e.g. ``ulysses_degree``). Undecorated callables and ``*args``/``**kwargs`` signatures are
 rejected at resolution. The CP method is fixed by the wrapper, never by a global switch.
+
+The method names and styles a wrapper may declare, and the modules that register the built-in
+YAML names, come from :mod:`.catalogue`; this module imports no wrapper module statically (the
+built-ins are imported by path on first lookup, like any ``_target_``).
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from . import catalogue
+
 MESH_PARAMS = ("target_module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh")
-METHODS = ("colossal", "ulysses", "hybrid", "load_balance", "custom")
-STYLES = ("hf", "qkv", "flex", "model", "custom")
+METHODS = catalogue.method_names("attention") + ("custom",)   # WrapperInfo.method values
+STYLES = catalogue.wrapper_styles()                          # WrapperInfo.style values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +107,16 @@ def register_inner_wrapper(name: str, fn: Callable, *, overwrite: bool = False) 
 
 
 def _load_builtins() -> None:
+    """Import the modules that register the catalogue's built-in names (once)."""
     global _BUILTINS_LOADED
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        try:
-            importlib.import_module("hyper_parallel.distributed.context_parallel.wrappers")
-        except ModuleNotFoundError as exc:  # built-in wrappers not installed in this build
-            if exc.name != "hyper_parallel.distributed.context_parallel.wrappers":
-                raise
-        importlib.import_module("hyper_parallel.distributed.context_parallel.mixers")
+        for module in catalogue.builtin_modules():
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as exc:  # a built-in module not installed in this build
+                if exc.name != module:
+                    raise
 
 
 def registered_names() -> list[str]:

@@ -1,7 +1,8 @@
 """build_strategy: pick one sync strategy for a wrapper from its fixed CP method.
 
-``method`` is the wrapper's method name (registry METHODS): "colossal" (alias "all_gather"),
-"ulysses", "hybrid", "load_balance" (alias "head_tail"). ``mesh`` may be a MeshContext
+``method`` is an attention method of :mod:`..catalogue` (name or alias): "colossal" (alias
+"all_gather"), "ulysses", "hybrid", "load_balance" (alias "head_tail"); the row names the
+strategy class and the degree rule. ``mesh`` may be a MeshContext
 (preferred: groups come from its cached sub-meshes), a 1-D DeviceMesh or ProcessGroup (the CP
 group), a 2-D (colossal, ulysses) DeviceMesh or a ``(colossal_group, ulysses_group)`` pair for
 Hybrid, or None (cp 1). No process group is ever created here.
@@ -10,14 +11,16 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import catalogue
 from .all_gather import AllGatherStrategy
 from .base import ContextParallelStrategy
 from .head_tail import HeadTailStrategy
 from .hybrid import HybridStrategy
 from .ulysses import UlyssesStrategy
 
-_ALIASES = {"colossal": "colossal", "all_gather": "colossal", "ulysses": "ulysses", "hybrid": "hybrid",
-            "load_balance": "load_balance", "head_tail": "load_balance"}
+# the catalogue's ``strategy`` names -> classes (a test checks every attention row has one)
+STRATEGY_CLASSES = {cls.__name__: cls for cls in (AllGatherStrategy, UlyssesStrategy, HybridStrategy,
+                                                  HeadTailStrategy)}
 
 
 def _is_mesh_context(obj) -> bool:
@@ -44,30 +47,20 @@ def _hybrid_groups(mesh, u):
 
 
 def build_strategy(method: str, mesh=None, *, ulysses_degree: int | None = None) -> ContextParallelStrategy:
-    """Return the sync strategy for ``method``; raise ValueError for an illegal combination."""
-    key = _ALIASES.get(method)
-    if key is None:
-        raise ValueError(f"unknown CP method {method!r}; expected one of {sorted(_ALIASES)}")
-    if key in ("colossal", "load_balance"):
-        if ulysses_degree not in (None, 1):
-            what = "Head-Tail load balance" if key == "load_balance" else "colossal (AllGather)"
-            raise ValueError(
-                f"{what} CP takes no ulysses_degree (got ulysses_degree={ulysses_degree}): Ulysses or Hybrid "
-                "combined with Head-Tail is not supported; pick one wrapper per attention"
-            )
-        cls = HeadTailStrategy if key == "load_balance" else AllGatherStrategy
-        return cls(_cp_group(mesh))
-    if key == "ulysses":
-        strategy = UlyssesStrategy(_cp_group(mesh))
-        if ulysses_degree is not None and ulysses_degree != strategy.cp_size:
-            raise ValueError(f"pure Ulysses uses ulysses_degree == cp_size={strategy.cp_size}, got "
-                             f"ulysses_degree={ulysses_degree}; use method='hybrid' for a smaller degree")
+    """Return the sync strategy for ``method``; raise ValueError for an illegal combination
+    (the catalogue's degree rule, checked again against the built groups' size)."""
+    row = catalogue.get_method(method)
+    cls = STRATEGY_CLASSES[row.strategy]
+    if row.degree == "param":
+        catalogue.check_degree(row, None, ulysses_degree)         # present and an int
+        colossal, ulysses = _hybrid_groups(mesh, ulysses_degree)
+        strategy = cls(colossal, ulysses)
+        if strategy.ulysses_degree != ulysses_degree:
+            raise ValueError(f"hybrid groups have ulysses size {strategy.ulysses_degree}, but "
+                             f"ulysses_degree={ulysses_degree} was requested")
+        catalogue.check_degree(row, strategy.cp_size, ulysses_degree)
         return strategy
-    if ulysses_degree is None:
-        raise ValueError("method='hybrid' needs ulysses_degree (1 < ulysses_degree < cp_size)")
-    colossal, ulysses = _hybrid_groups(mesh, ulysses_degree)
-    strategy = HybridStrategy(colossal, ulysses)
-    if strategy.ulysses_degree != ulysses_degree:
-        raise ValueError(f"hybrid groups have ulysses size {strategy.ulysses_degree}, but "
-                         f"ulysses_degree={ulysses_degree} was requested")
+    catalogue.check_degree(row, None, ulysses_degree)             # "none": no degree at all
+    strategy = cls(_cp_group(mesh))
+    catalogue.check_degree(row, strategy.cp_size, ulysses_degree)  # "cp": degree == cp_size
     return strategy

@@ -44,7 +44,7 @@ from .....distributed.context_parallel.meta import current_cp_batch_meta
 from .....distributed.context_parallel.registry import inner_wrapper
 from .....distributed.context_parallel.strategies import AllGatherStrategy, HybridStrategy, UlyssesStrategy
 from .....distributed.context_parallel.strategies.base import engine_attention
-from .....distributed.context_parallel.wrappers import _check_heads
+from .....distributed.context_parallel.wrappers import check_heads
 from .....platform import all_gather, all_to_all, launch_chain, reduce_scatter
 
 ADAPTER = "qwen3_moe"
@@ -95,7 +95,7 @@ def _validate_adapter(module, *, cp_size, tp_size=1, ulysses_degree=None, method
             "async needs a model adapter with explicit handoffs; use the sync wrapper "
             "(e.g. sdpa_hf_cp_wrapper) or write an @inner_wrapper adapter for this model"
         )
-    _check_heads(method, module, cp_size, tp_size, ulysses_degree, who)
+    check_heads(method, module, cp_size, tp_size, ulysses_degree, who)
 
 
 # ----------------------------------------------------------------------------- comm plans

@@ -1,0 +1,174 @@
+"""The module import graph of ``hyper_parallel/`` has no cycle, and no private name crosses a package.
+
+The graph is built statically with ``ast`` from every ``.py`` file under ``hyper_parallel/``:
+an edge ``a -> b`` for every ``import b`` / ``from b import x`` in ``a`` at any depth (module
+level, inside functions, under ``if TYPE_CHECKING``), where ``from pkg import sub`` counts as
+an edge to ``pkg.sub`` when ``sub`` is a module. Package ``__init__`` modules are nodes of
+their own (``pkg``). Implicit parent-package imports are not edges (every submodule would
+otherwise "import" its package). A lazy import inside a function still counts: lazy imports
+that only break a cycle hide it, they do not remove it.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hyper_parallel")
+PKG = "hyper_parallel"
+
+# Edges owned by other engineers that still form a cycle or cross a package with a private
+# name; each entry names the exact change that removes it. Empty it as they land.
+ALLOWED_CYCLE_EDGES: set = {
+    # model_proof.py (lazily) imports sharding_applier._MISSING while sharding_applier runs
+    # prove_cp_model: move the sentinel next to its users (e.g. a public MISSING in
+    # context_parallel/model_proof.py or errors.py, imported by sharding_applier), drop this edge
+    ("hyper_parallel.distributed.context_parallel.model_proof", "hyper_parallel.distributed.sharding_applier"),
+}
+ALLOWED_PRIVATE_IMPORTS: set = {
+    # model_proof.py imports sharding_applier._MISSING: make it public (e.g. MISSING) there
+    ("hyper_parallel.distributed.context_parallel.model_proof", "hyper_parallel.distributed.sharding_applier",
+     "_MISSING"),
+}
+
+
+def _modules() -> dict:
+    mods = {}
+    for dirpath, _dirs, files in os.walk(ROOT):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+            is_pkg = rel.endswith(".__init__")
+            name = rel[: -len(".__init__")] if is_pkg else rel
+            mods[name] = (path, is_pkg)
+        for f in files:     # compiled extension modules (hyper_parallel._C): leaves of the graph
+            if f.endswith((".so", ".pyd")):
+                rel = os.path.relpath(os.path.join(dirpath, f.split(".")[0]), os.path.dirname(ROOT))
+                mods.setdefault(rel.replace(os.sep, "."), (None, False))
+    return mods
+
+
+def _imports(name: str, path: str, is_pkg: bool, mods: dict):
+    """Yield (target module, imported names or None, lineno) for every import in the file."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = name if is_pkg else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                if sub in mods:
+                    yield sub, None, node.lineno
+                else:
+                    yield mod, a.name, node.lineno
+
+
+def _graph():
+    mods = _modules()
+    edges: dict = {m: set() for m in mods}
+    private: list = []
+    for name, (path, is_pkg) in mods.items():
+        if path is None:
+            continue
+        for target, attr, line in _imports(name, path, is_pkg, mods):
+            if not target.startswith(PKG):
+                continue
+            while target not in mods and "." in target:     # `import a.b.c` of a non-module attr
+                target = target.rpartition(".")[0]
+            if target == name:
+                continue
+            edges[name].add(target)
+            if attr and attr.startswith("_") and not attr.startswith("__"):
+                src_pkg = name if is_pkg else name.rpartition(".")[0]
+                dst_pkg = target if mods[target][1] else target.rpartition(".")[0]
+                if src_pkg != dst_pkg and (name, target, attr) not in ALLOWED_PRIVATE_IMPORTS:
+                    private.append(f"{name}:{line} imports private {attr} from {target}")
+    return edges, private
+
+
+def _cycles(edges: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan), each as a sorted list."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if (v, w) in ALLOWED_CYCLE_EDGES:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10000))
+    try:
+        for v in sorted(edges):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(old)
+    return out
+
+
+def _describe(comp: list, edges: dict) -> str:
+    inside = set(comp)
+    lines = [f"cycle among {len(comp)} modules:"]
+    for m in comp:
+        for t in sorted(edges[m] & inside):
+            lines.append(f"  {m} -> {t}")
+    return "\n".join(lines)
+
+
+def test_graph_sees_known_edges():
+    """The static graph finds real imports (module level, relative, lazy in a function)."""
+    edges, _ = _graph()
+    cp = "hyper_parallel.distributed.context_parallel"
+    assert f"{cp}.registry" in edges[f"{cp}.wrappers.entry_points"]
+    assert f"{cp}.catalogue" in edges[f"{cp}.strategies.factory"]
+    assert f"{cp}.wrappers.heads" in edges[f"{cp}.wrappers"]
+    # a lazy import inside a function body is an edge too (tensor_parallel -> wrappers, for heads)
+    assert any(t.startswith(f"{cp}.wrappers") for t in edges["hyper_parallel.distributed.tensor_parallel"])
+
+
+def test_no_import_cycle():
+    edges, _ = _graph()
+    comps = _cycles(edges)
+    print(f"{len(edges)} modules, {sum(len(v) for v in edges.values())} edges, {len(comps)} cycles")
+    assert not comps, "\n".join(_describe(c, edges) for c in comps)
+
+
+def test_cycle_detector_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_private_name_across_packages():
+    _, private = _graph()
+    assert not private, "\n".join(private)
