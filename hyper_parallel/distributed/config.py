@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from .errors import CPConfigError
+from .config_schema import check_section, load_section, option
 from .mesh import MeshSizes
 
 # Keys that used to select a CP algorithm globally; each maps to the plan_overrides way.
@@ -38,59 +38,40 @@ PLAN_OVERRIDES_POINTER = (
 
 @dataclasses.dataclass
 class AcceleratorConfig:
-    dp_shard_size: int = 1
-    dp_replicate_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
-    pp_size: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    device_type: str | None = None  # None: auto-detect (npu > cuda > cpu)
-    # seconds before a collective fails instead of hanging; None: HYPER_PARALLEL_COMM_TIMEOUT
-    # (default 300). Applied by setup_distributed to every hyper_parallel collective and every
-    # mesh sub-group (see platform.set_default_timeout).
-    comm_timeout_s: float | None = None
-    # CP > 1: before the first step, prove on a probe batch that the model computes under CP what
-    # it computes without it, layer by layer (context_parallel.model_proof); false skips it
-    # (very large models: it costs one CP forward + one full-sequence forward of the probe)
-    cp_preflight_proof: bool = True
+    """The ``accelerator`` YAML section: topology degrees, device, timeouts. Fields, types, bounds
+    and help live in the schema below (:mod:`.config_schema`); ``from_dict`` is its loader."""
+
+    dp_shard_size: int = option(1, ge=1, help="FSDP2 shard degree (the FSDP mesh is dp_shard x cp)")
+    dp_replicate_size: int = option(1, ge=1, help="data-parallel replicas (HSDP when > 1)")
+    tp_size: int = option(1, ge=1, help="tensor-parallel degree")
+    cp_size: int = option(1, ge=1, help="context-parallel degree (the method of each attention is "
+                                        "declared in plan_overrides)")
+    ep_size: int = option(1, ge=1, help="expert-parallel degree (must divide dp_shard x cp)")
+    pp_size: int = option(1, ge=1, fixed=1, fixed_reason="pipeline parallelism is fixed at 1 in Phase 1",
+                          help="pipeline-parallel degree (fixed at 1 in Phase 1)")
+    sequence_parallel: bool = option(False, help="TP sequence parallel")
+    loss_parallel: bool = option(False, help="TP loss parallel")
+    device_type: str | None = option(None, choices=("cpu", "cuda", "npu"), shown_default="null (auto)",
+                                     help="device type; null auto-detects (npu > cuda > cpu)")
+    comm_timeout_s: float | None = option(
+        None, gt=0, shown_default="null (HYPER_PARALLEL_COMM_TIMEOUT, 300)",
+        help="seconds before a collective fails (CommTimeoutError) instead of hanging; applied to every "
+             "hyper_parallel collective and every mesh sub-group")
+    cp_preflight_proof: bool = option(
+        True, help="with cp_size > 1, prove on a probe batch before the first step that the model computes "
+                   "under CP what it computes without it, layer by layer (one extra CP + full forward)")
+
+    #: load_section arguments when this class is a section of a larger schema (TrainerConfig)
+    _schema_load_kwargs = {"forbidden": FORBIDDEN_ACCELERATOR_KEYS, "forbidden_fix": PLAN_OVERRIDES_POINTER}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, field: str = "accelerator") -> "AcceleratorConfig":
-        data = dict(data or {})
-        for key in data:
-            if key in FORBIDDEN_ACCELERATOR_KEYS:
-                raise CPConfigError(
-                    f"{field}.{key}",
-                    f"'{key}' is not an accelerator field: {FORBIDDEN_ACCELERATOR_KEYS[key]}",
-                    fix=PLAN_OVERRIDES_POINTER,
-                )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise CPConfigError(
-                f"{field}.{unknown[0]}",
-                f"unknown key(s) {unknown}",
-                fix=f"use only {sorted(known)} (check for typos)",
-            )
-        cfg = cls(**data)
-        cfg.validate(field)
-        return cfg
+        """Load and check the section (forbidden CP-method keys point to plan_overrides)."""
+        return load_section(cls, data, field, **cls._schema_load_kwargs)
 
     def validate(self, field: str = "accelerator") -> None:
-        for name in ("dp_shard_size", "dp_replicate_size", "tp_size", "cp_size", "ep_size", "pp_size"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise CPConfigError(f"{field}.{name}", f"must be an integer >= 1, got {val!r}")
-        for name in ("sequence_parallel", "loss_parallel", "cp_preflight_proof"):
-            if not isinstance(getattr(self, name), bool):
-                raise CPConfigError(f"{field}.{name}", f"must be true or false, got {getattr(self, name)!r}")
-        t = self.comm_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise CPConfigError(f"{field}.comm_timeout_s", f"must be a number of seconds > 0, got {t!r}")
-        if self.pp_size != 1:
-            raise CPConfigError(f"{field}.pp_size", f"pipeline parallelism is fixed at 1 in Phase 1, got {self.pp_size}")
+        """Re-check every field (types, bounds, pp_size) of an instance built in Python."""
+        check_section(self, field)
 
     def mesh_sizes(self) -> MeshSizes:
         return MeshSizes(dp_replicate=self.dp_replicate_size, dp_shard=self.dp_shard_size,

@@ -1,12 +1,16 @@
 """``hyper-train CONFIG.yaml [dotted.key=value ...]`` — train from a YAML file.
 
+``hyper-train --help`` lists every YAML field (type, default, meaning; generated from the
+schema in ``hyper_parallel/trainer/config.py``), ``hyper-train --version`` prints the version.
+
 Single process when launched directly (world size 1); multi-rank under torchrun::
 
     torchrun --nproc-per-node 2 -m hyper_parallel.trainer.cli examples/train_cp2.yaml
     hyper-train examples/train_cp1.yaml schedule.steps=5 logging.out_dir=runs/try
 
-Overrides are YAML-parsed (``accelerator.cp_size=2``, ``plan_overrides=[]``). The config is
-loaded and checked on every rank and agreed before anything else runs. Exit codes: 0 done,
+Overrides are YAML-parsed (``accelerator.cp_size=2``, ``optimizer.lr=3e-4``, ``plan_overrides=[]``)
+and checked by the schema exactly like the file. The config is loaded and checked on every rank
+and agreed before anything else runs. Exit codes: 0 done,
 2 configuration error (message names the YAML field), 3 a peer rank stopped or died (one line:
 the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
 stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
@@ -24,7 +28,8 @@ import sys
 import traceback
 from pathlib import Path
 
-USAGE = "usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)"
+USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)\n"
+         "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
 
@@ -63,14 +68,45 @@ def _peer_failure_line(failure, exc: BaseException, out_dir) -> str:
     return f"hyper-train: {failure.one_line()}; exiting with code {PEER_FAILURE_EXIT}{tail}"
 
 
+def version() -> str:
+    """The installed distribution's version (the package's ``__version__`` when not installed)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        return dist_version("hyper_parallel")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        from .. import __version__
+
+        return __version__
+
+
+def help_text() -> str:
+    """``--help``: usage, what the run does, then every YAML field from the schema."""
+    from .field_docs import field_reference_text
+
+    return (f"{USAGE}\n\n{__doc__.strip()}\n\n"
+            "YAML fields (a.b.c=value overrides any of them; generated from the schema):\n"
+            f"{field_reference_text()}\n")
+
+
 def main(argv=None) -> int:
     """Run ``hyper-train``; returns the exit code. From the command line (``argv`` None) a peer
     failure or SIGTERM ends the process right after its one line (``os._exit``)."""
     hard_exit = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__ if argv else USAGE)
-        return 0 if argv else 2
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    if any(a in ("-V", "--version") for a in argv):
+        print(f"hyper-train (hyper_parallel) {version()}")
+        return 0
+    options = [a for a in argv if a.startswith("-")]
+    if options:
+        print(f"hyper-train: unknown option {options[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
     _threads()
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise

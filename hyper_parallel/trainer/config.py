@@ -1,102 +1,135 @@
-"""TrainerConfig: the whole YAML file, every section checked, unknown keys rejected.
+"""TrainerConfig: the typed schema of the whole YAML file and its one validating loader.
 
 Top-level sections: ``model``, ``data``, ``optimizer``, ``schedule``, ``accelerator``,
-``plan_overrides``, ``logging``. ``accelerator`` holds topology degrees only
-(:class:`~hyper_parallel.distributed.config.AcceleratorConfig`); the CP method of each
-attention is declared in ``plan_overrides``. See docs/yaml_schema.md.
+``plan_overrides``, ``logging``. Every field is declared once below with
+:func:`~hyper_parallel.distributed.config_schema.option` — its type, default, bounds, choices
+and help text — and that declaration is the single source of the YAML fields: the loader checks
+against it, ``hyper-train --help`` prints it, and the field reference in docs/trainer.md is
+generated from it (``python -m hyper_parallel.trainer.field_docs --write-docs``; a test fails when
+they drift). ``accelerator`` is :class:`~hyper_parallel.distributed.config.AcceleratorConfig`
+(topology degrees only); ``plan_overrides`` is parsed by
+:func:`~hyper_parallel.distributed.sharding_config.parse_plan_overrides` (the CP method of each
+attention). Type rules are in :mod:`hyper_parallel.distributed.config_schema`.
+
+The YAML file and every ``a.b.c=value`` override go through the same path: YAML text -> plain
+data (:func:`load_yaml_text`, YAML 1.2 floats: ``lr: 3e-4`` is a float) -> overrides applied to
+the data (:func:`apply_overrides`) -> :meth:`TrainerConfig.from_dict`. An error names the dotted
+field (``[optimizer.betas] must be a list of 2 numbers, got 0.9``) and, when an override set it,
+the override.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
 
 from ..distributed.config import AcceleratorConfig
+from ..distributed.config_schema import FieldInfo, check_section, describe_fields, load_section, option
 from ..distributed.errors import CPConfigError
-from ..distributed.sharding_config import ModuleShardingSpec, parse_plan_overrides
+from ..distributed.sharding_config import parse_plan_overrides
 
-
-def _section(cls, data: Mapping | None, field: str):
-    data = dict(data or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise CPConfigError(f"{field}.{unknown[0]}", f"unknown key(s) {unknown}",
-                            fix=f"use only {sorted(known)} (check for typos)")
-    return cls(**data)
+MIXED_PRECISION = (None, "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclasses.dataclass
 class ModelConfig:
     """``architecture`` + ``config`` build a random-init HF model; ``path`` loads a local dir."""
-    architecture: str | None = None   # llama | qwen3 | qwen3_moe (HF model_type)
-    config: dict | None = None        # HF config kwargs (tiny random configs ship under examples/)
-    config_file: str | None = None    # path to a YAML/JSON file holding the HF config kwargs
-    path: str | None = None           # local checkpoint directory (from_pretrained, no download)
-    attn_implementation: str = "sdpa"
-    dtype: str = "float32"
-    seed: int = 0
+    architecture: str | None = option(None, help="HF model_type (llama, qwen3, qwen3_moe, ...) of a random-init "
+                                                 "model")
+    config: dict | None = option(None, help="HF config kwargs (merged over config_file)")
+    config_file: str | None = option(None, help="YAML/JSON file of HF config kwargs; relative paths are tried "
+                                                "from the working directory, then the repository root")
+    path: str | None = option(None, help="local checkpoint directory (from_pretrained, local files only)")
+    attn_implementation: str = option("sdpa", help="HF attention implementation (the CP wrappers intercept SDPA)")
+    dtype: str = option("float32", help="parameter dtype (keep float32; use schedule.mixed_precision for bf16)")
+    seed: int = option(0, help="init seed (the same model on every rank and in every run)")
 
 
 @dataclasses.dataclass
 class DataConfig:
-    path: str | None = None           # text file; byte-level tokens
-    seq_len: int = 128
-    micro_batch_size: int = 1
-    min_doc_len: int | None = None    # shorter sequences -> padding (padding-heavy batches)
-    pad_to_multiple: int | None = None
-    seed: int = 0
-    pad_token_id: int = 0             # byte 0 never occurs in text
-    ignore_index: int = -100          # label value of tokens that carry no loss
+    """Byte-level text rows (see data.py)."""
+    path: str | None = option(None, shown_default="examples/data/corpus.txt",
+                              help="text file; tokens are its UTF-8 bytes (vocab 256)")
+    seq_len: int = option(128, ge=2, help="global sequence length of a row (the CP shard is cut from it)")
+    micro_batch_size: int = option(1, ge=1, help="rows per global micro-batch, per DP rank")
+    min_doc_len: int | None = option(None, ge=2, help="if set, each row is a document of random length in "
+                                                      "[min_doc_len, seq_len], right-padded")
+    pad_to_multiple: int | None = option(None, ge=1, help="round the row length up to a multiple")
+    seed: int = option(0, help="data seed")
+    pad_token_id: int = option(0, help="id written into padding (byte 0 never occurs in text)")
+    ignore_index: int = option(-100, help="label value of targets that carry no loss")
+
+    def _check(self, path: str) -> None:
+        if self.min_doc_len is not None and self.min_doc_len > self.seq_len:
+            raise CPConfigError(f"{path}.min_doc_len", f"{self.min_doc_len} exceeds data.seq_len={self.seq_len}",
+                                fix="use min_doc_len <= seq_len")
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: Sequence[float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    foreach: bool | None = None       # torch.optim foreach implementation (None: torch default)
+    name: str = option("adamw", choices=OPTIMIZERS, case_insensitive=True, help="optimizer")
+    lr: float = option(1e-3, gt=0, help="peak learning rate")
+    weight_decay: float = option(0.0, ge=0, help="decoupled weight decay (AdamW) / L2 (SGD)")
+    betas: tuple[float, float] = option((0.9, 0.95), help="AdamW (beta1, beta2)")
+    eps: float = option(1e-8, gt=0, help="AdamW epsilon")
+    grad_clip: float | None = option(1.0, gt=0, help="max global gradient 2-norm (null: no clipping; the norm is "
+                                                    "still logged)")
+    foreach: bool | None = option(None, help="torch.optim foreach implementation (null: torch default)")
+
+    def _check(self, path: str) -> None:
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise CPConfigError(f"{path}.betas[{i}]", f"must be in [0, 1), got {beta!r}")
 
 
 @dataclasses.dataclass
 class ScheduleConfig:
-    steps: int = 10
-    warmup_steps: int = 0
-    grad_accum_steps: int = 1
-    seed: int = 0
-    activation_checkpointing: bool = False
-    mixed_precision: str | None = None   # None | "bf16"
-    save_every: int | None = None
-    resume_from: str | None = None
-    lr_schedule: str = "constant"        # constant | cosine (after linear warmup)
-    min_lr_ratio: float = 0.1            # cosine floor, as a fraction of optimizer.lr
-    checkpoint_dir: str | None = None    # default: <logging.out_dir>/checkpoints
+    steps: int = option(10, ge=0, help="total optimizer steps (a resumed run continues up to this number)")
+    warmup_steps: int = option(0, ge=0, help="linear warm-up steps")
+    grad_accum_steps: int = option(1, ge=1, help="micro-batches per optimizer step")
+    seed: int = option(0, help="global torch seed")
+    activation_checkpointing: bool = option(False, help="recompute each decoder layer in backward")
+    mixed_precision: str | None = option(None, choices=MIXED_PRECISION,
+                                         help="bf16: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 "
+                                              "master weights; null: fp32")
+    save_every: int | None = option(None, ge=1, help="save a checkpoint every N steps (and at the end of the run)")
+    resume_from: str | None = option(None, help="a step_<N> checkpoint directory to resume from (same topology)")
+    lr_schedule: str = option("constant", choices=LR_SCHEDULES,
+                              help="after warm-up: constant, or cosine down to min_lr_ratio x lr")
+    min_lr_ratio: float = option(0.1, ge=0, help="cosine floor, as a fraction of optimizer.lr")
+    checkpoint_dir: str | None = option(None, shown_default="<logging.out_dir>/checkpoints",
+                                        help="where step_<N>/ checkpoint directories go")
 
 
 @dataclasses.dataclass
 class LoggingConfig:
-    out_dir: str = "runs/default"
-    log_every: int = 1
-    progress: bool = True
-    plot: bool = True
-    level: str = "INFO"
-    json_log: str = "train_log.json"     # written under out_dir
-    plot_file: str = "loss_curve.png"    # written under out_dir
+    out_dir: str = option("runs/default", help="where the log, the plot and (by default) checkpoints go")
+    log_every: int = option(1, ge=1, help="print a line every N steps when the progress bar is off")
+    progress: bool = option(True, help="tqdm bar on rank 0 with loss, tokens/s and lr")
+    plot: bool = option(True, help="write the loss-curve PNG")
+    level: str = option("INFO", choices=LOG_LEVELS, case_insensitive=True,
+                        help="Python logging level (ranks other than 0 log warnings only)")
+    json_log: str = option("train_log.json", help="per-step JSON records (written under out_dir)")
+    plot_file: str = option("loss_curve.png", help="loss curve per optimizer step (written under out_dir)")
 
 
-MIXED_PRECISION = (None, "bf16")
-LR_SCHEDULES = ("constant", "cosine")
-OPTIMIZERS = ("adamw", "sgd")
-
-
-def _check_int(value, field: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CPConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
+def _plan_overrides(value) -> list:
+    """``plan_overrides`` through :func:`parse_plan_overrides` (its semantics unchanged), after
+    refusing the shape mistakes it would not name: one entry written as a mapping without the
+    leading ``-``, or a scalar."""
+    if isinstance(value, Mapping) and not all(isinstance(v, Mapping) or hasattr(v, "match") for v in value.values()):
+        raise CPConfigError("plan_overrides", f"must be a list of entries, got a mapping with keys {sorted(value)}",
+                            fix="write each entry as a list item: '- match: \"*.self_attn\"' followed by its keys")
+    if value is not None and not isinstance(value, (list, tuple, Mapping)):
+        raise CPConfigError("plan_overrides", f"must be a list of entries, got {type(value).__name__}: {value!r}",
+                            fix="write plan_overrides: [] or a list of '- match: ...' entries")
+    return parse_plan_overrides(value)
 
 
 TOP_LEVEL = ("model", "data", "optimizer", "schedule", "accelerator", "plan_overrides", "logging")
@@ -104,64 +137,46 @@ TOP_LEVEL = ("model", "data", "optimizer", "schedule", "accelerator", "plan_over
 
 @dataclasses.dataclass
 class TrainerConfig:
+    """The whole trainer YAML (see the module doc)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
     accelerator: AcceleratorConfig = dataclasses.field(default_factory=AcceleratorConfig)
-    plan_overrides: list = dataclasses.field(default_factory=list)  # list[ModuleShardingSpec]
+    plan_overrides: list = option(default_factory=list, parse=lambda value, path: _plan_overrides(value),
+                                  type_name="list of entries",
+                                  help="one declared CP method per attention module (docs/yaml_schema.md)")
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    source: str | None = None
+    source: str | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | None = None) -> "TrainerConfig":
+        """Load and check plain data (a parsed YAML document); every field through the schema."""
+        if data is None:
+            data = {}
         if not isinstance(data, Mapping):
             raise CPConfigError("<root>", f"the YAML document must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(TOP_LEVEL))
+        unknown = sorted(set(data) - set(TOP_LEVEL), key=str)
         if unknown:
-            raise CPConfigError(unknown[0], f"unknown top-level key(s) {unknown}",
+            raise CPConfigError(str(unknown[0]), f"unknown top-level key(s) {unknown}",
                                 fix=f"use only {list(TOP_LEVEL)} (check for typos)")
-        return cls(
-            model=_section(ModelConfig, data.get("model"), "model"),
-            data=_section(DataConfig, data.get("data"), "data"),
-            optimizer=_section(OptimizerConfig, data.get("optimizer"), "optimizer"),
-            schedule=_section(ScheduleConfig, data.get("schedule"), "schedule"),
-            accelerator=AcceleratorConfig.from_dict(data.get("accelerator")),
-            plan_overrides=parse_plan_overrides(data.get("plan_overrides")),
-            logging=_section(LoggingConfig, data.get("logging"), "logging"),
-            source=source,
-        ).validate()
+        sections = {}
+        for name in TOP_LEVEL:
+            f = _FIELDS[name]
+            if name == "plan_overrides":
+                sections[name] = f.metadata["parse"](data.get(name), name)
+            elif name == "accelerator":
+                sections[name] = AcceleratorConfig.from_dict(data.get(name), name)
+            else:
+                sections[name] = load_section(f.default_factory, data.get(name), name)
+        return cls(**sections, source=source)
 
     def validate(self) -> "TrainerConfig":
-        """Value checks for the trainer-owned sections (accelerator/plan_overrides check themselves)."""
-        _check_int(self.data.seq_len, "data.seq_len", 2)
-        _check_int(self.data.micro_batch_size, "data.micro_batch_size", 1)
-        if self.data.min_doc_len is not None:
-            _check_int(self.data.min_doc_len, "data.min_doc_len", 2)
-            if self.data.min_doc_len > self.data.seq_len:
-                raise CPConfigError("data.min_doc_len", f"{self.data.min_doc_len} exceeds data.seq_len="
-                                    f"{self.data.seq_len}", fix="use min_doc_len <= seq_len")
-        if self.data.pad_to_multiple is not None:
-            _check_int(self.data.pad_to_multiple, "data.pad_to_multiple", 1)
-        _check_int(self.schedule.steps, "schedule.steps", 0)
-        _check_int(self.schedule.warmup_steps, "schedule.warmup_steps", 0)
-        _check_int(self.schedule.grad_accum_steps, "schedule.grad_accum_steps", 1)
-        if self.schedule.save_every is not None:
-            _check_int(self.schedule.save_every, "schedule.save_every", 1)
-        if self.schedule.mixed_precision not in MIXED_PRECISION:
-            raise CPConfigError("schedule.mixed_precision", f"unknown value {self.schedule.mixed_precision!r}",
-                                fix="use bf16 or omit it (fp32)")
-        if self.schedule.lr_schedule not in LR_SCHEDULES:
-            raise CPConfigError("schedule.lr_schedule", f"unknown value {self.schedule.lr_schedule!r}",
-                                fix=f"use one of {list(LR_SCHEDULES)}")
-        if self.optimizer.name.lower() not in OPTIMIZERS:
-            raise CPConfigError("optimizer.name", f"unknown optimizer {self.optimizer.name!r}",
-                                fix=f"use one of {list(OPTIMIZERS)}")
-        if self.optimizer.grad_clip is not None and not self.optimizer.grad_clip > 0:
-            raise CPConfigError("optimizer.grad_clip", f"must be > 0 or null, got {self.optimizer.grad_clip!r}")
-        if len(tuple(self.optimizer.betas)) != 2:
-            raise CPConfigError("optimizer.betas", f"must be two numbers, got {self.optimizer.betas!r}")
-        _check_int(self.logging.log_every, "logging.log_every", 1)
+        """Re-check every section of a config built or edited in Python (the same rules as the loader)."""
+        for name in TOP_LEVEL:
+            if name != "plan_overrides":
+                check_section(getattr(self, name), name)
+        self.plan_overrides = _plan_overrides(self.plan_overrides)
         return self
 
     def to_dict(self) -> dict:
@@ -181,27 +196,102 @@ class TrainerConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Sequence[str] = ()) -> "TrainerConfig":
+        """Read ``path`` (YAML 1.2 floats), apply ``overrides`` (``a.b.c=value``), load; an error
+        caused by an override says so."""
         path = Path(path)
         with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+            text = fh.read()
+        try:
+            data = load_yaml_text(text)
+        except yaml.YAMLError as exc:
+            raise CPConfigError("<root>", f"{path} is not valid YAML: {exc}".replace("\n", " ")) from None
         data = apply_overrides(data, overrides)
-        return cls.from_dict(data, source=str(path))
+        try:
+            return cls.from_dict(data, source=str(path))
+        except CPConfigError as exc:
+            raise _blame_override(exc, overrides) from None
+
+    @classmethod
+    def schema_fields(cls):
+        """Every leaf field of the schema (:class:`~hyper_parallel.distributed.config_schema.FieldInfo`),
+        ``plan_overrides`` as one entry, in YAML order."""
+        out = []
+        for name in TOP_LEVEL:
+            f = _FIELDS[name]
+            if name == "plan_overrides":
+                out.append(FieldInfo(name, f.metadata["type_name"], "[]", f.metadata["help"]))
+            else:
+                out.extend(describe_fields(f.default_factory, name + "."))
+        return out
 
 
-def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Apply ``dotted.key=value`` overrides (value parsed as YAML) to a nested dict."""
-    data = dict(data)
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+
+
+# ----------------------------------------------------------------------------- YAML + overrides
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's SafeLoader plus YAML 1.2 floats: ``3e-4`` / ``1E5`` (exponent without a dot)
+    are floats, as in YAML 1.2 and JSON, not strings."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml_text(text: str):
+    """Parse YAML text as plain data (safe: no Python objects), YAML 1.2 floats."""
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
+def apply_overrides(data: Mapping | None, overrides: Sequence[str]) -> dict:
+    """Apply ``dotted.key=value`` overrides (value parsed as YAML, as in the file) to nested plain
+    data; the result is then loaded by the schema like the file itself.
+
+    Missing intermediate sections are created; a key that would descend into a value that is not
+    a mapping (``optimizer.lr.x=1``, ``plan_overrides.0.match=...``) is refused naming the field.
+    """
+    data = dict(data or {})
     for item in overrides:
-        if "=" not in item:
-            raise CPConfigError(item, "override must look like key.path=value")
+        if not isinstance(item, str) or "=" not in item:
+            raise CPConfigError(str(item), "a command-line override must look like key.path=value",
+                                fix="e.g. optimizer.lr=3e-4 (see hyper-train --help for the fields)")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
-        node = data
+        key = key.strip()
         parts = key.split(".")
-        for part in parts[:-1]:
+        if not key or any(not p for p in parts):
+            raise CPConfigError(key or "<override>", f"override {item!r} has an empty field name",
+                                fix="write the dotted field path, e.g. optimizer.lr=3e-4")
+        try:
+            value = load_yaml_text(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise CPConfigError(key, f"the override value {raw!r} is not valid YAML ({exc.__class__.__name__})",
+                                fix="quote it or write a YAML value, e.g. [0.9, 0.95]") from None
+        node = data
+        for depth, part in enumerate(parts[:-1]):
             nxt = node.get(part)
-            nxt = dict(nxt) if isinstance(nxt, Mapping) else {}
+            if nxt is not None and not isinstance(nxt, Mapping):
+                where = ".".join(parts[:depth + 1])
+                raise CPConfigError(where, f"is {_kind_of(nxt)}, so the override {item!r} cannot set a field "
+                                    "inside it", fix=f"override the whole value: {where}=<YAML value>")
+            nxt = dict(nxt or {})
             node[part] = nxt
             node = nxt
         node[parts[-1]] = value
     return data
+
+
+def _kind_of(value) -> str:
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__} ({value!r})"
+
+
+def _blame_override(exc: CPConfigError, overrides: Sequence[str]) -> CPConfigError:
+    """``exc`` with the override that set its field (if any) named in the problem."""
+    for item in reversed(list(overrides)):
+        key = item.split("=", 1)[0].strip()
+        field = re.sub(r"\[\d+\]", "", exc.field)
+        if field == key or field.startswith(key + ".") or key.startswith(field + "."):
+            return type(exc)(exc.field, f"{exc.problem} (from the command-line override {item!r})",
+                             module=exc.module, fix=exc.fix)
+    return exc
