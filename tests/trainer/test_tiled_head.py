@@ -1,0 +1,75 @@
+"""The LM head as a tiled loss on real transformers classes (issue 14 item 1): loss and every
+gradient equal cross-entropy of the model's own logits (fp32, train(), dropout 0), including the
+head post-processing transformers declares (Gemma2 softcap, Cohere logit_scale, Granite
+logits_scaling) and tied embeddings; an unknown post-processing is detected by the probe."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyper_parallel.trainer.tiled_head import head_post, install_tiled_head, verify_tiled_head
+
+IGN = -100
+TOL = 2e-6     # fp32: same matmuls per chunk, fp32 reductions in another order
+
+COMMON = dict(vocab_size=211, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, attn_implementation="sdpa")
+
+
+def _model(kind: str):
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = {"llama": lambda: T.LlamaConfig(**COMMON),
+           "llama_tied": lambda: T.LlamaConfig(**COMMON, tie_word_embeddings=True),
+           "gemma2": lambda: T.Gemma2Config(**{**COMMON, "attn_implementation": "eager"}, head_dim=8, final_logit_softcapping=2.0, sliding_window=64),
+           "cohere": lambda: T.CohereConfig(**COMMON, logit_scale=0.25),
+           "granite": lambda: T.GraniteConfig(**COMMON, logits_scaling=3.0)}[kind]()
+    return T.AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+@pytest.mark.parametrize("kind,post", [("llama", {}), ("llama_tied", {}), ("gemma2", {"softcap": 2.0}),
+                                       ("cohere", {"logit_scale": 0.25}), ("granite", {"logit_divisor": 3.0})])
+def test_tiled_head_equals_model_logits_loss(kind, post):
+    model = _model(kind)
+    assert head_post(model) == post
+    assert verify_tiled_head(model) is None
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 211, (2, 40), generator=g)
+    tgt = torch.randint(0, 211, (2, 40), generator=g)
+    tgt[:, ::7] = IGN
+    ref_loss = F.cross_entropy(model(input_ids=ids).logits.float().reshape(-1, 211), tgt.reshape(-1),
+                               ignore_index=IGN, reduction="sum")
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    head = install_tiled_head(model, chunk_size=13, ignore_index=IGN)
+    with head.targets(tgt):
+        out = model(input_ids=ids)
+        loss = head.loss_sum(out.logits)
+    assert out.logits.shape == (2, 40, 0)
+    loss.backward()
+    gmax = max(g.abs().max().item() for g in ref.values())
+    gerr, worst = max(((p.grad - ref[n]).abs().max().item(), n) for n, p in model.named_parameters())
+    lerr = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    print(f"{kind}: loss rel {lerr:.2e}; grads max abs {gerr:.2e} rel(largest grad) {gerr / gmax:.2e} [{worst}] "
+          f"(tol {TOL:g})")
+    assert lerr <= TOL and gerr / gmax <= TOL
+    head.remove()
+    assert model(input_ids=ids).logits.shape == (2, 40, 211), "removed: the original head again"
+
+
+def test_unknown_head_post_processing_is_detected():
+    import transformers as T
+
+    class ScaledLlama(T.LlamaForCausalLM):       # a head transformers does not declare in the config
+        def forward(self, *a, **kw):
+            out = super().forward(*a, **kw)
+            out.logits = out.logits * 1.01
+            return out
+
+    torch.manual_seed(0)
+    model = ScaledLlama(T.LlamaConfig(**COMMON)).train()
+    reason = verify_tiled_head(model)
+    print(reason)
+    assert reason is not None and "ScaledLlama's logits differ from its lm_head output" in reason
+    assert "forward" not in model.lm_head.__dict__, "the probe leaves the model unchanged"
