@@ -76,6 +76,9 @@ def test_every_entry_point_is_a_catalogue_cell_and_back():
         (o,) = m.offers
         fn = import_target(o.target)
         assert wrapper_info(fn).mixer and get_registered(o.registry_name) is fn, m
+    # and back: every registered built-in token-mixer method is a catalogue row
+    mixers = {n for n in registered_names() if wrapper_info(get_registered(n)).mixer}
+    assert mixers <= set(catalogue.builtin_names("mixer")), mixers - set(catalogue.builtin_names("mixer"))
 
 
 def test_async_variants_resolve():
@@ -102,7 +105,7 @@ def test_strategy_factory_reads_the_catalogue():
 
     for m in catalogue.attention_methods():
         cls = STRATEGY_CLASSES[m.strategy]
-        assert cls.name == m.batch_policy == METHOD_POLICY[m.name]
+        assert cls.name == m.batch_policy == METHOD_POLICY[m.name] and cls.method == m.name
         if m.degree == "param":
             with pytest.raises(ValueError, match=f"needs {m.degree_param}"):
                 build_strategy(m.name, None)

@@ -157,6 +157,17 @@ METHODS: dict = {m.name: m for m in (
         head_doc="linear key and value heads divisible by cp_size",
         offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses",
                       module=MIXERS_MODULE),)),
+    CPMethod(
+        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next)", kind="mixer",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
+        offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
+                      module=MIXERS_MODULE),)),
+    CPMethod(
+        name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1)", kind="mixer",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MIXERS_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}

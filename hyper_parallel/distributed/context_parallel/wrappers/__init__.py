@@ -21,6 +21,9 @@ registry name                ``_target_``         method / style
 ``flex_qkv_ulysses``         flex_qkv_ulysses_cp_wrapper        ulysses / flex (core module)
 ===========================  ===================  =======================================
 
+Hybrid and Head-Tail have no flex entry point: not offered yet, with the reason in their
+catalogue rows (docs/wrappers.md prints it).
+
 Modules (one job each): :mod:`.heads` (head counting, the head/degree rule: public
 ``module_heads``, ``check_heads``, ``unrepeat_kv``), :mod:`.preflight` (module and call checks,
 the probe forward), :mod:`.validate_mode` (the reference of validate mode),
@@ -48,7 +51,7 @@ How each style hooks in (see :mod:`..interception` and docs/wrappers.md):
   (a ``score_mod`` or ``return_lse`` is rejected).
 
 In every style HF's local mask is never trusted: causality, padding and packed documents come
-from :func:`~.meta.current_cp_batch_meta` (global positions, key doc ids). K/V that HF already
+from :func:`~..meta.current_cp_batch_meta` (global positions, key doc ids). K/V that HF already
 repeated for GQA (``repeat_kv``) are un-repeated by a strided view (``k_rep[:, ::g] == k``), so
 only Hk heads are communicated; ``enable_gqa=True`` K/V are used as given.
 

@@ -16,7 +16,12 @@ from ..registry import inner_wrapper, register_inner_wrapper
 from .preflight import make_validate
 from .routes import install
 
-__all__ = ["sdpa_hf_cp_wrapper", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_hybrid_cp_wrapper", "sdpa_hf_load_balance_cp_wrapper", "sdpa_qkv_cp_wrapper", "sdpa_qkv_ulysses_cp_wrapper", "sdpa_qkv_hybrid_cp_wrapper", "sdpa_qkv_load_balance_cp_wrapper", "flex_hf_cp_wrapper", "flex_hf_ulysses_cp_wrapper", "flex_qkv_cp_wrapper", "flex_qkv_ulysses_cp_wrapper", "BUILTIN_NAMES"]
+__all__ = [
+    "sdpa_hf_cp_wrapper", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_hybrid_cp_wrapper", "sdpa_hf_load_balance_cp_wrapper",
+    "sdpa_qkv_cp_wrapper", "sdpa_qkv_ulysses_cp_wrapper", "sdpa_qkv_hybrid_cp_wrapper",
+    "sdpa_qkv_load_balance_cp_wrapper", "flex_hf_cp_wrapper", "flex_hf_ulysses_cp_wrapper", "flex_qkv_cp_wrapper",
+    "flex_qkv_ulysses_cp_wrapper", "BUILTIN_NAMES",
+]
 
 
 def _meta(entry: str) -> dict:

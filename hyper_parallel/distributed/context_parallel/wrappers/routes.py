@@ -29,8 +29,8 @@ from ..meta import CPBatchMeta, current_cp_batch_meta
 from ..strategies import build_strategy
 from .heads import module_heads, unrepeat_kv
 from .preflight import check_call, probe
-from .validate_mode import (check_repeat, compare, hf_module_reference, rank_group, valid_query_rows,
-                            validate_attention)
+from .validate_mode import (check_repeat_kv, compare, hf_module_reference, rank_group, valid_query_rows,
+                            validate_qkv_attention)
 
 __all__ = ["install", "strategy_for", "make_handler"]
 
@@ -112,7 +112,7 @@ def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check
             checked[0] = id(meta)
             _check_model_separates_documents(call, meta, owner)
         if validate_attention or check_repeat:
-            check_repeat(call, owner)
+            check_repeat_kv(call, owner)
         k, v = unrepeat_kv(call)
         q = call.q
         sinks = call.sinks
@@ -127,7 +127,7 @@ def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check
         out = strategy.attention(q, k, v, meta=meta, scale=call.scale, window=call.window, softcap=call.softcap,
                                  sinks=sinks)
         if validate_attention:
-            validate_attention(out, q, k, v, call, meta, cp_group, owner)
+            validate_qkv_attention(out, q, k, v, call, meta, cp_group, owner)
         return out
 
     return handler
@@ -159,7 +159,8 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
     group = rank_group(cp_mesh)
     handler = make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
                             module=target_module if style in ("hf", "flex_hf") else None)
-    interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface, "hf_any": intercept_hf_any}[primitive]
+    interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface,
+                   "hf_any": intercept_hf_any}[primitive]
     sig = inspect.signature(original)
 
     def cp_forward(*args, **kwargs):

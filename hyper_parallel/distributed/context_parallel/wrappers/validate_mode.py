@@ -7,9 +7,9 @@ when they differ by more than :data:`VALIDATE_TOLERANCE`:
 * HF styles (:func:`hf_module_reference`): the module's original forward on the gathered
   sequence; an attention-interface call is computed by the module's own attention function
   with the model's own mask for the layer, an SDPA-route call by the engine;
-* qkv styles (:func:`validate_attention`): this rank's queries attend to the gathered K/V with
+* qkv styles (:func:`validate_qkv_attention`): this rank's queries attend to the gathered K/V with
   the engine (float32 for half inputs);
-* :func:`check_repeat`: K/V that reach attention with Hq heads really are ``repeat_kv`` copies.
+* :func:`check_repeat_kv`: K/V that reach attention with Hq heads really are ``repeat_kv`` copies.
 
 Only validate mode builds an ``S x S`` mask (the model's own, for its reference); production
 never does. The gathers (``tag="cp.validate"``) and the agreement flag run on the CP group.
@@ -31,7 +31,7 @@ from ..strategies.base import engine_attention
 from .heads import unrepeat_kv
 
 __all__ = ["CPValidationError", "VALIDATE_TOLERANCE", "rank_group", "valid_query_rows", "compare",
-           "full_sequence_attention", "validate_attention", "check_repeat", "hf_module_reference"]
+           "full_sequence_attention", "validate_qkv_attention", "check_repeat_kv", "hf_module_reference"]
 
 # |cp - ref| <= atol + rtol * max|ref| over valid query rows (per dtype of the CP output)
 VALIDATE_TOLERANCE = {
@@ -106,7 +106,7 @@ def full_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     return out.to(q.dtype)
 
 
-def validate_attention(out, q, k, v, call: AttentionCall, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
+def validate_qkv_attention(out, q, k, v, call: AttentionCall, meta: CPBatchMeta, cp_mesh, owner: str) -> None:
     """qkv styles: compare the CP output with this rank's queries attending to the gathered K/V."""
     group = rank_group(cp_mesh)
     kf, vf = (_gather_seq(t, group, 2) for t in (k, v))     # [B, Hk, S, D]: every key
@@ -116,7 +116,7 @@ def validate_attention(out, q, k, v, call: AttentionCall, meta: CPBatchMeta, cp_
     compare(out, ref, valid_query_rows(meta, out.shape[0]), 2, group, owner, "attention output")
 
 
-def check_repeat(call: AttentionCall, owner: str) -> None:
+def check_repeat_kv(call: AttentionCall, owner: str) -> None:
     """Validate mode: the un-repeat assumption (k_rep[:, h*g + j] == k_rep[:, h*g])."""
     g = call.kv_groups
     k = call.k
