@@ -74,8 +74,11 @@ def check_cp1_masking(local) -> None:
     from restarting ``position_ids``) must hide every padding key from every valid query.
 
     That holds iff, inside each position run, no padding token is followed by a valid token —
-    checked on adjacent pairs, O(B·S). Raises ValueError naming the row and token otherwise.
+    checked on adjacent pairs, O(B·S). Raises ``CPBatchError`` (a ValueError) naming the row and
+    token otherwise, before any collective.
     """
+    from ..distributed.context_parallel.batch import CPBatchError
+
     meta = getattr(local, "meta", None)
     key_doc = getattr(meta, "key_doc", None)
     if key_doc is None:
@@ -87,7 +90,7 @@ def check_cp1_masking(local) -> None:
     bad = pad[:, :-1] & ~pad[:, 1:] & same_run
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
+        raise CPBatchError(
             f"row {b}: padding at token {j} is followed by valid token {j + 1} of the same document "
             "(position_ids do not restart there); at cp_size 1 the model gets no attention_mask, so "
             "that token would attend to the padding. Right-pad each document, or start the next "
