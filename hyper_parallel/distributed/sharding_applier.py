@@ -2,7 +2,10 @@
 
 Order (design 2.1): TP placement -> the declared CP wrapper / local compute -> activation
 checkpointing -> FSDP2 ``fully_shard`` (each decoder layer, then the root, on
-``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Only what the plan declares is applied.
+``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
+FSDP units) are what transformers declares (``_no_split_modules``, see
+:func:`~.tensor_parallel.find_decoder_layers`), so GPT-NeoX, Falcon, Bloom, GPT-2, OPT and MPT
+are sharded and checkpointed as Llama is. Only what the plan declares is applied.
 With cp > 1 every rotary embedding module is first probed (:func:`~.context_parallel.rope.check_rotary_modules`,
 a refusal names the module) and, with the CP wrappers, made to compute its output on the batch's
 global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback).
@@ -142,11 +145,26 @@ def _checkpointed_forward(original: Callable) -> Callable:
     return forward
 
 
+def _no_layers(field: str, model) -> CPConfigError:
+    declared = getattr(model, "_no_split_modules", None)
+    return CPConfigError(field, f"no decoder layers found in {type(model).__name__} (_no_split_modules="
+                         f"{sorted(declared) if declared else declared!r} matches no ModuleList entry, and no "
+                         "ModuleList of *DecoderLayer/*Block/self_attn children exists)",
+                         fix="declare the layer class in the model's _no_split_modules, or turn the option off")
+
+
 def _apply_ac(model, plan: ShardingPlan, installed: _Installed) -> None:
+    """Checkpoint every decoder layer (recomputed in backward under this step's CP meta). Like
+    transformers' gradient checkpointing, turns ``config.use_cache`` off: a KV cache updated by the
+    forward and again by the recomputation would see its keys twice."""
     names = dict(model.named_modules())
     layers = plan.decoder_layers
     if not layers:
-        raise CPConfigError("schedule.activation_checkpointing", f"no decoder layers found in {type(model).__name__}")
+        raise _no_layers("schedule.activation_checkpointing", model)
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "use_cache", False):
+        log.info("activation checkpointing: config.use_cache set to False")
+        cfg.use_cache = False
     for fqn in layers:
         layer = names[fqn]
         installed.replace_forward(layer, _checkpointed_forward(layer.forward))
@@ -225,7 +243,7 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
         if use_fsdp:
             if not plan.decoder_layers:
-                raise CPConfigError("fsdp", f"no decoder layers found in {type(model).__name__}")
+                raise _no_layers("fsdp", model)
             _apply_fsdp(model, plan, mesh, mp_policy, reshard_after_forward)
     except BaseException:
         installed.rollback()

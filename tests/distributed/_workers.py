@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hyper_parallel.distributed.context_parallel.interception import CPInterceptionError
 from hyper_parallel.distributed.errors import CPConfigError
 from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
 from hyper_parallel.distributed.sharding_planner import ShardingPlanner
@@ -105,8 +106,9 @@ def _grad_errors(model, ref, mesh, tp_info) -> tuple[float, float]:
     return err, gmax
 
 
-def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int = 3) -> dict:
-    """Plan (sdpa_hf, colossal) -> apply with FSDP2 + activation checkpointing (+ TP) -> one
+def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int = 3, proof: bool = True) -> dict:
+    """Plan (sdpa_hf, colossal) -> apply with FSDP2 + activation checkpointing (+ TP) and the CP
+    preflight proof (``proof``; before FSDP, as the trainer does by default) -> one
     forward/backward vs the CP=1 reference on a fresh random batch. -> errors on this rank, or
     ``{"refused": message}`` when the planner / applier refuses the model."""
     model, ref = build(arch)
@@ -116,8 +118,9 @@ def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int =
     mesh = mesh_ctx(cp, tp)
     try:
         plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, tp_size=tp, cp_size=cp)
-        model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, activation_checkpointing=True)
-    except CPConfigError as exc:
+        model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, activation_checkpointing=True,
+                                             preflight_proof=proof)
+    except (CPConfigError, CPInterceptionError) as exc:
         return {"refused": str(exc)}
     uses_fsdp = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     ac = sum(hasattr(model.get_submodule(f).__dict__.get("forward"), "__wrapped__") for f in plan.decoder_layers)
