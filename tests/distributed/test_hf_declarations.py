@@ -137,12 +137,17 @@ def test_fsdp_ac_cp2_parity(ranks, arch):
 
 
 # ------------------------------------------------------------------------ (c) TP 2 x CP 2
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe", "gpt_neox"])
 def test_tp2_cp2_declared_plan_parity(ranks, arch):
     """TP 2 from the declared plan x CP 2 (Colossal) + FSDP2 + AC on 4 ranks equals CP=1. Qwen3-MoE:
-    attention TP in both layers, the dense MLP of layer 1 TP, layer 0's experts replicated."""
+    attention TP in both layers, the dense MLP of layer 1 TP, layer 0's experts replicated;
+    GPT-NeoX: the fused (per-head interleaved) query_key_value split colwise."""
     r = check(ranks(4).run(W.fsdp_ac_parity, arch, 2, 2))
     sharded = r["sharded"]
+    if arch == "gpt_neox":
+        assert "gpt_neox.layers.0.attention.query_key_value.weight" in sharded, sharded
+        assert "gpt_neox.layers.1.mlp.dense_4h_to_h.weight" in sharded, sharded
+        return
     assert "model.layers.0.self_attn.q_proj.weight" in sharded and "model.layers.1.self_attn.o_proj.weight" in sharded
     if arch == "qwen3_moe":
         assert "model.layers.1.mlp.gate_proj.weight" in sharded and not any("experts" in s for s in sharded), sharded
