@@ -62,6 +62,18 @@ class Platform:
             return None
         return getattr(torch, self.device_type)
 
+    def peak_memory_bytes(self) -> int:
+        """This process's peak memory so far: the device allocator's peak on CUDA/NPU
+        (``max_memory_allocated``), the resident set's high-water mark on CPU (``ru_maxrss``)."""
+        mod = self.device_module()
+        if mod is not None:
+            return int(mod.max_memory_allocated())
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss) if sys.platform == "darwin" else int(rss) * 1024     # Linux reports KiB
+
 
 def _npu_available() -> bool:
     try:

@@ -75,6 +75,8 @@ class BaseTrainer:
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())
         model = model.to(self.device)
+        self.tiled_head = self.install_loss_head(model)
+        self.capture_logits = False      # run_step sets it when a probe asks for the logits
         self.model, self.tp_grad_info = self.parallelize(model)
         self.uses_fsdp = _has_fsdp(self.model)
         self.tp_partial_params = tp_partial_params(self.model, self.sharding_plan, self.tp_grad_info)
@@ -91,6 +93,22 @@ class BaseTrainer:
             self.load_checkpoint(cfg.schedule.resume_from)
 
     # ------------------------------------------------------------------ set-up pieces
+    def install_loss_head(self, model: nn.Module):
+        """``loss.tiled``: the model's LM head becomes the tiled loss (:mod:`.tiled_head`), before any
+        parallelization, after a probe proves it reproduces the model's own logits; else None (the
+        untiled loss), with a log line saying why."""
+        lc = self.cfg.loss
+        if not lc.tiled:
+            return None
+        from .tiled_head import install_tiled_head, verify_tiled_head
+
+        reason = verify_tiled_head(model, chunk_size=lc.chunk_size, ignore_index=self.cfg.data.ignore_index)
+        if reason is not None:
+            if self.is_main:
+                log.warning("loss.tiled: falling back to the untiled loss ([S_local, vocab] logits): %s", reason)
+            return None
+        return install_tiled_head(model, chunk_size=lc.chunk_size, ignore_index=self.cfg.data.ignore_index)
+
     def parallelize(self, model: nn.Module):
         """TP placement -> declared CP wrappers -> activation checkpointing -> FSDP2 (applier).
 
@@ -237,7 +255,8 @@ class BaseTrainer:
                 res = self.train_step(self.data.next_micro_batches(ga))
                 results.append(res)
                 self.run_log.append(res.record())
-                bar.update(res.loss, res.tokens_per_s, res.lr)
+                bar.update(res.loss, res.tokens_per_s, res.lr,
+                           None if not res.peak_mem_gb_per_rank else max(res.peak_mem_gb_per_rank))
                 if self.step % lcfg.log_every == 0 and not lcfg.progress and self.is_main:
                     print(f"step {res.step}/{total} loss={res.loss:.4f} tok/s={res.tokens_per_s:,.0f}", flush=True)
                 if scfg.save_every and self.step % scfg.save_every == 0:

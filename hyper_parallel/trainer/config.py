@@ -1,6 +1,6 @@
 """TrainerConfig: the typed schema of the whole YAML file and its one validating loader.
 
-Top-level sections: ``model``, ``data``, ``optimizer``, ``schedule``, ``accelerator``,
+Top-level sections: ``model``, ``data``, ``optimizer``, ``schedule``, ``loss``, ``accelerator``,
 ``plan_overrides``, ``logging``. Every field is declared once below with
 :func:`~hyper_parallel.distributed.config_schema.option` — its type, default, bounds, choices
 and help text — and that declaration is the single source of the YAML fields: the loader checks
@@ -108,6 +108,14 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass
+class LossConfig:
+    tiled: bool = option(True, help="LM head + cross-entropy in token chunks with recompute in backward: no "
+                                    "[S_local, vocab] logits tensor (exact; a head it cannot reproduce falls "
+                                    "back to the untiled loss with a log line)")
+    chunk_size: int = option(1024, ge=1, help="tokens per chunk of the tiled loss (memory ~ chunk_size x vocab)")
+
+
+@dataclasses.dataclass
 class LoggingConfig:
     out_dir: str = option("runs/default", help="where the log, the plot and (by default) checkpoints go")
     log_every: int = option(1, ge=1, help="print a line every N steps when the progress bar is off")
@@ -132,7 +140,7 @@ def _plan_overrides(value) -> list:
     return parse_plan_overrides(value)
 
 
-TOP_LEVEL = ("model", "data", "optimizer", "schedule", "accelerator", "plan_overrides", "logging")
+TOP_LEVEL = ("model", "data", "optimizer", "schedule", "loss", "accelerator", "plan_overrides", "logging")
 
 
 @dataclasses.dataclass
@@ -142,6 +150,7 @@ class TrainerConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     accelerator: AcceleratorConfig = dataclasses.field(default_factory=AcceleratorConfig)
     plan_overrides: list = option(default_factory=list, parse=lambda value, path: _plan_overrides(value),
                                   type_name="list of entries",
@@ -182,7 +191,7 @@ class TrainerConfig:
     def to_dict(self) -> dict:
         """Plain-data view (JSON-able) for logs and checkpoint metadata."""
         out = {}
-        for name in ("model", "data", "optimizer", "schedule", "accelerator", "logging"):
+        for name in ("model", "data", "optimizer", "schedule", "loss", "accelerator", "logging"):
             out[name] = dataclasses.asdict(getattr(self, name))
         out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
         out["plan_overrides"] = [

@@ -75,9 +75,11 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
 
-    def update(self, loss: float, tokens_per_s: float, lr: float) -> None:
+    def update(self, loss: float, tokens_per_s: float, lr: float, peak_mem_gb: float | None = None) -> None:
+        """One step; ``peak_mem_gb`` is the largest rank's peak memory so far."""
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} lr={lr:.2e}")
+            mem = "" if peak_mem_gb is None else f" mem={peak_mem_gb:.2f}GB"
+            self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} lr={lr:.2e}{mem}")
             self.bar.update(1)
 
     def write(self, msg: str) -> None:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..platform import all_gather_object
 from ..platform.faults import maybe_inject_fault
 from .grad_utils import clip_grad_norm_global
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
@@ -41,6 +42,7 @@ class StepResult:
     lr: float
     time_s: float
     tokens_per_s: float
+    peak_mem_gb_per_rank: list | None = None   # every rank's peak memory so far (platform.peak_memory_bytes)
     logits: list | None = None
     grads: dict | None = None
     params: dict | None = None
@@ -48,7 +50,9 @@ class StepResult:
     def record(self) -> dict:
         return {"step": self.step, "loss": self.loss, "valid_tokens": self.valid_tokens,
                 "grad_norm": self.grad_norm, "lr": self.lr, "time_s": round(self.time_s, 4),
-                "tokens_per_s": round(self.tokens_per_s, 1)}
+                "tokens_per_s": round(self.tokens_per_s, 1),
+                "peak_mem_gb": None if not self.peak_mem_gb_per_rank else max(self.peak_mem_gb_per_rank),
+                "peak_mem_gb_per_rank": self.peak_mem_gb_per_rank}
 
 
 def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None) -> StepResult:
@@ -56,6 +60,7 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     t0 = time.perf_counter()
     mesh, cfg = trainer.mesh, trainer.cfg
     trainer.model.train()
+    trainer.capture_logits = bool(probe and probe.logits)     # the tiled loss produces no logits
     # batch -> CP shard (+ the step's global valid-target count: one all-reduce)
     prepared = [trainer.prepare_batch(b) for b in micro_batches]
     n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), mesh.dp_cp_mesh, trainer.device)
@@ -93,5 +98,6 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     full_params = trainer.named_full("param") if probe and probe.params else None
     dt = time.perf_counter() - t0
     n = int(n_global)
-    return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9),
+    peaks = [round(b / 2**30, 4) for b in all_gather_object(trainer.platform.peak_memory_bytes())]
+    return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
                       logits_out, grads, full_params)

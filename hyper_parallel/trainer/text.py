@@ -1,4 +1,5 @@
-"""TextTrainer: byte-level causal language modeling on a text file (see data.py, loss.py)."""
+"""TextTrainer: byte-level causal language modeling on a text file (see data.py, loss.py,
+tiled_head.py: with ``loss.tiled`` the LM head computes the loss in token chunks)."""
 from __future__ import annotations
 
 from .base import BaseTrainer, PreparedBatch
@@ -13,7 +14,12 @@ class TextTrainer(BaseTrainer):
         return DataStream(TextBatcher.from_config(self.cfg.data, dp_rank=self.mesh.dp_rank))
 
     def compute_loss(self, prepared: PreparedBatch):
-        out = self.model(**prepared.inputs, use_cache=False)
-        logits = out.logits
-        loss_sum, valid = token_loss_sum(logits, prepared.shift_labels, self.cfg.data.ignore_index)
-        return logits, loss_sum, valid
+        ignore = self.cfg.data.ignore_index
+        head = self.tiled_head
+        if head is None or self.capture_logits:        # untiled: [B, S_local, vocab] logits
+            out = self.model(**prepared.inputs, use_cache=False)
+            loss_sum, valid = token_loss_sum(out.logits, prepared.shift_labels, ignore)
+            return out.logits, loss_sum, valid
+        with head.targets(prepared.shift_labels):      # tiled: the LM head returns empty logits
+            out = self.model(**prepared.inputs, use_cache=False)
+        return out.logits, head.loss_sum(out.logits), (prepared.shift_labels != ignore).sum()

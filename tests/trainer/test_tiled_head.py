@@ -73,3 +73,47 @@ def test_unknown_head_post_processing_is_detected():
     print(reason)
     assert reason is not None and "ScaledLlama's logits differ from its lm_head output" in reason
     assert "forward" not in model.lm_head.__dict__, "the probe leaves the model unchanged"
+
+
+# ---------------------------------------------------------------------------- the trainer
+def _losses_tiled_vs_untiled(cfg: dict) -> dict:
+    import copy
+
+    from tests.trainer import _workers as TW
+
+    out = {}
+    for tiled in (True, False):
+        c = copy.deepcopy(cfg)
+        c["loss"] = {"tiled": tiled, "chunk_size": 24}
+        c["logging"]["out_dir"] += f"_{tiled}"
+        out[tiled] = TW.train_losses(c)["losses"]
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.text import TextTrainer
+
+    c = copy.deepcopy(cfg)
+    c["schedule"]["steps"] = 1
+    trainer = TextTrainer(TrainerConfig.from_dict(c))
+    res = trainer.train()
+    out["head"] = trainer.tiled_head is not None
+    out["record"] = res[0].record()
+    return out
+
+
+@pytest.mark.parametrize("world,kw", [
+    (2, dict(cp=2, ga=2, ac=True)),                       # FSDP2 over cp, grad accumulation, activation ckpt
+    (4, dict(cp=2, tp=2)),                                # TP + CP (Colossal)
+])
+def test_trainer_tiled_loss_equals_untiled(ranks, tmp_path, world, kw):
+    """The trainer's losses with loss.tiled (default) equal the untiled loss step for step; every
+    step record carries every rank's peak memory."""
+    from tests.trainer import _workers as TW
+
+    cfg = TW.make_cfg("llama", steps=3, out_dir=str(tmp_path / "run"), **kw)
+    res = ranks(world).run(_losses_tiled_vs_untiled, cfg, timeout=600.0)
+    for r in res:
+        print("tiled", r[True], "untiled", r[False], "record", r["record"])
+        assert r["head"], "the tiled head is installed by default"
+        for a, b in zip(r[True], r[False]):
+            assert abs(a - b) <= 1e-5 * abs(b), (r[True], r[False])
+        peaks = r["record"]["peak_mem_gb_per_rank"]
+        assert len(peaks) == world and all(p > 0.05 for p in peaks) and r["record"]["peak_mem_gb"] == max(peaks)
