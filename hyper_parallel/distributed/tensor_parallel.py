@@ -32,9 +32,12 @@ replicated over tp (count it once) — the domain for gradient-norm clipping.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterator, Mapping, Optional
 
 import torch.nn as nn
+
+log = logging.getLogger("hyper_parallel.tp")
 
 TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
@@ -73,7 +76,12 @@ def get_tp_plan(model: nn.Module, layers: Optional[list] = None) -> Optional[dic
     if arch in _TP_PLANS:
         return dict(_TP_PLANS[arch])
     tr = translate_tp_plan(model, find_decoder_layers(model) if layers is None else layers)
-    return dict(tr.plan) if tr is not None and tr.plan else None
+    if tr is None or not tr.plan:
+        return None
+    if tr.replicated:
+        log.info("TP plan from %s; left replicated (exact): %s", tr.source,
+                 ", ".join(f"{k} ({v[0]})" for k, v in tr.replicated.items()))
+    return dict(tr.plan)
 
 
 def _no_split_classes(model: nn.Module) -> set:

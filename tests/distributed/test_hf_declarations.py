@@ -153,3 +153,11 @@ def test_tp2_cp2_declared_plan_parity(ranks, arch):
         assert "model.layers.1.mlp.gate_proj.weight" in sharded and not any("experts" in s for s in sharded), sharded
     if arch in ("gemma3", "qwen3_moe"):
         assert "model.layers.0.self_attn.q_norm.weight" in r["partial"], r["partial"]
+
+
+@pytest.mark.parametrize("arch", SIX)
+def test_fsdp_ac_dp2_without_cp(ranks, arch):
+    """FSDP2 (2 data-parallel ranks, one row each) on the declared layers + activation checkpointing
+    equals one process on both rows, for all six, including Bloom and MPT whose attention CP refuses."""
+    r = check(ranks(2).run(W.fsdp_ac_dp2, arch))
+    assert len(r["layers"]) == 2 and r["ac_layers"] == 2 and r["fsdp_modules"] == 3, r
