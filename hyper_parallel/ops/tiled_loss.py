@@ -103,7 +103,7 @@ class _TiledLMLoss(torch.autograd.Function):
 
 
 def tiled_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                  *, ignore_index: int = -100, chunk_size: int = 1024, logit_scale: Optional[float] = None,
+                  *, ignore_index: int = -100, chunk_size: int = 256, logit_scale: Optional[float] = None,
                   logit_divisor: Optional[float] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token cross-entropy of ``post(hidden @ weight^T + bias)``, tiled over tokens (module doc)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:

@@ -112,7 +112,7 @@ class LossConfig:
     tiled: bool = option(True, help="LM head + cross-entropy in token chunks with recompute in backward: no "
                                     "[S_local, vocab] logits tensor (exact; a head it cannot reproduce falls "
                                     "back to the untiled loss with a log line)")
-    chunk_size: int = option(1024, ge=1, help="tokens per chunk of the tiled loss (memory ~ chunk_size x vocab)")
+    chunk_size: int = option(256, ge=1, help="tokens per chunk of the tiled loss (transient memory ~ 3 x chunk_size x vocab x 4 bytes)")
 
 
 @dataclasses.dataclass

@@ -112,7 +112,7 @@ def _output_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def install_tiled_head(model: nn.Module, *, chunk_size: int = 1024, ignore_index: int = -100) -> TiledHead:
+def install_tiled_head(model: nn.Module, *, chunk_size: int = 256, ignore_index: int = -100) -> TiledHead:
     """Patch the model's ``lm_head`` forward (instance attribute; :meth:`TiledHead.remove` undoes it)."""
     head = _output_head(model)
     handle = TiledHead(head, head.forward, chunk_size, ignore_index, head_post(model))
@@ -121,7 +121,7 @@ def install_tiled_head(model: nn.Module, *, chunk_size: int = 1024, ignore_index
 
 
 @torch.no_grad()
-def verify_tiled_head(model: nn.Module, *, chunk_size: int = 1024, ignore_index: int = -100,
+def verify_tiled_head(model: nn.Module, *, chunk_size: int = 256, ignore_index: int = -100,
                       seq: int = 12, tol: float = 1e-5) -> Optional[str]:
     """Probe (before any parallelization; the model is left unchanged) on a short random sequence:
 
