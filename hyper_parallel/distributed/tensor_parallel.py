@@ -208,12 +208,17 @@ def replicated_grad_info(model: nn.Module) -> TPGradInfo:
     return TPGradInfo({n: TPParamInfo(n, False, "replicate", None) for n, _ in model.named_parameters()})
 
 
-def _adjust_heads(layer: nn.Module, tp_size: int) -> None:
+def _adjust_heads(layer: nn.Module, tp_size: int, colwise_parents=()) -> None:
+    """Divide the head attributes of the layer's attention modules by tp and record
+    ``__hp_local_heads__``. Attention modules: those with ``q_proj``/``k_proj``, an int head-count
+    attribute, or a ``head_dim``/``head_size`` and a colwise-sharded child (fused QKV, e.g.
+    GPT-NeoX's ``attention.query_key_value``; ``colwise_parents`` are their layer-relative FQNs)."""
     from .context_parallel.wrappers import module_heads
 
-    for mod in layer.modules():
+    for sub, mod in layer.named_modules():
         has_heads = any(isinstance(getattr(mod, a, None), int) for a in ("num_heads", "num_attention_heads"))
-        if not (hasattr(mod, "q_proj") and hasattr(mod, "k_proj")) and not has_heads:
+        fused = sub in colwise_parents and any(isinstance(getattr(mod, a, None), int) for a in ("head_dim", "head_size"))
+        if not (hasattr(mod, "q_proj") and hasattr(mod, "k_proj")) and not has_heads and not fused:
             continue                                  # attention modules and their core submodules only
         hq, hk = module_heads(mod, tp_size)
         for attr in ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads"):
@@ -249,7 +254,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, layers: list[str], plan: Ma
         if not styles:
             continue
         sharded_layers.append(layer_fqn)
-        _adjust_heads(layer, tp_size)
+        _adjust_heads(layer, tp_size, {rel.rpartition(".")[0] for rel, s in present.items() if s == "colwise"})
         parallelize_module(layer, tp_mesh, styles)
         for rel, s in present.items():
             mod = names[f"{layer_fqn}.{rel}"]

@@ -106,7 +106,8 @@ def _grad_errors(model, ref, mesh, tp_info) -> tuple[float, float]:
     return err, gmax
 
 
-def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int = 3, proof: bool = True) -> dict:
+def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int = 3, proof: bool = True,
+                   wrapper: str = "sdpa_hf") -> dict:
     """Plan (sdpa_hf, colossal) -> apply with FSDP2 + activation checkpointing (+ TP) and the CP
     preflight proof (``proof``; before FSDP, as the trainer does by default) -> one
     forward/backward vs the CP=1 reference on a fresh random batch. -> errors on this rank, or
@@ -114,7 +115,7 @@ def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int =
     model, ref = build(arch)
     match, _ = ARCHS[arch]
     entry = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
-              "inner_wrapper": "sdpa_hf"}]
+              "inner_wrapper": wrapper}]
     mesh = mesh_ctx(cp, tp)
     try:
         plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, tp_size=tp, cp_size=cp)
@@ -136,7 +137,9 @@ def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int =
     return {"logits": diff, "logits_rel": diff / max(ref_logits.abs().max().item(), 1e-12), "grads_abs": gerr,
             "grads": gerr / max(gmax, 1e-12), "layers": list(plan.decoder_layers), "fsdp_modules": uses_fsdp,
             "ac_layers": ac, "tp_plan": dict(plan.tp_layer_plan), "sharded": sorted(tp_info.sharded),
-            "partial": sorted(tp_info.partial_grad)}
+            "partial": sorted(tp_info.partial_grad), "policy": plan.batch_policy,
+            "local_heads": [getattr(m, "__hp_local_heads__", None) for f in plan.attention_boundaries
+                            for m in [model.get_submodule(f)]]}
 
 
 def fsdp_ac_dp2(arch: str, S: int = 24, seed: int = 5) -> dict:

@@ -26,6 +26,8 @@ REFUSED = {"bloom": ("transformer.h.0.self_attention", "uses ALiBi"),
 
 
 def check(results):
+    for r in results:
+        assert "refused" not in r, r["refused"]
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].rsplit("::", 1)[-1]
     print(f"{test} logits: max abs {max(r['logits'] for r in results):.2e} "
           f"rel {max(r['logits_rel'] for r in results):.2e} (tol abs {LOGIT_TOL:g}); "
@@ -147,6 +149,7 @@ def test_tp2_cp2_declared_plan_parity(ranks, arch):
     if arch == "gpt_neox":
         assert "gpt_neox.layers.0.attention.query_key_value.weight" in sharded, sharded
         assert "gpt_neox.layers.1.mlp.dense_4h_to_h.weight" in sharded, sharded
+        assert r["local_heads"] == [(2, 2), (2, 2)], r["local_heads"]       # 4 heads / tp 2, fused QKV
         return
     assert "model.layers.0.self_attn.q_proj.weight" in sharded and "model.layers.1.self_attn.o_proj.weight" in sharded
     if arch == "qwen3_moe":
@@ -161,3 +164,10 @@ def test_fsdp_ac_dp2_without_cp(ranks, arch):
     equals one process on both rows, for all six, including Bloom and MPT whose attention CP refuses."""
     r = check(ranks(2).run(W.fsdp_ac_dp2, arch))
     assert len(r["layers"]) == 2 and r["ac_layers"] == 2 and r["fsdp_modules"] == 3, r
+
+
+def test_tp2_cp2_ulysses_on_tp_local_heads(ranks):
+    """GPT-NeoX: Ulysses (sdpa_hf_ulysses) splits the TP-local heads (4 -> 2 per tp rank -> 1 per cp
+    rank); the local count comes from the fused colwise query_key_value."""
+    r = check(ranks(4).run(W.fsdp_ac_parity, "gpt_neox", 2, 2, wrapper="sdpa_hf_ulysses"))
+    assert r["policy"] == "ulysses", r
