@@ -217,7 +217,8 @@ def _adjust_heads(layer: nn.Module, tp_size: int, colwise_parents=()) -> None:
 
     for sub, mod in layer.named_modules():
         has_heads = any(isinstance(getattr(mod, a, None), int) for a in ("num_heads", "num_attention_heads"))
-        fused = sub in colwise_parents and any(isinstance(getattr(mod, a, None), int) for a in ("head_dim", "head_size"))
+        fused = sub in colwise_parents and any(isinstance(getattr(mod, a, None), int)
+                                               for a in ("head_dim", "head_size"))
         if not (hasattr(mod, "q_proj") and hasattr(mod, "k_proj")) and not has_heads and not fused:
             continue                                  # attention modules and their core submodules only
         hq, hk = module_heads(mod, tp_size)
