@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...platform import group_rank, group_size
+from . import catalogue
 from .collectives import all_gather_seq
 from .meta import CPBatchMeta
 
@@ -49,8 +50,8 @@ SEQ_FIELDS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_
 PACK_FIELDS = ("seq_lens", "seq_lens_padded")
 CU_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k")          # transformers' flattening convention
 CU_SCALARS = ("max_length_q", "max_length_k")
-_POLICIES = {"all_gather": ("all_gather", 1), "colossal": ("all_gather", 1), "ulysses": ("ulysses", 1),
-             "hybrid": ("hybrid", 1), "load_balance": ("load_balance", 2), "head_tail": ("load_balance", 2)}
+# policy / method name or alias -> (policy, S multiple factor of cp_size), from the method catalogue
+_POLICIES = catalogue.batch_policies()
 _SCALARS = (bool, int, float, str, type(None))
 
 
