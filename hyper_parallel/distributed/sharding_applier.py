@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from .context_parallel.interception import applying
 from .context_parallel.meta import cp_batch_context, current_cp_batch_meta
+from .context_parallel.model_proof import NO_INSTANCE_FORWARD
 from .context_parallel.rope import check_rotary_modules, install_cp_rope
 from .errors import CPConfigError
 from .sharding_planner import ShardingPlan
@@ -46,7 +47,7 @@ from .tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_
 log = logging.getLogger("hyper_parallel.apply")
 
 MODES = ("production", "validate")
-_MISSING = object()
+_MISSING = NO_INSTANCE_FORWARD     # no instance forward before CP (shared with the preflight proof)
 
 
 class _Installed:

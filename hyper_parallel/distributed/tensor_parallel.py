@@ -37,6 +37,8 @@ from typing import Iterator, Mapping, Optional
 
 import torch.nn as nn
 
+from .context_parallel.wrappers.heads import module_heads
+
 log = logging.getLogger("hyper_parallel.tp")
 
 TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
@@ -213,7 +215,6 @@ def _adjust_heads(layer: nn.Module, tp_size: int, colwise_parents=()) -> None:
     ``__hp_local_heads__``. Attention modules: those with ``q_proj``/``k_proj``, an int head-count
     attribute, or a ``head_dim``/``head_size`` and a colwise-sharded child (fused QKV, e.g.
     GPT-NeoX's ``attention.query_key_value``; ``colwise_parents`` are their layer-relative FQNs)."""
-    from .context_parallel.wrappers import module_heads
 
     for sub, mod in layer.named_modules():
         has_heads = any(isinstance(getattr(mod, a, None), int) for a in ("num_heads", "num_attention_heads"))

@@ -25,10 +25,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tiled_lm_loss"]
+__all__ = ["tiled_lm_loss", "apply_head_post"]
 
 
-def _post(logits: torch.Tensor, scale, divisor, softcap) -> torch.Tensor:
+def apply_head_post(logits: torch.Tensor, scale=None, divisor=None, softcap=None) -> torch.Tensor:
+    """The LM-head post-processing of the module doc, in ``logits``' dtype and in transformers'
+    order: ``* scale``, ``/ divisor``, ``softcap * tanh(x / softcap)`` (None = skipped)."""
     if scale is not None:
         logits = logits * scale
     if divisor is not None:
@@ -45,7 +47,7 @@ class _TiledLMLoss(torch.autograd.Function):
         out = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         for s in range(0, N, chunk):
             tgt = targets[s:s + chunk]
-            z = _post(F.linear(hidden[s:s + chunk], weight, bias), scale, divisor, softcap).float()
+            z = apply_head_post(F.linear(hidden[s:s + chunk], weight, bias), scale, divisor, softcap).float()
             valid = tgt != ignore_index
             safe = torch.where(valid, tgt, torch.zeros_like(tgt))
             tok = torch.logsumexp(z, dim=-1) - z.gather(1, safe[:, None]).squeeze(1)

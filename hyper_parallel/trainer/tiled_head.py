@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops import tiled_lm_loss
+from ..ops.tiled_loss import apply_head_post, tiled_lm_loss
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,6 @@ def verify_tiled_head(model: nn.Module, *, chunk_size: int = 256, ignore_index: 
     Returns None when both hold within ``tol``, else the reason (the caller falls back to the untiled
     loss and logs it).
     """
-    from ..ops.tiled_loss import _post
-
     try:
         head = _output_head(model)
     except TypeError as exc:
@@ -153,7 +151,7 @@ def verify_tiled_head(model: nn.Module, *, chunk_size: int = 256, ignore_index: 
         hook.remove()
     if len(seen) != 1 or tuple(seen[0].shape[:2]) != (1, seq):
         return f"{type(model).__name__}'s forward did not call its lm_head once on the whole sequence"
-    mine = _post(F.linear(seen[0], head.weight, getattr(head, "bias", None)), post.get("logit_scale"),
+    mine = apply_head_post(F.linear(seen[0], head.weight, getattr(head, "bias", None)), post.get("logit_scale"),
                  post.get("logit_divisor"), post.get("softcap"))
     if mine.shape != logits.shape:
         return f"{type(model).__name__} returns logits {tuple(logits.shape)}, its lm_head {tuple(mine.shape)}"

@@ -16,21 +16,10 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "hyper_parallel")
 PKG = "hyper_parallel"
 
-# Edges owned by other engineers that still form a cycle or cross a package with a private
-# name; each entry names the exact change that removes it. Empty it as they land.
-ALLOWED_CYCLE_EDGES: set = {
-    # model_proof.py (lazily) imports sharding_applier._MISSING while sharding_applier runs
-    # prove_cp_model: move the sentinel next to its users (e.g. a public MISSING in
-    # context_parallel/model_proof.py or errors.py, imported by sharding_applier), drop this edge
-    ("hyper_parallel.distributed.context_parallel.model_proof", "hyper_parallel.distributed.sharding_applier"),
-}
-ALLOWED_PRIVATE_IMPORTS: set = {
-    # model_proof.py imports sharding_applier._MISSING: make it public (e.g. MISSING) there
-    ("hyper_parallel.distributed.context_parallel.model_proof", "hyper_parallel.distributed.sharding_applier",
-     "_MISSING"),
-    # trainer/tiled_head.py imports ops.tiled_loss._post: make it public (documented) in ops/tiled_loss.py
-    ("hyper_parallel.trainer.tiled_head", "hyper_parallel.ops.tiled_loss", "_post"),
-}
+# Exceptions (an edge allowed to close a cycle, a private name allowed across packages): none.
+# Add one only with a comment naming the change that removes it.
+ALLOWED_CYCLE_EDGES: set = set()          # none: every former exception was fixed at its source
+ALLOWED_PRIVATE_IMPORTS: set = set()
 
 
 def _modules(root: str = ROOT) -> dict:

@@ -92,6 +92,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import platform as P
+from .catalogue import mixer_methods
 from .collectives import all_gather_seq, resolve_group
 from .meta import CPBatchMeta, current_cp_batch_meta
 from .registry import inner_wrapper, register_inner_wrapper
@@ -870,8 +871,8 @@ def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_me
     return forward
 
 
-register_inner_wrapper("sequence_gather", sequence_gather_cp_wrapper, overwrite=True)
-register_inner_wrapper("short_conv_halo", short_conv_halo_cp_wrapper, overwrite=True)
-register_inner_wrapper("gated_deltanet_ulysses", gated_deltanet_ulysses_cp_wrapper, overwrite=True)
-register_inner_wrapper("gated_deltanet_state_passing", gated_deltanet_state_passing_cp_wrapper, overwrite=True)
-register_inner_wrapper("mamba2_state_passing", mamba2_state_passing_cp_wrapper, overwrite=True)
+# the registry names are the method catalogue's mixer rows (one row per method, catalogue.py)
+for _row in mixer_methods():
+    for _offer in _row.offers:
+        if _offer.entry and _offer.registry_name and _offer.module == __name__:
+            register_inner_wrapper(_offer.registry_name, globals()[_offer.entry], overwrite=True)

@@ -106,6 +106,10 @@ class _MISSING_T:
 
 _NOTSET = _MISSING_T()
 
+#: "this module had no instance ``forward`` before CP replaced it" — the value the applier records
+#: as ``__hp_cp_prev_forward__`` (sharding_applier imports it from here)
+NO_INSTANCE_FORWARD = _MISSING_T()
+
 
 # ============================================================================ helpers
 def _world() -> int:
@@ -249,8 +253,6 @@ def cp_disabled(model: nn.Module):
     ``flex_hf*`` private config) are run. On exit every module's attributes are put back as
     they were, so the CP path is exactly restored.
     """
-    from ..sharding_applier import _MISSING
-
     saved = []
     try:
         for mod in model.modules():
@@ -267,8 +269,8 @@ def cp_disabled(model: nn.Module):
             elif fwd is not None and hasattr(fwd, "__wrapped__"):
                 orig = fwd.__wrapped__
             else:
-                orig = _MISSING
-            if orig is _MISSING:
+                orig = NO_INSTANCE_FORWARD
+            if orig is NO_INSTANCE_FORWARD:
                 d.pop("forward", None)
             else:
                 d["forward"] = orig
