@@ -5,7 +5,7 @@ LFM2 short convolution, ...) mixes tokens along the sequence in modules that are
 Under CP each of them must be declared like the attention, on the mixer's own module::
 
     plan_overrides:
-      - match: "*.linear_attn"          # Qwen3-Next; "*.mamba" Falcon-H1; "*.conv" LFM2
+      - match: "*.linear_attn"          # Qwen3-Next; "*.mamba" Falcon-H1; "*[0-9].conv" LFM2
         when: cp
         region_dispatch: false
         inner_target: self
