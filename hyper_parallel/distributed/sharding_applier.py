@@ -249,24 +249,4 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
     except BaseException:
         installed.rollback()
         raise
-    model.__hp_sharding_plan__ = plan
-    model.__hp_apply_mode__ = mode
     return model, tp_info
-
-
-def remove_cp_wrappers(model: nn.Module) -> int:
-    """Restore the original forward of every module wrapped by a built-in CP wrapper (debugging aid)."""
-    n = 0
-    for mod in model.modules():
-        fwd = mod.__dict__.get("forward")
-        if fwd is not None and "__hp_cp_wrapped__" in mod.__dict__:
-            for u in reversed(getattr(fwd, "__hp_undo__", [])):
-                u()
-            prev = mod.__dict__.pop("__hp_cp_prev_forward__", _MISSING)
-            if prev is _MISSING:
-                mod.__dict__.pop("forward", None)
-            else:
-                mod.forward = prev
-            del mod.__dict__["__hp_cp_wrapped__"]
-            n += 1
-    return n

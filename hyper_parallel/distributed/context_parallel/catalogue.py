@@ -26,7 +26,7 @@ import dataclasses
 from typing import Iterable, Optional
 
 __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE",
-           "get_method", "canonical", "attention_methods", "mixer_methods", "method_names", "wrapper_styles",
+           "get_method", "attention_methods", "mixer_methods", "method_names", "wrapper_styles",
            "batch_policies", "method_policies", "batch_policy_for", "check_degree", "head_split", "offers",
            "entry_meta", "builtin_modules", "builtin_names", "support_matrix_markdown"]
 
@@ -93,7 +93,6 @@ class CPMethod:
     degree: str = "none"             # "none": no degree | "cp": degree == cp_size | "param": named parameter
     degree_param: Optional[str] = None
     degree_doc: str = ""
-    sync: bool = True
     async_targets: tuple = ()        # model-specific async variants (`_target_` paths)
     async_reason: str = ""           # why there is none / which models
     offers: tuple = ()               # Offer per style
@@ -194,10 +193,6 @@ def get_method(name: str, kind: Optional[str] = "attention") -> CPMethod:
         known = sorted(a for a, n in _ALIASES.items() if kind is None or METHODS[n].kind == kind)
         raise ValueError(f"unknown CP method {name!r}; expected one of {known}")
     return row
-
-
-def canonical(name: str) -> str:
-    return get_method(name).name
 
 
 def wrapper_styles() -> tuple:

@@ -469,9 +469,3 @@ def probe_module(module: nn.Module, primitive: str, owner: str = "") -> Optional
                     primitive, type(last_exc).__name__, last_exc)
         return None
     return ProbeResult(0, "none", [])
-
-
-def probe_attention_calls(module: nn.Module, primitive: str, owner: str = "") -> Optional[int]:
-    """Count the attention calls of a probe forward (see :func:`probe_module`); None = not probeable."""
-    res = probe_module(module, primitive, owner)
-    return None if res is None else res.count

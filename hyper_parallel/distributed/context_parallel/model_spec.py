@@ -47,16 +47,6 @@ def unregister_cp_model_spec(architecture: str) -> CPModelSpec | None:
     return _SPECS.pop(architecture, None)
 
 
-def registered_cp_model_specs() -> dict[str, CPModelSpec]:
-    return dict(_SPECS)
-
-
-def wrapper_allowed(spec: CPModelSpec, names) -> bool:
-    """True when ``spec`` allows any of ``names`` (registry names, ``_target_`` paths or qualnames);
-    a spec without ``wrappers`` allows every wrapper."""
-    return not spec.wrappers or bool(set(names) & set(spec.wrappers))
-
-
 def model_architecture(model: nn.Module) -> str | None:
     cfg = getattr(model, "config", None)
     return getattr(cfg, "model_type", None) if cfg is not None else None
