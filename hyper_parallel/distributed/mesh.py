@@ -78,11 +78,6 @@ def check_ulysses_degree(cp_size: int, degree: int, field: str = "ulysses_degree
 _SHARED: dict = {}
 
 
-def clear_shared_meshes() -> None:
-    """Forget the cached contexts of :meth:`MeshContext.shared` (call before destroying groups)."""
-    _SHARED.clear()
-
-
 class MeshContext:
     """Owns the root DeviceMesh and cached sub-meshes. Construct on every rank (collective)."""
 

@@ -43,16 +43,6 @@ log = logging.getLogger("hyper_parallel.tp")
 
 TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
-DENSE_DECODER_TP_PLAN = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
-
 # explicit overrides by model_type (register_tp_plan); models without one use their declared plan
 _TP_PLANS: dict[str, dict] = {}
 
@@ -198,9 +188,6 @@ class TPGradInfo(Mapping):
     @property
     def replicated(self) -> list[str]:
         return [k for k, v in self._infos.items() if not v.sharded]
-
-    def is_sharded(self, fqn: str) -> bool:
-        return self._infos[fqn].sharded
 
     def __repr__(self) -> str:
         return f"TPGradInfo(tp_size={self.tp_size}, sharded={len(self.sharded)}, replicated={len(self.replicated)})"
