@@ -17,6 +17,11 @@ Parity (fp32, ``train()``, dropout 0, nothing downloaded): logits over the valid
 x Colossal, Ulysses and Head-Tail at cp 2 and Hybrid (u=2) at cp 4. Refusals (GPT-2's default
 ``attn_pdrop=0.1``, ALiBi, an unknown attention kwarg, seq_lens disagreeing with restarting
 positions) assert their message. Rank functions and models: ``tests/wrappers/_workers.py``.
+
+Which architectures x methods x batch kinds run, and which refusals are expected with which
+message, come from the support matrix's rows in ``tests/wrappers/attention_matrix.py``; the
+matrix in docs/wrappers.md is rendered from them (test_support_matrix_in_docs_is_generated) and
+every cell is checked against the models (test_support_matrix_cells_match_the_models).
 """
 from __future__ import annotations
 
@@ -28,16 +33,15 @@ import torch
 from hyper_parallel.distributed.errors import CPConfigError
 from hyper_parallel.distributed.sharding_planner import ShardingPlanner
 
-from . import _models, _workers as W
+from . import _models, _workers as W, attention_matrix as M
 
 LOGIT_TOL = 1e-5          # fp32: max |logits_cp - logits_cp1| over valid tokens
 GRAD_TOL = 1e-5           # fp32: max |g_cp - g_cp1| / max over all parameters of |g_cp1|
 
-WINDOW_ARCHS = ["mistral", "mixtral", "phi3", "starcoder2", "qwen2", "gemma3", "cohere2", "gemma2", "gpt_oss"]
-KINDS = ["plain", "padding", "packed", "packed_padding"]
 # transformers builds these models' masks without position_ids: at CP=1 restarting positions are one
-# sequence, so CP refuses them (test_packed_positions_refused_where_the_model_ignores_them)
-NO_PACKED_POSITIONS = {"gpt_oss"}
+# sequence, so CP refuses them (test_packed_positions_refused_where_the_model_ignores_them); their
+# matrix row's packed cell is refused, so none of their parity cases is packed
+NO_PACKED_POSITIONS = M.no_packed_positions()
 
 
 def check(results, expect_refused=()) -> None:
@@ -57,37 +61,24 @@ def check(results, expect_refused=()) -> None:
     assert not bad, "\n".join(f"{r['case']}: logits {r['logits']:.2e} grads {r['grads']:.2e}" for r in bad)
 
 
-def _cases(archs, start: int = 0, S=(27, 32)):
-    """One or two steps per architecture, the batch kinds rotating over the architectures."""
-    out = []
-    for i, arch in enumerate(archs):
-        kind = KINDS[(start + i) % len(KINDS)]
-        if arch in NO_PACKED_POSITIONS and kind.startswith("packed"):
-            kind = "padding"
-        out.append((arch, kind, S[i % 2]))
-    return out
-
-
 # ---------------------------------------------------------------------------- parity
-@pytest.mark.parametrize("method", ["colossal", "ulysses", "head_tail"])
+@pytest.mark.parametrize("method", M.parity_methods(cp=2))
 def test_window_softcap_sinks_mla_packed_cp2(ranks, method):
-    """Every window architecture (+ Gemma2 softcap, gpt-oss sinks), DeepSeek-V3 MLA, Falcon /
-    Persimmon (Dropout(p=0) modules) and Llama packed rows, at cp 2, in one pool call."""
-    start = {"colossal": 0, "ulysses": 1, "head_tail": 2}[method]
-    cases = _cases(WINDOW_ARCHS, start)
-    cases += [("deepseek_v3", "packed", 27), ("llama", "packed", 32), ("llama", "packed_padding", 27),
-              ("mistral", "packed_padding", 32)]
-    if method == "colossal":
-        cases += [("falcon", "padding", 27), ("persimmon", "plain", 32), ("llama_eager", "packed", 27),
-                  ("phi", "packed_padding", 32), ("stablelm", "padding", 27)]
+    """The support matrix's cp-2 parity cases of ``method`` (every window architecture + Gemma2
+    softcap, gpt-oss sinks, DeepSeek-V3 MLA, Llama packed rows; on Colossal also Falcon / Persimmon
+    (Dropout(p=0) modules), eager Llama, Phi / StableLM), in one pool call."""
+    cases = M.parity_cases(method)
+    assert cases and W.METHODS[method][0] == 2
     check(ranks(2).run(W.semantics_cases, method, cases, timeout=600))
 
 
-def test_hybrid_cp4(ranks):
-    """Hybrid (u=2) at cp 4: window, softcap + window, sinks + window (sinks sliced by head), packed."""
-    cases = [("mistral", "packed", 32), ("gemma2", "plain", 27), ("gpt_oss", "padding", 32),
-             ("qwen2", "padding", 27)]
-    check(ranks(4).run(W.semantics_cases, "hybrid", cases, timeout=600))
+@pytest.mark.parametrize("method", M.parity_methods(cp=4))
+def test_hybrid_cp4(ranks, method):
+    """Hybrid (u=2) at cp 4: window, softcap + window, sinks + window (sinks sliced by head), packed
+    (the support matrix's cp-4 parity cases)."""
+    cases = M.parity_cases(method)
+    assert cases and W.METHODS[method][0] == 4
+    check(ranks(4).run(W.semantics_cases, method, cases, timeout=600))
 
 
 def test_validate_mode_uses_the_call(ranks):
@@ -114,13 +105,14 @@ def _refused(arch: str, model=None, cp: int = 2) -> str:
 
 
 def test_refused_at_preflight_by_name():
-    msg = _refused("gpt2")
-    assert "transformer.h.0.attn" in msg and "attn_dropout=Dropout(p=0.1" in msg, msg
-    assert "attention dropout > 0 is not supported" in msg, msg
-    msg = _refused("falcon_alibi")
-    assert "transformer.h.0.self_attention" in msg and "uses ALiBi" in msg, msg
-    msg = _refused("bloom")
-    assert "uses ALiBi" in msg, msg
+    """Every plan-time refusal of the support matrix (GPT-2's attention dropout, Falcon's and
+    Bloom's ALiBi) names the module and the reason; plus an unknown attention kwarg (Llama)."""
+    plan_refusals = M.refusals(when="plan")
+    assert plan_refusals
+    for row, feature, refusal in plan_refusals:
+        msg = _refused(refusal.arch)
+        missing = [f for f in refusal.fragments if f not in msg]
+        assert not missing, (row.name, feature, missing, msg)
     model, _ = W.build_arch("llama")
     msg = _refused("llama", _models.extra_kwarg_attention(model))
     assert "model.layers.0.self_attn" in msg and "passes ['foo_bias']" in msg and "refused" in msg, msg
@@ -176,14 +168,18 @@ def test_packed_positions_refused_where_the_model_ignores_them():
     from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
     from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
 
-    for arch in ("gpt_oss", "llama"):
+    refused = {r.arch: r for _row, _feature, r in M.refusals(when="forward")}
+    assert set(refused) == NO_PACKED_POSITIONS, refused
+    for arch in (*refused, "llama"):
         model, ref = _cp1_wrapped(arch)
         batch, ref_inputs, valid = W.attention_batch("packed", 27, model.config.vocab_size)
         local = shard_batch_for_cp(batch, None)
         with cp_batch_context(local.meta):
-            if arch == "gpt_oss":
-                with pytest.raises(ValueError, match="the model's own mask lets them see each other"):
+            if arch in refused:
+                with pytest.raises(ValueError) as ei:
                     model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+                missing = [f for f in refused[arch].fragments if f not in str(ei.value)]
+                assert not missing, (arch, missing, str(ei.value))
                 continue
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         err = ((logits - ref(**ref_inputs).logits).abs() * valid[..., None]).max().item()
@@ -223,3 +219,75 @@ def test_probe_runs_for_every_architecture(caplog):
             if arch == "gpt_oss":
                 assert res.calls[0].sinks is not None and tuple(res.calls[0].sinks.shape) == (4,)
     assert "probe forward" not in caplog.text, caplog.text
+
+
+# ---------------------------------------------------------------------------- the support matrix
+def _model_features(arch: str) -> set:
+    """The features a model's attention actually has: what the preflight probe records for each
+    attention module's call (window, softcap, sinks, Dv != D), ALiBi from the config, RoPE from a
+    rotary module."""
+    from hyper_parallel.distributed.context_parallel.interception import probe_module
+
+    model, _ = W.build_arch(arch)
+    suffix = W.ATTN_MATCH.get(arch, "*.self_attn")[1:]
+    found = set()
+    for name, module in model.named_modules():
+        if not name.endswith(suffix) or name.count(".") != 3:
+            continue
+        res = probe_module(module, "hf_any", arch)
+        for call in (res.calls if res is not None else ()):
+            found |= {f for f, on in (("window", call.window is not None), ("softcap", call.softcap is not None),
+                                      ("sinks", call.sinks is not None),
+                                      ("mla", call.v.shape[-1] != call.q.shape[-1])) if on}
+    cfg = model.config
+    if getattr(cfg, "alibi", cfg.model_type == "bloom"):      # Bloom's ALiBi has no config switch
+        found.add("alibi")
+    if any("rotary" in type(m).__name__.lower() for m in model.modules()):
+        found.add("rope")
+    return found
+
+
+def test_support_matrix_cells_match_the_models():
+    """Every cell of the matrix holds for the models the tests build: "exact" = the feature is in
+    the model (probe / config / rotary module) and the arch has parity cases (packed: a packed
+    case), "—" = not in the model, "not tested" = no parity case runs it, refused = the refused
+    model has the feature (the refusal tests assert the message). Methods agree with the rank side."""
+    for m, (_abbrev, cp) in M.METHODS.items():
+        assert W.METHODS[m][0] == cp, m
+    seen = set()
+    for row in M.ROWS:
+        assert not seen & set(row.archs), row.name          # one row per model
+        seen |= set(row.archs)
+        assert all(c.arch in row.archs and c.kind in M.KINDS and c.method in M.METHODS for c in row.cases), row
+        assert row.refused is None or not row.cases, row.name
+        packed_cases = row.packed_archs()
+        for arch in row.archs:
+            has = _model_features(arch)
+            ran = bool(row.methods_of(arch))
+            for f in M.FEATURES:
+                cell = row.cell(f)
+                where = (row.name, arch, f, cell, sorted(has))
+                if f == "packed":
+                    if cell == M.EXACT:
+                        assert packed_cases, where
+                    else:
+                        assert not packed_cases, where        # a packed case would make the cell "exact"
+                    assert cell != M.ABSENT or not ran, where   # every decoder that runs takes position_ids
+                    continue
+                if cell == M.EXACT:
+                    assert f in has and ran, where
+                elif cell == M.ABSENT:
+                    assert f not in has, where
+                elif cell == M.UNTESTED:
+                    assert f in has and not ran, where
+                else:
+                    assert isinstance(cell, M.Refused), where
+                    assert cell.when == "forward" or f in _model_features(cell.arch), where
+
+
+def test_support_matrix_in_docs_is_generated():
+    """docs/wrappers.md's support matrix is render_markdown() of the rows the tests run
+    (python -m tests.wrappers.attention_matrix --write-docs rewrites it)."""
+    with open(M.DOC, encoding="utf-8") as f:
+        _, block, _ = M.split_doc(f.read())
+    assert block == M.render_markdown(), "run: python -m tests.wrappers.attention_matrix --write-docs"
