@@ -103,7 +103,6 @@ class RankPool:
         self._procs: list = []
         self._tasks: list = []
         self._results = None
-        self.spawn_count = 0
 
     # -- lifecycle -------------------------------------------------------------------
     @property
@@ -135,7 +134,6 @@ class RankPool:
                 self.shutdown()
                 raise RankTimeout(f"{self.world_size} ranks did not start within {self.start_timeout}s")
             ready += status == "ready"
-        self.spawn_count += 1
 
     def shutdown(self) -> None:
         for q in self._tasks:

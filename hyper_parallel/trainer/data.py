@@ -31,7 +31,6 @@ from ..distributed.errors import CPConfigError
 from .config import DataConfig
 from .model import resolve_path
 
-VOCAB_SIZE = 256
 DEFAULT_CORPUS = "examples/data/corpus.txt"
 
 
@@ -57,13 +56,6 @@ class ByteCorpus:
         if len(raw) < 4:
             raise CPConfigError("data.path", f"{path} holds only {len(raw)} bytes")
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
-
-    @classmethod
-    def from_text(cls, text: str) -> "ByteCorpus":
-        obj = cls.__new__(cls)
-        obj.path = None
-        obj.tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
-        return obj
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
