@@ -1,0 +1,205 @@
+"""Peak memory per rank against sequence length, one line per CP size (issue 14 item 4).
+
+Runs the real trainer (``torchrun -m hyper_parallel.trainer.cli``) for a few steps per point and
+reads each rank's peak memory from its JSON log (``peak_mem_gb_per_rank``: resident set on CPU, the
+allocator's peak on CUDA/NPU). Models: the issue's Llama (vocab 32000, hidden 256, intermediate 688,
+2 layers, 8/2 heads) and a wider one (hidden 1024, intermediate 2816, 16/4 heads). fp32, micro-batch 1.
+Colossal CP (``sdpa_hf``) for CP > 1.
+
+    python benchmarks/memory_scaling.py                       # CP 1/2/4, 4k..32k, both models
+    python benchmarks/memory_scaling.py --cps 2 --seqs 131072 --steps 1 --ac   # one long run
+    python benchmarks/memory_scaling.py --search --budget-gb 24   # longest sequence within the budget
+
+Writes ``benchmarks/results/memory_scaling.json`` (+ ``.png``): per point the peak per rank, the
+per-token memory and the CP=C / CP=1 ratio per rank at the same sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import cpu_name  # noqa: E402
+MODELS = {
+    "llama_h256": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama_h1024": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
+                        num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+def _corpus(path: str, n_bytes: int) -> str:
+    """The example corpus repeated to ``n_bytes`` (memory does not depend on the text; the byte-level
+    reader needs one row of ``seq_len`` bytes per micro-batch)."""
+    with open(os.path.join(ROOT, "examples", "data", "corpus.txt"), "rb") as fh:
+        text = fh.read()
+    with open(path, "wb") as fh:
+        fh.write((text * (n_bytes // len(text) + 1))[:n_bytes])
+    return path
+
+
+def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, out_dir: str,
+            method: str = "sdpa_hf") -> dict:
+    corpus = _corpus(os.path.join(os.path.dirname(out_dir), "corpus.txt"), seq * (steps + 2))
+    cfg = {
+        "model": {"architecture": "llama", "config": dict(MODELS[model], max_position_embeddings=max(seq, 4096)),
+                  "seed": 0},
+        "data": {"path": corpus, "seq_len": seq,
+                 "micro_batch_size": 1, "seed": 0},
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "schedule": {"steps": steps, "warmup_steps": 0, "activation_checkpointing": ac},
+        "accelerator": {"cp_size": cp},
+        "plan_overrides": [],
+        "logging": {"out_dir": out_dir, "log_every": 1, "progress": False, "plot": False},
+        "loss": {"tiled": tiled},
+    }
+    if cp > 1:
+        cfg["plan_overrides"] = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False,
+                                  "inner_target": "self",
+                                  "inner_wrapper": {"_target_": method} if "." in method else method}]
+    return cfg
+
+
+def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: bool, timeout: float,
+              method: str = "sdpa_hf") -> dict:
+    """One trainer run; returns peak memory per rank (GB) or the failure."""
+    with tempfile.TemporaryDirectory(prefix="hp_mem_") as tmp:
+        path = os.path.join(tmp, "cfg.yaml")
+        with open(path, "w") as fh:
+            yaml.safe_dump(_config(model, cp, seq, steps, ac, tiled, os.path.join(tmp, "run"), method), fh)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
+               "-m", "hyper_parallel.trainer.cli", path]
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // cp)))
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"model": model, "cp": cp, "seq": seq, "ok": False, "error": f"timeout {timeout}s"}
+        wall = time.time() - t0
+        log_path = os.path.join(tmp, "run", "train_log.json")
+        if proc.returncode != 0 or not os.path.exists(log_path):
+            tail = (proc.stderr or proc.stdout)[-1500:]
+            return {"model": model, "cp": cp, "seq": seq, "ok": False, "error": tail, "wall_s": wall}
+        with open(log_path) as fh:
+            steps_log = json.load(fh)["steps"]
+    peaks = [max(vals) for vals in zip(*[r["peak_mem_gb_per_rank"] for r in steps_log])]
+    return {"model": model, "cp": cp, "seq": seq, "method": method if cp > 1 else None, "ac": ac, "ok": True,
+            "step_time_s": [r["time_s"] for r in steps_log], "peak_gb_per_rank": peaks,
+            "peak_gb_max_rank": max(peaks), "mb_per_token_max_rank": max(peaks) * 1024 / seq,
+            "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"]}
+
+
+def search_longest(model: str, cp: int, budget_gb: float, *, start: int, steps: int, ac: bool, tiled: bool,
+                   timeout: float) -> dict:
+    """Double the sequence from ``start`` while every rank together stays under ``budget_gb``, then
+    bisect between the last fit and the first miss (multiples of 1024)."""
+    fit, miss, seq, points = None, None, start, []
+    while True:
+        p = run_point(model, cp, seq, steps=steps, ac=ac, tiled=tiled, timeout=timeout)
+        points.append(p)
+        if p["ok"] and p["total_gb_all_ranks"] <= budget_gb:
+            fit = seq
+            seq *= 2
+        else:
+            miss = seq
+            break
+    while fit is not None and miss - fit > 1024 * max(1, fit // 16384):
+        mid = (fit + miss) // 2 // 1024 * 1024
+        p = run_point(model, cp, mid, steps=steps, ac=ac, tiled=tiled, timeout=timeout)
+        points.append(p)
+        if p["ok"] and p["total_gb_all_ranks"] <= budget_gb:
+            fit = mid
+        else:
+            miss = mid
+    return {"model": model, "cp": cp, "budget_gb": budget_gb, "longest_fit": fit, "first_miss": miss,
+            "points": points}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing")
+    ap.add_argument("--method", default="sdpa_hf", help="CP wrapper for CP > 1: a registry name (sdpa_hf = "
+                    "Colossal, sdpa_hf_ulysses) or a _target_ path (hyper_parallel.distributed.context_parallel."
+                    "wrappers.sdpa_hf_load_balance_cp_wrapper = Head-Tail)")
+    ap.add_argument("--untiled", action="store_true", help="the untiled loss (full [S, vocab] logits)")
+    ap.add_argument("--search", action="store_true", help="longest sequence within --budget-gb per CP size")
+    ap.add_argument("--budget-gb", type=float, default=24.0, help="all ranks of one machine together")
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_scaling.json"))
+    args = ap.parse_args(argv)
+    tiled = not args.untiled
+    result = {"cpu": cpu_name(), "steps": args.steps, "ac": args.ac, "tiled_loss": tiled, "method": args.method,
+              "command": " ".join(["python", "benchmarks/memory_scaling.py"] + list(argv if argv is not None
+                                                                                   else sys.argv[1:])),
+              "points": [], "search": []}
+    if args.search:
+        for model in args.models:
+            for cp in args.cps:
+                res = search_longest(model, cp, args.budget_gb, start=args.seqs[0], steps=args.steps, ac=args.ac,
+                                     tiled=tiled, timeout=args.timeout)
+                print(f"{model} cp={cp}: longest within {args.budget_gb} GB: {res['longest_fit']} tokens "
+                      f"(first miss {res['first_miss']})", flush=True)
+                result["search"].append(res)
+    else:
+        for model in args.models:
+            for seq in args.seqs:
+                for cp in args.cps:
+                    p = run_point(model, cp, seq, steps=args.steps, ac=args.ac, tiled=tiled, timeout=args.timeout,
+                                  method=args.method)
+                    result["points"].append(p)
+                    msg = (f"peak/rank {p['peak_gb_max_rank']:.2f} GB ({p['mb_per_token_max_rank']:.3f} MB/token), "
+                           f"all ranks {p['total_gb_all_ranks']:.2f} GB, {p['wall_s']:.0f}s") if p["ok"] else \
+                        f"FAILED: {p['error'][-300:]}"
+                    print(f"{model:12} seq={seq:>6} cp={cp}: {msg}", flush=True)
+        base = {(p["model"], p["seq"]): p for p in result["points"] if p["ok"] and p["cp"] == 1}
+        for p in result["points"]:
+            ref = base.get((p["model"], p["seq"]))
+            if p["ok"] and ref:
+                p["ratio_per_rank_vs_cp1"] = p["peak_gb_max_rank"] / ref["peak_gb_max_rank"]
+        print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'peak GB/rank':>13} {'MB/token':>9} {'vs CP=1':>8}")
+        for p in result["points"]:
+            if p["ok"]:
+                ratio = p.get("ratio_per_rank_vs_cp1")
+                print(f"{p['model']:12} {p['seq']:>6} {p['cp']:>3} {p['peak_gb_max_rank']:13.2f} "
+                      f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {args.out} (CPU: {result['cpu']})")
+    if result["points"]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(args.models), figsize=(5.5 * len(args.models), 4), squeeze=False)
+        for ax, model in zip(axes[0], args.models):
+            for cp in args.cps:
+                pts = [p for p in result["points"] if p["ok"] and p["model"] == model and p["cp"] == cp]
+                ax.plot([p["seq"] for p in pts], [p["peak_gb_max_rank"] for p in pts], marker="o", label=f"CP={cp}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_ylabel("peak memory per rank (GB)")
+            ax.set_title(f"{model} ({'tiled' if tiled else 'untiled'} loss)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out.replace(".json", ".png"), dpi=110)
+        print(f"wrote {args.out.replace('.json', '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
