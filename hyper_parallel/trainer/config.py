@@ -113,6 +113,16 @@ class LossConfig:
                                     "[S_local, vocab] logits tensor (exact; a head it cannot reproduce falls "
                                     "back to the untiled loss with a log line)")
     chunk_size: int = option(256, ge=1, help="tokens per chunk of the tiled loss (transient memory ~ 3 x chunk_size x vocab x 4 bytes)")
+    router_loss: bool = option(True, help="MoE: add the model's router load-balancing loss (router_aux_loss_coef x "
+                                          "aux, as its forward with labels) when its config sets "
+                                          "output_router_logits; statistics reduced over the whole sequence "
+                                          "(exact under CP)")
+    router_balance_domain: str = option("global_micro_batch", choices=("global_micro_batch", "local_micro_batch"),
+                                        help="tokens the router statistics are balanced over: global_micro_batch "
+                                             "= micro-batch i of every DP and CP rank (CP=1 on one rank with the "
+                                             "DP rows concatenated); local_micro_batch = each DP rank's rows, "
+                                             "mean over DP. Per micro-batch; the step's router loss is the mean "
+                                             "over grad_accum_steps")
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from ..platform import all_gather_object
 from ..platform.faults import maybe_inject_fault
 from .grad_utils import clip_grad_norm_global
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
+from .router_loss import router_aux_from_stats, router_spec
 
 __all__ = ["StepProbe", "StepResult", "run_step"]
 
@@ -43,6 +44,8 @@ class StepResult:
     time_s: float
     tokens_per_s: float
     peak_mem_gb_per_rank: list | None = None   # every rank's peak memory so far (platform.peak_memory_bytes)
+    router_loss: float | None = None   # MoE: the step's router aux loss (mean over micro-batches; before coef)
+    expert_load: dict | None = None    # MoE: tokens per expert of the domain (summed over layers, micro-batches)
     logits: list | None = None
     grads: dict | None = None
     params: dict | None = None
@@ -52,7 +55,9 @@ class StepResult:
                 "grad_norm": self.grad_norm, "lr": self.lr, "time_s": round(self.time_s, 4),
                 "tokens_per_s": round(self.tokens_per_s, 1),
                 "peak_mem_gb": None if not self.peak_mem_gb_per_rank else max(self.peak_mem_gb_per_rank),
-                "peak_mem_gb_per_rank": self.peak_mem_gb_per_rank}
+                "peak_mem_gb_per_rank": self.peak_mem_gb_per_rank,
+                **({} if self.router_loss is None else {"router_loss": self.router_loss,
+                                                        "expert_load": self.expert_load})}
 
 
 def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None) -> StepResult:
@@ -66,6 +71,15 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), mesh.dp_cp_mesh, trainer.device)
     maybe_inject_fault(trainer.rank, trainer.step + 1, "forward")   # test hook (platform/faults.py)
     loss_sum_total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+    # MoE router loss (router_loss.py): aux per micro-batch over the domain, mean over micro-batches
+    spec = router_spec(trainer)
+    if spec is not None:
+        local_domain = spec.domain == "local_micro_batch"
+        dom_mesh = (mesh.cp_mesh if trainer.cp_size > 1 else None) if local_domain else mesh.dp_cp_mesh
+        dp_size = max(1, mesh.dp_cp_mesh.size() // trainer.cp_size)
+        weight = 1.0 / len(prepared) / (dp_size if local_domain else 1)
+        router_total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        counts_total = torch.zeros(spec.num_experts, dtype=torch.float32, device=trainer.device)
     logits_out = [] if probe and probe.logits else None
     for p in prepared:
         # forward -> local loss -> backward, all inside the batch's CP context
@@ -77,15 +91,31 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
                                    f"shard declares {p.num_valid_tokens}")
             out = mean_global_loss(loss_sum, n_local, mesh.dp_cp_mesh, grad_scale=trainer.grad_scale,
                                    global_valid_tokens=n_global, reduce_value=False)
-            out.loss.backward()
+            loss = out.loss
+            if spec is not None:   # every rank of the domain holds the same aux (identity-backward sum)
+                aux, counts = router_aux_from_stats(trainer.router_stats, spec, dom_mesh)
+                loss = loss + (spec.coef * weight * trainer.grad_scale) * aux.to(loss.device)
+                router_total += aux.detach().float().to(router_total.device) * weight
+                counts_total += counts.to(counts_total.device)
+                trainer.router_stats = None
+            loss.backward()
         loss_sum_total += loss_sum.detach().float()
         if logits_out is not None:
             logits_out.append(trainer.gather_logits(logits, p))
-        del logits, loss_sum, out
+        del logits, loss_sum, out, loss
     # reductions
     trainer.sync_gradients()
     trainer.sync_tp_partial_grads()
     loss_value = reduce_loss_value(loss_sum_total, n_global, mesh.dp_cp_mesh)
+    router_value = expert_load = None
+    if spec is not None:
+        if local_domain:   # each DP rank's aux (already / dp): sum over dp_cp, each counted cp times
+            router_total = reduce_loss_value(router_total, trainer.cp_size, mesh.dp_cp_mesh)
+        router_value = float(router_total)
+        c = counts_total.double()
+        expert_load = {"tokens_per_expert": [round(float(x), 1) for x in c.tolist()],
+                       "max": float(c.max()), "mean": float(c.mean()),
+                       "max_over_mean": float(c.max() / c.mean().clamp(min=1e-12))}
     grads = trainer.named_full("grad") if probe and probe.grads else None
     # clip -> optimizer step
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -100,4 +130,4 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     n = int(n_global)
     peaks = [round(b / 2**30, 4) for b in all_gather_object(trainer.platform.peak_memory_bytes())]
     return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
-                      logits_out, grads, full_params)
+                      router_value, expert_load, logits_out, grads, full_params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import BaseTrainer, PreparedBatch
 from .data import DataStream, TextBatcher
 from .loss import token_loss_sum
+from .router_loss import local_router_stats, router_spec, valid_input_mask
 
 
 class TextTrainer(BaseTrainer):
@@ -14,12 +15,22 @@ class TextTrainer(BaseTrainer):
         return DataStream(TextBatcher.from_config(self.cfg.data, dp_rank=self.mesh.dp_rank))
 
     def compute_loss(self, prepared: PreparedBatch):
+        """-> (logits, local loss sum, local valid targets). With an MoE router loss on
+        (:mod:`.router_loss`), also sets ``self.router_stats`` to this rank's local router sums
+        (else None); :func:`~hyper_parallel.trainer.step.run_step` reduces them."""
         ignore = self.cfg.data.ignore_index
         head = self.tiled_head
+        spec = router_spec(self)
+        kw = {"output_router_logits": True} if spec is not None else {}
+        self.router_stats = None
         if head is None or self.capture_logits:        # untiled: [B, S_local, vocab] logits
-            out = self.model(**prepared.inputs, use_cache=False)
+            out = self.model(**prepared.inputs, use_cache=False, **kw)
             loss_sum, valid = token_loss_sum(out.logits, prepared.shift_labels, ignore)
-            return out.logits, loss_sum, valid
-        with head.targets(prepared.shift_labels):      # tiled: the LM head returns empty logits
-            out = self.model(**prepared.inputs, use_cache=False)
-        return out.logits, head.loss_sum(out.logits), (prepared.shift_labels != ignore).sum()
+        else:
+            with head.targets(prepared.shift_labels):  # tiled: the LM head returns empty logits
+                out = self.model(**prepared.inputs, use_cache=False, **kw)
+            loss_sum, valid = head.loss_sum(out.logits), (prepared.shift_labels != ignore).sum()
+        if spec is not None:
+            self.router_stats = local_router_stats(getattr(out, "router_logits", None), spec,
+                                                   valid_input_mask(prepared, loss_sum.device))
+        return out.logits, loss_sum, valid

@@ -41,6 +41,7 @@ __all__ = [
     "resolve_group", "group_desc", "flex_cp_allgather", "all_gather_seq", "ulysses_seq_to_head",
     "ulysses_head_to_seq", "hybrid_kv_allgather", "head_tail_dispatch", "head_tail_combine",
     "head_tail_sub_chunks", "CPCollectiveError", "window_chunk_ranges", "flex_cp_window_gather",
+    "all_reduce_sum_replicated",
 ]
 
 
@@ -412,3 +413,35 @@ def head_tail_combine(o_head: torch.Tensor, o_tail: torch.Tensor, group, *, seq_
                     [2 * me, 2 * me + 1], lambda i: _head_tail_computer(i, world), group, sd,
                     "cp.head_tail_combine")
     return torch.cat([lo, hi], dim=sd)
+
+
+# ----------------------------------------------------------------------------- replicated sums
+class _AllReduceSumReplicated(torch.autograd.Function):
+    """fwd: SUM all-reduce; bwd: identity (see :func:`all_reduce_sum_replicated`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return P.all_reduce(x, group, op=dist.ReduceOp.SUM, tag=tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def all_reduce_sum_replicated(x: torch.Tensor, group, tag: str = "cp.all_reduce_replicated") -> torch.Tensor:
+    """Differentiable SUM of per-rank partial sums ``x`` over ``group`` whose result feeds a loss
+    that every rank of the group computes **identically** (a replicated loss).
+
+    fwd: ``y = sum_r x_r`` (every rank). bwd: ``dx_r = dy`` (identity, no communication): each
+    rank's upstream ``dy`` already is the full derivative of the replicated loss, so the gradient
+    of ``x_r`` is exactly ``dy``; the trainer's gradient reduction (SUM / FSDP average with its
+    grad_scale) then adds the ranks' parameter contributions once. (A SUM all-reduce in backward
+    would count the loss ``group size`` times.) ``group``: a 1-D DeviceMesh, a ProcessGroup or
+    None (size 1: identity, no collective).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise CPCollectiveError(f"all_reduce_sum_replicated: x must be a tensor, got {type(x).__name__}")
+    group = resolve_group(group)
+    if P.group_size(group) == 1:
+        return x
+    return _AllReduceSumReplicated.apply(x.contiguous(), group, tag)

@@ -1,0 +1,69 @@
+"""Rank functions for the MoE router-loss tests (module-level, picklable; see _workers.py)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _workers as W
+
+MIXTRAL = os.path.join(W.ROOT, "examples", "models", "tiny_mixtral.yaml")
+COEF = 0.5   # large, so the router term is visible in every gradient at fp32 tolerance
+
+
+def moe_cfg(arch: str, **kw) -> dict:
+    """make_cfg for a tiny MoE with the router loss on (output_router_logits, router_aux_loss_coef)."""
+    cfg = W.make_cfg("qwen3_moe", **kw)
+    if arch == "mixtral":
+        cfg["model"] = {"architecture": "mixtral", "config_file": MIXTRAL, "seed": 0}
+    cfg["model"]["config"] = {"output_router_logits": True, "router_aux_loss_coef": COEF}
+    return cfg
+
+
+def run_moe_steps(cfg: dict, batches: list):
+    """TextTrainer steps with gradients probed; returns the losses, router losses, expert loads, grads."""
+    from hyper_parallel.trainer.base import StepProbe
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.text import TextTrainer
+
+    trainer = TextTrainer(TrainerConfig.from_dict(cfg))
+    dp = trainer.mesh.dp_rank
+    out = []
+    for mbs in batches[dp]:
+        r = trainer.train_step(mbs, StepProbe(grads=True))
+        out.append({"loss": r.loss, "router_loss": r.router_loss, "expert_load": r.expert_load,
+                    "grads": r.grads, "record": r.record()})
+    return {"dp_rank": dp, "cp_rank": trainer.mesh.cp_rank, "steps": out}
+
+
+def hf_reference(cfg: dict, batches: list):
+    """transformers' own objective at CP=1, one process, written by hand: per micro-batch
+    ``model(labels, attention_mask, num_items_in_batch=N, output_router_logits=True).loss`` with its
+    aux term scaled by 1/GA (the trainer's step mean), AdamW, clip_grad_norm_."""
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.model import HyperAutoModel
+
+    c = TrainerConfig.from_dict(cfg)
+    torch.manual_seed(c.schedule.seed)
+    model = HyperAutoModel.from_config(c.model).train()
+    o = c.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    coef = model.config.router_aux_loss_coef
+    res = []
+    for mbs in batches[0]:
+        n = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs))
+        total = aux_total = 0.0
+        for b in mbs:
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                        num_items_in_batch=n, output_router_logits=True, use_cache=False)
+            loss = out.loss - coef * out.aux_loss * (1 - 1 / len(mbs))   # HF adds coef*aux per call
+            loss.backward()
+            total += float((out.loss - coef * out.aux_loss).detach())
+            aux_total += float(out.aux_loss) / len(mbs)
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        res.append({"loss": total, "router_loss": aux_total, "grads": grads})
+    return res

@@ -1,0 +1,134 @@
+"""MoE router load-balancing loss (issue 24): the model's own objective, exact under CP and DP.
+
+* CP=1: the trainer's loss, router loss and every gradient equal transformers' own
+  ``model(labels, attention_mask, num_items_in_batch, output_router_logits=True)`` (Qwen3-MoE, Mixtral).
+* CP=2/4 (Colossal, Ulysses, Head-Tail, async Colossal): loss, router loss and every gradient (router
+  weights included) equal CP=1 over 3 trainer steps on right-padded rows and on packed + padded
+  micro-batches (GA 2).
+* The per-rank-mean shortcut differs from the whole-sequence loss by far more than the tolerance
+  (so these tests can tell), and the reduced statistics reproduce transformers' formula exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import _router_workers as R
+from . import _workers as W
+from .test_cp1_batch_path import _packed_batches
+
+LOSS_ATOL = 1e-5
+ROUTER_ATOL = 1e-5
+GRAD_REL_TOL = 1e-4   # max abs error / the model's largest gradient (fp32, as test_parity.py)
+
+
+def _check_grads(got: dict, ref: dict, what: str) -> None:
+    assert set(got) == set(ref), what
+    scale = max(float(v.abs().max()) for v in ref.values())
+    for k in ref:
+        err = float((got[k].double() - ref[k].double()).abs().max())
+        assert err <= GRAD_REL_TOL * scale, f"{what}: grad {k} max err {err:.3e} (scale {scale:.3e})"
+    routers = [k for k in ref if k.endswith("gate.weight")]
+    assert routers and all(float(ref[k].abs().max()) > 0 for k in routers), "router weights get gradient"
+
+
+def _compare(got_steps: list, ref_steps: list, what: str) -> None:
+    assert len(got_steps) == len(ref_steps) == 3
+    for i, (g, r) in enumerate(zip(got_steps, ref_steps)):
+        assert abs(g["loss"] - r["loss"]) <= LOSS_ATOL, (what, i, g["loss"], r["loss"])
+        assert g["router_loss"] is not None and abs(g["router_loss"] - r["router_loss"]) <= ROUTER_ATOL, \
+            (what, i, g["router_loss"], r["router_loss"])
+        _check_grads(g["grads"], r["grads"], f"{what} step {i + 1}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_cp1_router_loss_equals_transformers_own_objective(ranks, arch, tmp_path):
+    cfg = R.moe_cfg(arch, cp=1, steps=3, ga=2, min_doc_len=16, plan=False, out_dir=str(tmp_path))
+    batches = W.make_batches(cfg)
+    [got] = ranks(1).run(R.run_moe_steps, cfg, batches)
+    ref = R.hf_reference(cfg, batches)
+    _compare(got["steps"], ref, f"{arch} cp=1 vs transformers")
+    rec = got["steps"][0]["record"]
+    assert rec["router_loss"] == got["steps"][0]["router_loss"]
+    load = rec["expert_load"]
+    assert len(load["tokens_per_expert"]) == 4 and load["max"] >= load["mean"] > 0
+    # 2 layers x top-2 x valid input tokens of the step (padding excluded)
+    valid = sum(int(b["attention_mask"].sum()) for b in batches[0][0])
+    assert sum(load["tokens_per_expert"]) == pytest.approx(2 * 2 * valid)
+
+
+CASES = [("qwen3_moe", 2, "colossal"), ("qwen3_moe", 2, "ulysses"), ("mixtral", 2, "colossal"),
+         ("mixtral", 2, "ulysses"), ("qwen3_moe", 2, "head_tail"), ("mixtral", 2, "head_tail")]
+
+
+@pytest.mark.parametrize("arch,cp,method", CASES)
+def test_cp_router_loss_and_grads_equal_cp1_padded_rows(ranks, arch, cp, method, tmp_path):
+    kw = dict(steps=3, ga=1, min_doc_len=16, out_dir=str(tmp_path))
+    ref_cfg = R.moe_cfg(arch, cp=1, plan=False, **kw)
+    batches = W.make_batches(ref_cfg)
+    [ref] = ranks(1).run(R.run_moe_steps, ref_cfg, batches)
+    outs = ranks(cp).run(R.run_moe_steps, R.moe_cfg(arch, cp=cp, method=method, **kw), batches)
+    for o in outs:
+        _compare(o["steps"], ref["steps"], f"{arch} cp={cp} {method} rank {o['cp_rank']}")
+        assert o["steps"][0]["expert_load"] == ref["steps"][0]["expert_load"] or \
+            o["steps"][0]["expert_load"]["tokens_per_expert"] == ref["steps"][0]["expert_load"]["tokens_per_expert"]
+
+
+@pytest.mark.parametrize("arch,method", [("qwen3_moe", "colossal"), ("mixtral", "ulysses")])
+def test_cp2_router_loss_equals_cp1_on_packed_padded_batches_ga2(ranks, arch, method, tmp_path):
+    steps = [_packed_batches(seed=7 + s)[0] for s in range(3)]   # 3 steps x GA 2 micro-batches
+    batches = [steps]
+    kw = dict(steps=3, ga=2, out_dir=str(tmp_path))
+    [ref] = ranks(1).run(R.run_moe_steps, R.moe_cfg(arch, cp=1, plan=False, **kw), batches)
+    outs = ranks(2).run(R.run_moe_steps, R.moe_cfg(arch, cp=2, method=method, **kw), batches)
+    for o in outs:
+        _compare(o["steps"], ref["steps"], f"{arch} packed cp=2 {method} rank {o['cp_rank']}")
+    # padding is excluded: 2 layers x top-2 x real input tokens of the step's micro-batches
+    real = sum(int((mb["input_ids"] != 0).sum()) for mb in steps[0])
+    assert sum(ref["steps"][0]["expert_load"]["tokens_per_expert"]) == pytest.approx(4 * real)
+
+
+def test_per_rank_mean_shortcut_differs_and_reduced_stats_match_transformers():
+    """Whole-sequence aux (transformers) vs the mean of per-shard aux: the shortcut is off by far more
+    than ROUTER_ATOL; this module's sums reduced over the shards reproduce transformers exactly."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from hyper_parallel.trainer.router_loss import (RouterLossSpec, RouterStats, local_router_stats,
+                                                    router_aux_from_stats)
+
+    g = torch.Generator().manual_seed(0)
+    E, k, T, C = 4, 2, 64, 2
+    # a router that is skewed differently on the two halves of the sequence (as real text drifts)
+    logits = [torch.randn(T, E, generator=g) + torch.cat([torch.tensor([2., 0, 0, 0]).expand(T // 2, E),
+                                                           torch.tensor([0, 0, 0, 2.]).expand(T // 2, E)])
+              for _ in range(2)]
+    mask = torch.ones(T)
+    mask[-5:] = 0   # padding
+    ref = float(load_balancing_loss_func(tuple(logits), E, k, attention_mask=mask.unsqueeze(0)))
+    spec = RouterLossSpec(E, k, 0.01)
+    shards = [local_router_stats([x[i * T // C:(i + 1) * T // C] for x in logits], spec,
+                                 mask[i * T // C:(i + 1) * T // C]) for i in range(C)]
+    shortcut = sum(float(router_aux_from_stats(s, spec, None)[0]) for s in shards) / C
+    summed = RouterStats(*(sum(getattr(s, f) for s in shards) for f in ("counts", "prob_sum", "rows")))
+    exact, counts = router_aux_from_stats(summed, spec, None)
+    assert abs(float(exact) - ref) < 1e-6
+    assert abs(shortcut - ref) > 100 * ROUTER_ATOL, (shortcut, ref)
+    assert float(counts.sum()) == 2 * k * (T - 5)
+
+
+def test_router_loss_off_and_bad_config_refused(ranks, tmp_path):
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.trainer.config import LossConfig
+    from hyper_parallel.trainer.router_loss import router_loss_spec
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+    on = MixtralForCausalLM(MixtralConfig(output_router_logits=True, router_aux_loss_coef=0.02, **tiny))
+    spec = router_loss_spec(on, LossConfig())
+    assert (spec.num_experts, spec.top_k, spec.coef, spec.domain) == (4, 2, 0.02, "global_micro_batch")
+    assert router_loss_spec(on, LossConfig(router_loss=False)) is None
+    assert router_loss_spec(MixtralForCausalLM(MixtralConfig(**tiny)), LossConfig()) is None
+    on.config.router_z_loss_coef = 0.001
+    with pytest.raises(CPConfigError, match="router_z_loss_coef"):
+        router_loss_spec(on, LossConfig())
