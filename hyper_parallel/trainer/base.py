@@ -70,7 +70,7 @@ class BaseTrainer:
         self.cp_size = cfg.accelerator.cp_size
         # fail fast on a topology mismatch, before parallelizing; called on every rank even
         # without resume_from so that the ranks' agreement steps stay paired
-        ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh))
+        self._resume_meta = ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh))
         self.cp_policy = None   # shard_batch_for_cp policy, from the sharding plan (CP > 1)
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())
@@ -282,7 +282,10 @@ class BaseTrainer:
         return out
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, topology=ckpt.topology_of(self.mesh))
+        verified = getattr(self, "_resume_meta", None)
+        same = verified is not None and Path(path) == Path(self.cfg.schedule.resume_from or "")
+        meta = ckpt.load_checkpoint(path, self.model, self.optimizer, topology=ckpt.topology_of(self.mesh),
+                                    meta=verified if same else None)
         self.step = int(meta["step"])
         self.data.load_state_dict({"position": meta["data_position"]})
         if meta.get("scheduler"):

@@ -1,0 +1,142 @@
+"""Checkpoints a user can trust (issue 19): a damaged or mismatching checkpoint is refused before
+any step with one CPConfigError naming ``schedule.resume_from``, the checkpoint and the damaged
+file / first mismatching tensor, identical on every rank (``hyper-train`` exits 2)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.testing import scaled
+
+from . import _workers as W
+
+KW = dict(cp=2, steps=2, min_doc_len=16)
+
+
+@pytest.fixture(scope="module")
+def saved(ranks, tmp_path_factory):
+    """One CP=2 checkpoint after 1 step (2 shard files: __0_0.distcp, __1_0.distcp)."""
+    out = tmp_path_factory.mktemp("saved")
+    first = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), **KW), None, 1)
+    return Path(first[0]["path"])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _flip(f: Path, at: int, n: int = 64) -> None:
+    data = bytearray(f.read_bytes())
+    for i in range(at, at + n):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def _truncate(f: Path, keep: float = 0.5) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * keep)])
+
+
+DAMAGE = {  # case -> (what to do to the copy, the damaged file, words in the message)
+    "shard truncated": (lambda d: _truncate(d / "__1_0.distcp"), "__1_0.distcp", "truncated"),
+    "shard emptied": (lambda d: (d / "__0_0.distcp").write_bytes(b""), "__0_0.distcp", "has 0 bytes"),
+    "shard deleted": (lambda d: (d / "__1_0.distcp").unlink(), "__1_0.distcp", "is missing"),
+    "shard tail flipped": (lambda d: _flip(d / "__0_0.distcp", (d / "__0_0.distcp").stat().st_size - 80),
+                           "__0_0.distcp", "checksum"),
+    "rank 1 shard middle flipped": (lambda d: _flip(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size // 2),
+                                    "__1_0.distcp", "checksum"),
+    ".metadata deleted": (lambda d: (d / ".metadata").unlink(), ".metadata", "is missing"),
+    ".metadata truncated": (lambda d: _truncate(d / ".metadata"), ".metadata", "truncated"),
+    "hyper_meta empty": (lambda d: (d / "hyper_meta.json").write_text(""), "hyper_meta.json", "is empty"),
+    "hyper_meta not JSON": (lambda d: (d / "hyper_meta.json").write_text("{step: 1"), "hyper_meta.json",
+                            "is not JSON"),
+}
+
+
+def test_save_records_size_and_crc32_of_every_file(saved):
+    meta = json.loads((saved / "hyper_meta.json").read_text())
+    assert meta["checksum"] == "crc32" and meta["optimizer"] == "AdamW"
+    assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    from hyper_parallel.trainer.checkpoint import file_checksum
+    for name, rec in meta["files"].items():
+        assert rec["size"] == (saved / name).stat().st_size > 0
+        assert rec["crc32"] == file_checksum(saved / name)
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_is_refused_with_one_line_on_every_rank(ranks, saved, tmp_path, case):
+    damage, name, words = DAMAGE[case]
+    d = _copy(saved, tmp_path / "step_1")
+    damage(d)
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", out_dir=str(tmp_path / "run"),
+                                                  schedule__resume_from=str(d), **KW))
+    assert errs[0] is not None and errs[0] == errs[1], errs   # the same error on every rank
+    kind, msg = errs[0]
+    assert kind == "CPConfigError", errs
+    assert msg.startswith("[schedule.resume_from] checkpoint ") and str(d) in msg, msg
+    assert f"damaged: {name}" in msg and words in msg and "Fix: resume from an earlier" in msg, msg
+    assert "\n" not in msg
+    assert not (tmp_path / "run" / "train_log.json").exists()   # refused before any step
+
+
+def test_intact_copy_still_resumes_exactly(ranks, saved, tmp_path):
+    """The checks do not refuse a good checkpoint: a copy resumes and continues bit for bit."""
+    [straight, _] = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(tmp_path / "a"), **KW))
+    d = _copy(saved, tmp_path / "step_1")
+    second = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(tmp_path / "b"),
+                                                     schedule__resume_from=str(d), **KW))
+    assert second[0]["step"] == 2 and second[0]["losses"] == straight["losses"][1:]
+
+
+def _torchrun(args: list[str], logs: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": W.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HYPER_PARALLEL_TRACEBACK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(logs), "--redirects", "3", "-m", "hyper_parallel.trainer.cli",
+           "examples/train_cp2.yaml", "data.seq_len=64", "logging.progress=false", "logging.plot=false", *args]
+    return subprocess.run(cmd, cwd=W.ROOT, env=env, capture_output=True, text=True, timeout=scaled(300))
+
+
+def _rank_stderr(logs: Path, rank: int) -> str:
+    return "".join(p.read_text() for p in logs.glob(f"*/attempt_0/{rank}/stderr.log"))
+
+
+def cli_refusal(tmp_path: Path, damage, *args: str) -> tuple[str, str, str]:
+    """Save step_1 with hyper-train (2 ranks, CP=2), ``damage(step_dir)``, resume with ``args``;
+    asserts exit 2, no traceback anywhere, no step run; returns (the one line of
+    rank 0, rank 1's stderr, torchrun's output)."""
+    out = tmp_path / "run"
+    p = _torchrun(["schedule.steps=1", "schedule.save_every=1", f"logging.out_dir={out}"], tmp_path / "l0")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    d = out / "checkpoints" / "step_1"
+    damage(d)
+    logs = tmp_path / "l1"
+    p = _torchrun(["schedule.steps=2", f"schedule.resume_from={d}", f"logging.out_dir={out}", *args], logs)
+    launcher = p.stdout + p.stderr
+    assert p.returncode != 0
+    # the first rank to finish exits 2; torchrun may stop the other one (SIGTERM, -15) before it does
+    codes = [m.group(1) for m in re.finditer(r"rank\s*:\s*\d \(local_rank: \d\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                                             launcher)]
+    assert "2" in codes and set(codes) <= {"2", "-15"}, launcher[-3000:]
+    err0, err1 = _rank_stderr(logs, 0), _rank_stderr(logs, 1)
+    assert "Traceback" not in err0 + err1, err0[-3000:] + err1[-3000:]
+    lines = [ln for ln in err0.splitlines() if ln.startswith("hyper-train:") and "SIGTERM" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [schedule.resume_from]"), err0
+    assert [r["step"] for r in json.loads((out / "train_log.json").read_text())["steps"]] == [1]   # no step ran
+    return lines[0], err1, launcher
+
+
+def test_cli_flipped_bytes_exit_2_one_line_no_traceback(tmp_path):
+    """hyper-train: 64 bytes flipped in the middle of rank 1's shard -> exit 2, one line, no step."""
+    line, _, _ = cli_refusal(tmp_path, lambda d: _flip(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size // 2))
+    assert f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_1'} is damaged: __1_0.distcp fails its checksum" \
+        in line, line
