@@ -8,12 +8,18 @@ import torch
 from . import _workers as W
 
 MIXTRAL = os.path.join(W.ROOT, "examples", "models", "tiny_mixtral.yaml")
+ASYNC_COLOSSAL = ("hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async."
+                  "qwen3_moe_async_colossal_cp_wrapper")
 COEF = 0.5   # large, so the router term is visible in every gradient at fp32 tolerance
 
 
 def moe_cfg(arch: str, **kw) -> dict:
     """make_cfg for a tiny MoE with the router loss on (output_router_logits, router_aux_loss_coef)."""
-    cfg = W.make_cfg("qwen3_moe", **kw)
+    method = kw.pop("method", "colossal")
+    cfg = W.make_cfg("qwen3_moe", method="colossal" if method == "async_colossal" else method, **kw)
+    if method == "async_colossal":   # the Qwen3-MoE model adapter's async Colossal (examples/cp/async_colossal.yaml)
+        for entry in cfg["plan_overrides"]:
+            entry["inner_wrapper"] = {"_target_": ASYNC_COLOSSAL}
     if arch == "mixtral":
         cfg["model"] = {"architecture": "mixtral", "config_file": MIXTRAL, "seed": 0}
     cfg["model"]["config"] = {"output_router_logits": True, "router_aux_loss_coef": COEF}

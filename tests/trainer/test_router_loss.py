@@ -58,7 +58,8 @@ def test_cp1_router_loss_equals_transformers_own_objective(ranks, arch, tmp_path
 
 
 CASES = [("qwen3_moe", 2, "colossal"), ("qwen3_moe", 2, "ulysses"), ("mixtral", 2, "colossal"),
-         ("mixtral", 2, "ulysses"), ("qwen3_moe", 2, "head_tail"), ("mixtral", 2, "head_tail")]
+         ("mixtral", 2, "ulysses"), ("qwen3_moe", 2, "head_tail"), ("mixtral", 2, "head_tail"),
+         ("qwen3_moe", 2, "async_colossal"), ("qwen3_moe", 4, "colossal"), ("mixtral", 4, "head_tail")]
 
 
 @pytest.mark.parametrize("arch,cp,method", CASES)
@@ -86,6 +87,20 @@ def test_cp2_router_loss_equals_cp1_on_packed_padded_batches_ga2(ranks, arch, me
     # padding is excluded: 2 layers x top-2 x real input tokens of the step's micro-batches
     real = sum(int((mb["input_ids"] != 0).sum()) for mb in steps[0])
     assert sum(ref["steps"][0]["expert_load"]["tokens_per_expert"]) == pytest.approx(4 * real)
+
+
+def test_dp2_cp2_global_domain_equals_cp1_on_concatenated_rows(ranks, tmp_path):
+    """Default domain with DP: FSDP over dp_shard 2 x cp 2 equals CP=1 on one rank with both DP ranks'
+    rows concatenated (the trainer's CP=1 reference), router loss and gradients included."""
+    kw = dict(steps=3, ga=1, min_doc_len=16, micro_batch_size=1, out_dir=str(tmp_path))
+    cfg = R.moe_cfg("qwen3_moe", cp=2, dp_shard=2, **kw)
+    batches = W.make_batches(cfg, dp_size=2)
+    [ref] = ranks(1).run(R.run_moe_steps, R.moe_cfg("qwen3_moe", cp=1, plan=False, **kw),
+                         W.reference_batches(batches))
+    outs = ranks(4).run(R.run_moe_steps, cfg, batches)
+    assert sorted((o["dp_rank"], o["cp_rank"]) for o in outs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for o in outs:
+        _compare(o["steps"], ref["steps"], f"dp2 cp2 rank ({o['dp_rank']}, {o['cp_rank']})")
 
 
 def test_per_rank_mean_shortcut_differs_and_reduced_stats_match_transformers():
