@@ -140,3 +140,48 @@ def test_cli_flipped_bytes_exit_2_one_line_no_traceback(tmp_path):
     line, _, _ = cli_refusal(tmp_path, lambda d: _flip(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size // 2))
     assert f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_1'} is damaged: __1_0.distcp fails its checksum" \
         in line, line
+
+
+# ----------------------------------------------------------------------------- mismatched resume
+MISMATCH = {  # case -> (config overrides of the resumed run, words in the message)
+    "hidden size": (dict(model__config={"hidden_size": 32}),
+                    "does not fit this model: tensor model.embed_tokens.weight has shape [256, 64] in the "
+                    "checkpoint but [256, 32] in this model"),
+    "more layers": (dict(model__config={"num_hidden_layers": 3}),
+                    "does not fit this model: tensor model.layers.2."),
+    "fewer layers": (dict(model__config={"num_hidden_layers": 1}),
+                     "does not fit this model: tensor model.layers.1."),
+    "architecture": (dict(model__architecture="qwen3", model__config_file=W.MODELS["qwen3"][1]),
+                     "does not fit this model: tensor model.layers.0.self_attn.q_norm.weight is not in the "
+                     "checkpoint (the model's shape is [16])"),
+    "optimizer": (dict(optimizer__name="sgd"), "holds AdamW optimizer state but this run's optimizer is SGD"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCH))
+def test_mismatched_resume_names_the_first_tensor_or_optimizer_field(ranks, saved, tmp_path, case):
+    over, words = MISMATCH[case]
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", out_dir=str(tmp_path / "run"),
+                                                  schedule__resume_from=str(saved), **KW, **over))
+    assert errs[0] is not None and errs[0] == errs[1], errs
+    kind, msg = errs[0]
+    assert kind == "CPConfigError" and msg.startswith(f"[schedule.resume_from] checkpoint {saved} "), msg
+    assert words in msg and "Fix: resume with the " in msg and "\n" not in msg, msg
+
+
+def test_optimizer_field_mismatch_without_the_recorded_class(ranks, saved, tmp_path):
+    """A checkpoint without the optimizer class (older format): the first differing field is named."""
+    d = _copy(saved, tmp_path / "step_1")
+    meta = json.loads((d / "hyper_meta.json").read_text())
+    del meta["optimizer"]
+    (d / "hyper_meta.json").write_text(json.dumps(meta))
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", out_dir=str(tmp_path / "run"), optimizer__name="sgd",
+                                                  schedule__resume_from=str(d), **KW))
+    kind, msg = errs[0]
+    assert kind == "CPConfigError" and errs[0] == errs[1], errs
+    assert "does not fit this optimizer: optimizer field param_groups.0.momentum is not in the checkpoint" in msg, msg
+
+
+def test_cli_resume_with_another_hidden_size_exit_2_one_line(tmp_path):
+    line, _, _ = cli_refusal(tmp_path, lambda d: None, "model.config.hidden_size=32")
+    assert "does not fit this model: tensor model.embed_tokens.weight has shape [" in line, line
