@@ -58,13 +58,26 @@ def build(arch: str):
     Ulysses at cp 4)."""
     import transformers as T
 
-    if arch == "falcon_h1_rms":      # Falcon-H1 with the gated RMS norm after the scan, 2 SSM groups
-        torch.manual_seed(0)
-        cfg = T.FalconH1Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", head_dim=16,
-                               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
-                               mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True)
-        return T.AutoModelForCausalLM.from_config(cfg)
+    if arch.startswith("falcon_h1"):
+        if arch == "falcon_h1_rms":      # Falcon-H1 with the gated RMS norm after the scan, 2 SSM groups
+            torch.manual_seed(0)
+            cfg = T.FalconH1Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                                   head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                                   mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True)
+            model = T.AutoModelForCausalLM.from_config(cfg)
+        else:
+            model = build_model(arch)
+        # make the SSM state visible in the logits, so a test can tell whether it crossed a rank edge:
+        # a slow decay (default init: A = -1..-H, dt ~ 1.3: the state is ~0 after 15 tokens; here
+        # A = -0.5, dt ~ softplus(-2)) and a mixer output not ~1e-4 of the residual stream
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mamba.A_log.fill_(-0.6931)
+                layer.mamba.dt_bias.fill_(-2.0)
+                layer.mamba.in_proj.weight.mul_(10.0)
+                layer.mamba.out_proj.weight.mul_(30.0)
+        return model
     if arch != "qwen3_next_h4":
         return build_model(arch)
     torch.manual_seed(0)
@@ -273,6 +286,25 @@ def test_mixers_exact_cp4(ranks):
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
 
+def dropped_state_case(arch: str, mixer: str) -> dict:
+    """Negative control: the state-passing method with the incoming state dropped (the exchange still
+    runs, so backward stays symmetric) must be visibly wrong on a plain batch (one document spanning
+    both ranks)."""
+    from hyper_parallel.distributed.context_parallel import mixers
+
+    real = mixers._exchange_states
+
+    def dropped(*a, **kw):
+        anchor, s_in = real(*a, **kw)
+        return anchor, None if s_in is None else s_in * 0
+
+    mixers._exchange_states = dropped
+    try:
+        return mixer_case(arch, "colossal", mixer, 2, kinds=("plain",), S=30, proof=False)
+    finally:
+        mixers._exchange_states = real
+
+
 def test_gated_deltanet_state_passing_exact(ranks):
     """Gated DeltaNet state passing (the incoming recurrent state composed from every earlier rank's
     affine map; conv halo): cp 2 and cp 4, plain / padded / packed rows whose documents cross one or
@@ -287,6 +319,12 @@ def test_gated_deltanet_state_passing_exact(ranks):
         (("qwen3_next", "colossal", "gdn_sp", 4), {"kinds": ("plain", "padding", "packed"), "S": 34}),
         (("qwen3_next_h4", "hybrid", "gdn_sp", 4), {"kinds": ("packed",), "S": 45, "proof": False}),
     ], timeout=600.0))
+    for arch, mixer in (("qwen3_next", "gdn_sp"), ("falcon_h1", "m2_sp")):   # the checks above can fail
+        for res in ranks(2).run(dropped_state_case, arch, mixer, timeout=300.0):
+            step = res["steps"][0]
+            print(f"{arch} {mixer} with the incoming state dropped (negative control): logits rel "
+                  f"{step['logits_rel']:.2e}, grads {step['grads']:.2e}")
+            assert step["logits_rel"] > 10 * TOL or step["grads"] > 10 * TOL, step
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
 

@@ -574,6 +574,96 @@ def _chain_flags(key_doc: Optional[torch.Tensor], B: int, C: int, L: int):
     return cont, through
 
 
+def _halo_conv(conv: Callable, x: torch.Tensor, cp_mesh, h: int, key_doc: Optional[torch.Tensor], r: int,
+               what: str, fqn: str) -> torch.Tensor:
+    """A causal conv (kernel ``h + 1``) over this rank's ``x [B, L, F]`` as over the whole sequence:
+    the previous rank's last ``h`` tokens in front (:func:`halo_exchange`), each document its own row
+    (the window restarts at a document start; padding outputs 0), the halo outputs dropped."""
+    B, L, _ = x.shape
+    ext = halo_exchange(x, cp_mesh, h)                                                   # [B, h + L, F]
+    ident = lambda t, a_, kw: ((t,), {})                                                 # noqa: E731
+    if key_doc is None:
+        if r == 0:      # no predecessor (still through ext: the halo's backward runs on every rank)
+            return _run_rows(conv, ident, ext[:, h:], None, 0, L, (), {}, mask_param=False, what=what, fqn=fqn)
+        return _run_rows(conv, ident, ext, None, h, h + L, (), {}, mask_param=False, what=what, fqn=fqn)
+    lo = r * L
+    halo_doc = (key_doc[:, lo - h:lo] if r > 0 else
+                torch.full((B, h), -1, dtype=key_doc.dtype, device=key_doc.device))
+    return _run_rows(conv, ident, ext, torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1), h, h + L, (), {},
+                     mask_param=False, what=what, fqn=fqn)
+
+
+class _StateRows:
+    """The documents of this rank's chunk as rows ``[N, Lmax, ...]`` for a recurrent scan.
+
+    ``align="right"``: a row starts at slot 0 and is zero-padded after its end (the scan must leave
+    the state unchanged on those pads); ``"left"``: zero pads come first (a zero state stays zero).
+    ``cont[b]`` says whether batch row ``b``'s first run continues the previous rank's last document
+    (:func:`_chain_flags`); ``first_cont`` are the indices of those runs, ``last[b]`` the run ending
+    this chunk (``-1``: none). :meth:`pack` / :meth:`unpack` move ``[B, L, ...]`` <-> rows."""
+
+    def __init__(self, local_doc: Optional[torch.Tensor], B: int, L: int, device, cont_r: torch.Tensor,
+                 align: str = "right"):
+        rows, starts, lens = _pack_rows(local_doc, B, L, device)
+        if rows.numel() == 0:           # no real token here: one empty row keeps the graph on every rank
+            rows, starts, lens = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(3))
+        self.B, self.L, self.rows, self.starts, self.lens = B, L, rows, starts, lens
+        self.N, self.Lmax = int(rows.numel()), max(int(lens.max()), 1)
+        j = torch.arange(self.Lmax, device=device)
+        off = (self.Lmax - lens) if align == "left" else torch.zeros_like(lens)
+        self.slot = (j[None, :] >= off[:, None]) & (j[None, :] < (off + lens)[:, None])     # [N, Lmax]
+        pos = torch.where(self.slot, j[None, :] - off[:, None], 0)
+        self.flat = (rows[:, None] * L + starts[:, None] + pos).reshape(-1)
+        self.first_cont = ((starts == 0) & (lens > 0) & cont_r.to(device)[rows]).nonzero(as_tuple=True)[0]
+        self.last = [-1] * B
+        for i, (rb, st, ln) in enumerate(zip(rows.tolist(), starts.tolist(), lens.tolist())):
+            if ln and st + ln == L:
+                self.last[rb] = i
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        rest = tuple(t.shape[2:])
+        p = t.reshape(self.B * self.L, *rest).index_select(0, self.flat).view(self.N, self.Lmax, *rest)
+        return p * self.slot.view(self.N, self.Lmax, *([1] * len(rest))).to(p.dtype)
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """``[N, Lmax, F]`` -> ``[B, L, F]`` (tokens outside every document: 0)."""
+        sel = self.slot.reshape(-1)
+        out = y.reshape(self.N * self.Lmax, -1)[sel]
+        return out.new_zeros(self.B * self.L, out.shape[-1]).index_add(0, self.flat[sel], out).view(
+            self.B, self.L, -1)
+
+    def per_batch_row(self, values: torch.Tensor, idx: list, shape: tuple) -> torch.Tensor:
+        """``[B, *shape]``: ``values[idx[b]]`` for each batch row (0 where ``idx[b] < 0``)."""
+        out = values.new_zeros((self.B,) + tuple(shape))
+        for rb, i in enumerate(idx):
+            if i >= 0:
+                out = out.index_copy(0, torch.tensor([rb], device=out.device), values[i][None])
+        return out
+
+
+def _exchange_states(trans: torch.Tensor, state: torch.Tensor, anchor: torch.Tensor, cp_mesh, r: int,
+                     through: torch.Tensor, apply: Callable, tag: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One AllGather of every rank's ``(transition, final state)`` (``[B, ...]`` each, flattened side
+    by side) and this rank's incoming state composed from ranks ``0..r-1``:
+    ``s_in(j+1) = apply(trans_j, s_in(j)) + state_j`` where chunk j is one run of a continuing
+    document (``through[j]``), else ``state_j``. ``anchor`` (a tensor of this rank's graph) keeps
+    both ends connected on every rank, so the AllGather's backward ReduceScatter runs everywhere.
+    Returns ``(anchor_term, s_in)``: add ``anchor_term`` (0) to the output; ``s_in`` is None on rank 0."""
+    B = state.shape[0]
+    packed = torch.cat([trans.reshape(B, -1), state.reshape(B, -1)], dim=-1).unsqueeze(1) + anchor.sum() * 0
+    allst = all_gather_seq(packed.contiguous(), cp_mesh, dim=1, tag=tag)                  # [B, C, n_t + n_s]
+    nt = trans[0].numel()
+    s_in = None
+    if r > 0:
+        s_in = state.new_zeros(state.shape)
+        for jr in range(r):
+            tj = allst[:, jr, :nt].view(trans.shape)
+            sj = allst[:, jr, nt:].view(state.shape)
+            thr = through[jr].to(state.device).view(B, *([1] * (state.dim() - 1)))
+            s_in = torch.where(thr, apply(tj, s_in), torch.zeros_like(s_in)) + sj
+    return allst.sum() * 0, s_in
+
+
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_gated_deltanet_state_passing)
 def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """State passing for Qwen3-Next's Gated DeltaNet: every rank runs all heads on its own tokens.
@@ -633,88 +723,42 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
                                "would span more than one rank; use longer sequences or fewer CP ranks")
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
         mixed = torch.cat([x.reshape(B, L, -1) for x in (q, k, v)], dim=-1)            # [B, L, F] pre-conv
-        ext = halo_exchange(mixed, cp_mesh, h)                                          # [B, h + L, F]
         key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
-        lo = r * L
-        ident = lambda x, a_, kw: ((x,), {})                                            # noqa: E731
-        if key_doc is None:
-            mixed = (_run_rows(conv, ident, ext[:, h:], None, 0, L, (), {}, mask_param=False, what=what, fqn=fqn)
-                     if r == 0 else
-                     _run_rows(conv, ident, ext, None, h, h + L, (), {}, mask_param=False, what=what, fqn=fqn))
-        else:
-            halo_doc = (key_doc[:, lo - h:lo] if r > 0 else
-                        torch.full((B, h), -1, dtype=key_doc.dtype, device=key_doc.device))
-            mixed = _run_rows(conv, ident, ext, torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1), h, h + L,
-                              (), {}, mask_param=False, what=what, fqn=fqn)             # [B, L, F], pads 0
+        mixed = _halo_conv(conv, mixed, cp_mesh, h, key_doc, r, what, fqn)              # [B, L, F], pads 0
         beta = b.sigmoid()
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)                  # [B, L, Hv]
 
-        # -- documents of the local chunk as rows (zero beta/g after a row's end: state unchanged)
-        local_doc = None if key_doc is None else key_doc[:, lo:lo + L]
-        rows, starts, lens = _pack_rows(local_doc, B, L, hs.device)
-        N = int(rows.numel())
+        # -- documents of the local chunk as right-aligned rows (beta = g = 0 after a row's end: the
+        # state is unchanged there, so a row's final state is its document's)
         cont, through = _chain_flags(key_doc, B, C, L)
-        if N == 0:
-            rows, starts, lens, N = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), \
-                torch.zeros(1, dtype=torch.int64), 1
-        Lmax = max(int(lens.max()), 1)
-        j = torch.arange(Lmax, device=hs.device)
-        slot = j[None, :] < lens[:, None]
-        flat = (rows[:, None] * L + starts[:, None] + torch.where(slot, j[None, :], 0)).reshape(-1)
-
-        def pack(t):                                                                    # [B, L, ...] -> [N, Lmax, ...]
-            rest = tuple(t.shape[2:])
-            p = t.reshape(B * L, *rest).index_select(0, flat).view(N, Lmax, *rest)
-            return p * slot.view(N, Lmax, *([1] * len(rest))).to(p.dtype)
-
-        x = pack(mixed).float()
+        rows = _StateRows(None if key_doc is None else key_doc[:, r * L:(r + 1) * L], B, L, hs.device, cont[r])
+        N, Lmax, c_idx = rows.N, rows.Lmax, rows.first_cont
+        x = rows.pack(mixed).float()
         qq, kk, vv = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         qq, kk, vv = qq.reshape(N, Lmax, Hk, dk), kk.reshape(N, Lmax, Hk, dk), vv.reshape(N, Lmax, Hv, dv)
-        gg, bb = pack(g), pack(beta.float())
+        gg, bb = rows.pack(g), rows.pack(beta.float())
         o0, s0 = rule(qq, kk, vv, g=gg, beta=bb, initial_state=None, output_final_state=True,
                       use_qk_l2norm_in_kernel=True)                                    # [N, Lmax, Hv, dv], [N,Hv,dk,dv]
 
-        # -- the continuing first run of each batch row: identity run -> P_t^T q_t, P_T
-        first = starts == 0
-        c_idx = (first & cont[r].to(hs.device)[rows]).nonzero(as_tuple=True)[0]
-        P_out = s0.new_zeros(B, Hv, dk, dk)
-        S_out = s0.new_zeros(B, Hv, dk, dv)
-        last = torch.zeros(B, dtype=torch.int64)                     # run ending this chunk, per batch row
-        for i, (rb, st, ln) in enumerate(zip(rows.tolist(), starts.tolist(), lens.tolist())):
-            if ln and st + ln == L:
-                last[rb] = i + 1
-        for rb in range(B):
-            if last[rb]:
-                S_out = S_out.index_copy(0, torch.tensor([rb], device=hs.device), s0[last[rb] - 1][None])
-        oI = None
+        # -- the continuing first run of each batch row: identity run -> P_t^T q_t and P_T
+        oI, P_last = None, [-1] * B
+        pT = s0.new_zeros(0, Hv, dk, dk)
         if c_idx.numel():
             eye = torch.eye(dk, dtype=s0.dtype, device=hs.device).expand(len(c_idx), Hv, dk, dk).contiguous()
             oI, pT = rule(qq[c_idx], kk[c_idx], vv.new_zeros(len(c_idx), Lmax, Hv, dk), g=gg[c_idx], beta=bb[c_idx],
                           initial_state=eye, output_final_state=True, use_qk_l2norm_in_kernel=True)
             for i, ci in enumerate(c_idx.tolist()):
-                rb = int(rows[ci])
+                rb = int(rows.rows[ci])
                 if bool(through[r, rb]):
-                    P_out = P_out.index_copy(0, torch.tensor([rb], device=hs.device), pT[i][None])
-
-        # -- one AllGather of (P_T, S0_T); compose the incoming state of this rank's first run
-        # (both ends stay in the graph on every rank, even one with nothing to pass or receive, so the
-        # AllGather's backward ReduceScatter runs on all ranks)
-        packed = torch.cat([P_out, S_out], dim=-1).unsqueeze(1) + x.sum() * 0           # [B, 1, Hv, dk, dk+dv]
-        allst = all_gather_seq(packed.contiguous(), cp_mesh, dim=1, tag="cp.gdn_state")  # [B, C, Hv, dk, dk+dv]
-        o = o0 + allst.sum() * 0
-        if oI is not None:
-            s_in = allst.new_zeros(B, Hv, dk, dv)
-            for jr in range(r):
-                Pj, Sj = allst[:, jr, ..., :dk], allst[:, jr, ..., dk:]
-                thr = through[jr].to(hs.device).view(B, 1, 1, 1)
-                s_in = torch.where(thr, Pj @ s_in, torch.zeros_like(s_in)) + Sj
-            corr = torch.einsum("nthk,nhkv->nthv", oI, s_in[rows[c_idx]])
-            o = o.index_add(0, c_idx, corr)
+                    P_last[rb] = i
+        anchor, s_in = _exchange_states(rows.per_batch_row(pT, P_last, (Hv, dk, dk)),
+                                        rows.per_batch_row(s0, rows.last, (Hv, dk, dv)), x, cp_mesh, r, through,
+                                        lambda t, s_: t @ s_, "cp.gdn_state")
+        o = o0 + anchor
+        if oI is not None and s_in is not None:
+            o = o.index_add(0, c_idx, torch.einsum("nthk,nhkv->nthv", oI, s_in[rows.rows[c_idx]]))
         # -- rows back to [B, L, Hv*dv] (padding outputs 0), gated norm and out_proj as the module
-        sel = slot.reshape(-1)
-        tgt = flat[sel]
-        out = o.reshape(N * Lmax, Hv * dv)[sel].to(hs.dtype)
-        core = out.new_zeros(B * L, Hv * dv).index_add(0, tgt, out).view(B, L, Hv, dv)
+        core = rows.unpack(o.reshape(N, Lmax, Hv * dv)).to(hs.dtype).view(B, L, Hv, dv)
         core = m.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(B, L, -1)
         return m.out_proj(core)
 
@@ -792,40 +836,16 @@ def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_me
         dtype = hs.dtype
         proj = m.in_proj(hs * m.ssm_in_multiplier) * m.mup_vector
         gate, xbc, dt = proj.split([I, m.conv_dim, H], dim=-1)
-        ext = halo_exchange(xbc, cp_mesh, h)                                            # [B, h + L, conv_dim]
         key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
-        lo = r * L
-        ident = lambda x, a_, kw: ((x,), {})                                            # noqa: E731
-        if key_doc is None:
-            xbc = (_run_rows(conv, ident, ext[:, h:], None, 0, L, (), {}, mask_param=False, what=what, fqn=fqn)
-                   if r == 0 else
-                   _run_rows(conv, ident, ext, None, h, h + L, (), {}, mask_param=False, what=what, fqn=fqn))
-        else:
-            halo_doc = (key_doc[:, lo - h:lo] if r > 0 else
-                        torch.full((Bsz, h), -1, dtype=key_doc.dtype, device=key_doc.device))
-            xbc = _run_rows(conv, ident, ext, torch.cat([halo_doc, key_doc[:, lo:lo + L]], dim=1), h, h + L,
-                            (), {}, mask_param=False, what=what, fqn=fqn)               # pads 0
+        xbc = _halo_conv(conv, xbc, cp_mesh, h, key_doc, r, what, fqn)                  # [B, L, conv_dim], pads 0
 
         # -- local documents as LEFT-aligned rows: leading pads (x = 0) leave a zero state at zero
-        local_doc = None if key_doc is None else key_doc[:, lo:lo + L]
-        rows, starts, lens = _pack_rows(local_doc, Bsz, L, hs.device)
-        if rows.numel() == 0:
-            rows, starts, lens = (torch.zeros(1, dtype=torch.int64, device=hs.device) for _ in range(3))
-        N = int(rows.numel())
         cont, through = _chain_flags(key_doc, Bsz, C, L)
-        Lmax = max(int(lens.max()), 1)
-        j = torch.arange(Lmax, device=hs.device)
-        off = Lmax - lens
-        slot = j[None, :] >= off[:, None]                                                # [N, Lmax]
-        flat = (rows[:, None] * L + starts[:, None] + torch.where(slot, j[None, :] - off[:, None], 0)).reshape(-1)
-
-        def pack(t):
-            rest = tuple(t.shape[2:])
-            p = t.reshape(Bsz * L, *rest).index_select(0, flat).view(N, Lmax, *rest)
-            return p * slot.view(N, Lmax, *([1] * len(rest))).to(p.dtype)
-
-        xs, Bm, Cm = torch.split(pack(xbc), [I, G * Ns, G * Ns], dim=-1)
-        dtp = pack(dt)
+        rows = _StateRows(None if key_doc is None else key_doc[:, r * L:(r + 1) * L], Bsz, L, hs.device, cont[r],
+                          align="left")
+        N, Lmax, c_idx, slot = rows.N, rows.Lmax, rows.first_cont, rows.slot
+        xs, Bm, Cm = torch.split(rows.pack(xbc), [I, G * Ns, G * Ns], dim=-1)
+        dtp = rows.pack(dt)
         A = -torch.exp(m.A_log.float())
         y0, hT = scan(xs.reshape(N, Lmax, H, Pd), dtp, A, Bm.reshape(N, Lmax, G, Ns), Cm.reshape(N, Lmax, G, Ns),
                       chunk_size=m.chunk_size, D=m.D, z=None, return_final_states=True, dt_bias=m.dt_bias,
@@ -833,33 +853,17 @@ def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_me
         # the per-head log decay of every real token, as the scan discretizes it
         dts = torch.clamp(F.softplus(dtp.float() + m.dt_bias.float()), min=lo_lim, max=hi_lim)
         a = torch.cumsum(dts * A * slot[..., None].float(), dim=1)                        # [N, Lmax, H]
-
-        first = starts == 0
-        c_idx = (first & cont[r].to(hs.device)[rows]).nonzero(as_tuple=True)[0]
-        dec_out = hT.new_zeros(Bsz, H)
-        st_out = hT.new_zeros(Bsz, H, Pd, Ns)
-        for i, (rb, st, ln) in enumerate(zip(rows.tolist(), starts.tolist(), lens.tolist())):
-            if ln and st + ln == L:
-                sel = torch.tensor([rb], device=hs.device)
-                st_out = st_out.index_copy(0, sel, hT[i][None])
-                if bool(through[r, rb]) and st == 0:
-                    dec_out = dec_out.index_copy(0, sel, a[i, -1].exp()[None])
-        packed = torch.cat([dec_out, st_out.reshape(Bsz, -1)], dim=-1).unsqueeze(1) + xs.sum() * 0
-        allst = all_gather_seq(packed.contiguous(), cp_mesh, dim=1, tag="cp.mamba2_state")  # [B, C, H*(1+Pd*Ns)]
-        y = y0 + allst.sum() * 0
-        if c_idx.numel() and r > 0:
-            s_in = hT.new_zeros(Bsz, H, Pd, Ns)
-            for jr in range(r):
-                dj = allst[:, jr, :H].view(Bsz, H, 1, 1)
-                sj = allst[:, jr, H:].view(Bsz, H, Pd, Ns)
-                thr = through[jr].to(hs.device).view(Bsz, 1, 1, 1)
-                s_in = torch.where(thr, dj * s_in, torch.zeros_like(s_in)) + sj
+        dec_last = [i if i >= 0 and bool(through[r, rb]) and int(rows.starts[i]) == 0 else -1
+                    for rb, i in enumerate(rows.last)]
+        anchor, s_in = _exchange_states(rows.per_batch_row(a[:, -1].exp(), dec_last, (H,)),
+                                        rows.per_batch_row(hT, rows.last, (H, Pd, Ns)), xs, cp_mesh, r, through,
+                                        lambda t, s_: t[..., None, None] * s_, "cp.mamba2_state")
+        y = y0 + anchor
+        if c_idx.numel() and s_in is not None:
             Ch = Cm[c_idx].reshape(len(c_idx), Lmax, G, Ns).float().repeat_interleave(H // G, dim=2)
-            corr = torch.einsum("nths,nhps->nthp", Ch, s_in[rows[c_idx]]) * a[c_idx].exp()[..., None]
+            corr = torch.einsum("nths,nhps->nthp", Ch, s_in[rows.rows[c_idx]]) * a[c_idx].exp()[..., None]
             y = y.index_add(0, c_idx, corr * slot[c_idx][..., None, None].to(corr.dtype))
-        sel = slot.reshape(-1)
-        out = y.reshape(N * Lmax, H * Pd)[sel]
-        scan_out = out.new_zeros(Bsz * L, H * Pd).index_add(0, flat[sel], out).view(Bsz, L, H * Pd)
+        scan_out = rows.unpack(y.reshape(N, Lmax, H * Pd))
         if m.mamba_rms_norm:
             scan_out = m.norm(scan_out, gate)
         else:
