@@ -2,7 +2,7 @@
 
   global micro-batches -> CP shard (every CP size, CP=1 a group of one) -> N = valid targets of
   the step over dp_cp_mesh -> per micro-batch, in cp_batch_context: forward -> local loss sum ->
-  loss = sum / N * grad_scale -> backward -> gradient reductions (dp_cp SUM without FSDP, TP
+  loss = sum / N * grad_scale [+ MoE router loss, see router_loss.py] -> backward -> gradient reductions (dp_cp SUM without FSDP, TP
   partial gradients) -> global-norm clipping -> optimizer + LR scheduler step
 
 The trainer supplies the pieces (:class:`~hyper_parallel.trainer.base.BaseTrainer` hooks:
