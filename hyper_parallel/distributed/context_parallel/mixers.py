@@ -574,6 +574,31 @@ def _chain_flags(key_doc: Optional[torch.Tensor], B: int, C: int, L: int):
     return cont, through
 
 
+def _module_conv(m: nn.Module, conv_fn: Callable) -> Callable:
+    """``[N, T, F] -> [N, T, F]``: the module's causal ``conv1d`` (weight, bias, activation) through
+    transformers' ``causal_conv1d_fn`` — the call the module's own forward makes."""
+    def conv(x):
+        return conv_fn(x.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                       activation=m.activation).transpose(1, 2)
+    return conv
+
+
+def _state_passing_entry(what: str, fqn: str, name: str, cp_mesh, h: int, args: tuple, kwargs: dict):
+    """Common start of a state-passing forward: ``None`` at cp 1 (run the original), else
+    ``(meta, hidden_states, C, r)`` after the local checks (``L >= h`` for the conv halo)."""
+    meta = current_cp_batch_meta()
+    hs, _rebuild, _rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
+    _check_call(what, fqn, hs, rest_kwargs, meta)
+    if cp_mesh is None or meta.cp_size == 1:
+        return None
+    group = resolve_group(cp_mesh)
+    L = hs.shape[1]
+    if L < h:
+        raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < conv kernel - 1 = {h}: the conv halo "
+                           "would span more than one rank; use longer sequences or fewer CP ranks")
+    return meta, hs, P.group_size(group), P.group_rank(group)
+
+
 def _halo_conv(conv: Callable, x: torch.Tensor, cp_mesh, h: int, key_doc: Optional[torch.Tensor], r: int,
                what: str, fqn: str) -> torch.Tensor:
     """A causal conv (kernel ``h + 1``) over this rank's ``x [B, L, F]`` as over the whole sequence:
@@ -704,23 +729,14 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
     conv_fn, rule = hf.causal_conv1d_fn, hf.torch_chunk_gated_delta_rule
     dk, dv, Hk, Hv = m.head_k_dim, m.head_v_dim, m.num_k_heads, m.num_v_heads
     h = int(m.conv1d.weight.shape[-1]) - 1
-
-    def conv(x):                                                  # [N, T, F] -> [N, T, F], the module's conv
-        return conv_fn(x.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
-                       activation=m.activation).transpose(1, 2)
+    conv = _module_conv(m, conv_fn)
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        hs, _rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
-        _check_call(what, fqn, hs, rest_kwargs, meta)
-        if cp_mesh is None or meta.cp_size == 1:
+        entry = _state_passing_entry(what, fqn, name, cp_mesh, h, args, kwargs)
+        if entry is None:
             return original(*args, **kwargs)
-        group = resolve_group(cp_mesh)
-        C, r = P.group_size(group), P.group_rank(group)
+        meta, hs, C, r = entry
         B, L, _ = hs.shape
-        if L < h:
-            raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < conv kernel - 1 = {h}: the conv halo "
-                               "would span more than one rank; use longer sequences or fewer CP ranks")
         q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
         mixed = torch.cat([x.reshape(B, L, -1) for x in (q, k, v)], dim=-1)            # [B, L, F] pre-conv
         key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
@@ -816,23 +832,14 @@ def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_me
     H, Pd, Ns, G, I = m.num_heads, m.head_dim, m.ssm_state_size, m.n_groups, m.intermediate_size
     h = int(m.conv_kernel_size) - 1
     lo_lim, hi_lim = (float(x) for x in m.time_step_limit)
-
-    def conv(x):
-        return conv_fn(x.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
-                       activation=m.activation).transpose(1, 2)
+    conv = _module_conv(m, conv_fn)
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        hs, _rebuild, rest_args, rest_kwargs = _split_hidden(name, args, kwargs)
-        _check_call(what, fqn, hs, rest_kwargs, meta)
-        if cp_mesh is None or meta.cp_size == 1:
+        entry = _state_passing_entry(what, fqn, name, cp_mesh, h, args, kwargs)
+        if entry is None:
             return original(*args, **kwargs)
-        group = resolve_group(cp_mesh)
-        C, r = P.group_size(group), P.group_rank(group)
+        meta, hs, C, r = entry
         Bsz, L, _ = hs.shape
-        if L < h:
-            raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < conv kernel - 1 = {h}: the conv halo "
-                               "would span more than one rank; use longer sequences or fewer CP ranks")
         dtype = hs.dtype
         proj = m.in_proj(hs * m.ssm_in_multiplier) * m.mup_vector
         gate, xbc, dt = proj.split([I, m.conv_dim, H], dim=-1)
