@@ -70,7 +70,10 @@ class BaseTrainer:
         self.cp_size = cfg.accelerator.cp_size
         # fail fast on a topology mismatch, before parallelizing; called on every rank even
         # without resume_from so that the ranks' agreement steps stay paired
-        self._resume_meta = ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh))
+        self.ckpt_root = (Path(cfg.schedule.checkpoint_dir) if cfg.schedule.checkpoint_dir
+                          else Path(cfg.logging.out_dir) / "checkpoints")
+        self._resume_meta = ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh),
+                                                 root=self.ckpt_root)
         self.cp_policy = None   # shard_batch_for_cp policy, from the sharding plan (CP > 1)
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())
@@ -86,7 +89,6 @@ class BaseTrainer:
         self.data = self.build_data()
         self.step = 0
         out_dir = Path(cfg.logging.out_dir)
-        self.ckpt_root = Path(cfg.schedule.checkpoint_dir) if cfg.schedule.checkpoint_dir else out_dir / "checkpoints"
         self.run_log = RunLog(out_dir, json_name=cfg.logging.json_log, plot_name=cfg.logging.plot_file,
                               is_main=self.is_main, meta=self._log_meta())
         if cfg.schedule.resume_from:
@@ -275,17 +277,23 @@ class BaseTrainer:
         out = ckpt.save_checkpoint(path, self.model, self.optimizer, step=self.step,
                                    data_position=self.data.position, topology=ckpt.topology_of(self.mesh),
                                    scheduler_state=self.scheduler.state_dict(),
-                                   extra={"config": self.cfg.to_dict()})
+                                   extra={"config": self.cfg.to_dict()}, keep_last=self.cfg.schedule.keep_last)
         self.run_log.write(plot=False)
         if self.is_main:
             log.info("saved checkpoint %s", out)
         return out
 
     def load_checkpoint(self, path: str | Path) -> dict:
+        """Collective: restore model, optimizer, step, data position and LR schedule from ``path``
+        (``latest``: the newest complete checkpoint in ``ckpt_root``)."""
         verified = getattr(self, "_resume_meta", None)
-        same = verified is not None and Path(path) == Path(self.cfg.schedule.resume_from or "")
+        if verified is not None and str(path) == str(self.cfg.schedule.resume_from):
+            path = verified["path"]   # resolved and verified at construction
+        else:
+            verified = None
+            path = ckpt.resolve_resume(path, self.ckpt_root) if str(path) == ckpt.LATEST else path
         meta = ckpt.load_checkpoint(path, self.model, self.optimizer, topology=ckpt.topology_of(self.mesh),
-                                    meta=verified if same else None)
+                                    meta=verified)
         self.step = int(meta["step"])
         self.data.load_state_dict({"position": meta["data_position"]})
         if meta.get("scheduler"):

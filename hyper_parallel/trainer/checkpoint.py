@@ -16,6 +16,11 @@ optimizer is in the checkpoint with the same shape, and nothing more), and only 
 tensors. Every failure is one :class:`CPConfigError` naming ``schedule.resume_from``, the
 checkpoint and the damaged file or mismatching tensor, raised identically on every rank.
 
+Saves are atomic: the files go to ``step_<N>.partial/`` and rank 0 renames it to ``step_<N>/``
+once every rank has written and checksummed its files (an agreement through the platform layer,
+with the collective timeout), so a ``step_<N>`` directory is always complete; ``keep_last`` then
+removes the oldest complete ones. ``resume_from: latest`` is the newest complete ``step_<N>``.
+
 Resuming requires the *same* topology. Resharding to another CP size is out of scope
 (design 1.3) and is rejected before anything is loaded, with an error naming
 ``schedule.resume_from`` and both sizes; other topology changes are rejected the same way
@@ -24,6 +29,9 @@ because every DP rank's data stream depends on them.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import zlib
 from pathlib import Path
 
@@ -55,17 +63,72 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step}"
 
 
+PARTIAL = ".partial"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under ``root`` (``step_<N>`` directories holding hyper_meta.json,
+    never a ``.partial`` one), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / META_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(path: str | Path, root: str | Path | None) -> Path:
+    """``resume_from`` as a directory: ``latest`` -> the newest complete checkpoint under ``root``
+    (``schedule.checkpoint_dir``); raises :class:`CPConfigError` when there is none."""
+    if str(path) != LATEST:
+        return Path(path)
+    found = complete_checkpoints(root) if root is not None else []
+    if not found:
+        raise CPConfigError("schedule.resume_from", f"'latest' found no complete checkpoint (step_<N> with "
+                            f"{META_FILE}) in {root}", fix="set schedule.checkpoint_dir to the directory that "
+                            "holds the step_<N> checkpoints, or start a fresh run without resume_from")
+    return found[-1]
+
+
+def rotate(root: str | Path, keep_last: int | None, *, keep: Path | None = None) -> list[Path]:
+    """Remove all but the newest ``keep_last`` complete checkpoints under ``root`` (never ``keep``);
+    returns the removed directories. Rank 0 only (call it from :func:`save_checkpoint`)."""
+    if not keep_last:
+        return []
+    done = complete_checkpoints(root)
+    removed = [p for p in done[:-keep_last] if keep is None or p.resolve() != keep.resolve()]
+    for p in removed:
+        shutil.rmtree(p)
+    return removed
+
+
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_position: int,
-                    topology: dict, scheduler_state: dict | None = None, extra: dict | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+                    topology: dict, scheduler_state: dict | None = None, extra: dict | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory ``path``.
+
+    Atomic: everything is written under ``<path>.partial`` (cleared first), which rank 0 renames to
+    ``path`` (replacing an older ``path``) once every rank's files are written and checksummed;
+    then, with ``keep_last``, the oldest complete checkpoints beside ``path`` are removed. Every
+    rank-0-only file operation is agreed (one all-gather with the collective timeout), so a failure
+    raises on every rank instead of leaving the others waiting."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
+    final, path = path, path.with_name(path.name + PARTIAL)
+
+    def clear():
+        if _is_main() and path.exists():
+            shutil.rmtree(path)
+
+    agree_same_error(clear, what="checkpoint save (clearing the temporary directory)")
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(step, dtype=torch.int64),
@@ -88,8 +151,22 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
                 "scheduler": scheduler_state, "optimizer": type(optimizer).__name__,
                 "checksum": CHECKSUM, "files": dict(sorted(files.items())), **(extra or {})}
         (path / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-    barrier()  # platform: with the collective timeout
-    return path
+
+    def publish():
+        if not _is_main():
+            return
+        if final.exists():   # re-saving the same step: the new one replaces it
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(path, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(path, final)
+        rotate(final.parent, keep_last, keep=final)
+
+    agree_same_error(publish, what="checkpoint save (rename)")   # platform all-gather: the barrier
+    return final
 
 
 def file_checksum(path: str | Path) -> int:
@@ -144,6 +221,10 @@ def verify_checkpoint(path: str | Path, meta: dict, *, part: int = 0, parts: int
 def read_meta(path: str | Path) -> dict:
     path = Path(path)
     meta_file = path / META_FILE
+    partial = path.with_name(path.name + PARTIAL)
+    if not path.exists() and partial.is_dir():
+        raise CPConfigError("schedule.resume_from", f"checkpoint {path} was never completed: its save was "
+                            f"interrupted (only {partial} exists)", fix=_RECOVER + " (or resume_from: latest)")
     if not meta_file.is_file():
         raise CPConfigError("schedule.resume_from", f"{path} is not a hyper_parallel checkpoint "
                             f"(no {META_FILE})", fix="point it at a <checkpoint_dir>/step_<N> directory")
@@ -210,12 +291,14 @@ def agree_same_error(check, what: str):
     return result
 
 
-def validate_resume(path: str | Path | None, topology: dict) -> dict | None:
+def validate_resume(path: str | Path | None, topology: dict, root: str | Path | None = None) -> dict | None:
     """Agreed on every rank: the checkpoint exists, is intact (:func:`verify_checkpoint`, the files
     split between the ranks) and was saved with this topology; the same error on every rank.
 
     Collective: every rank calls it, also those with no ``path`` (they check nothing and
     return None), so that a ``resume_from`` set on only some ranks fails every rank here.
+    ``latest`` is resolved under ``root`` (:func:`resolve_resume`); the returned metadata carries
+    the directory actually checked as ``meta["path"]``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -223,10 +306,11 @@ def validate_resume(path: str | Path | None, topology: dict) -> dict | None:
     def check():
         if not path:
             return None
-        meta = read_meta(path)
-        check_topology(path, meta.get("topology", {}), topology)
-        verify_checkpoint(path, meta, part=rank, parts=world)
-        return meta
+        where = resolve_resume(path, root)
+        meta = read_meta(where)
+        check_topology(where, meta.get("topology", {}), topology)
+        verify_checkpoint(where, meta, part=rank, parts=world)
+        return {**meta, "path": str(where)}
 
     return agree_same_error(check, what="checkpoint resume")
 

@@ -99,7 +99,10 @@ class ScheduleConfig:
                                          help="bf16: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 "
                                               "master weights; null: fp32")
     save_every: int | None = option(None, ge=1, help="save a checkpoint every N steps (and at the end of the run)")
-    resume_from: str | None = option(None, help="a step_<N> checkpoint directory to resume from (same topology)")
+    resume_from: str | None = option(None, help="a step_<N> checkpoint directory to resume from (same topology), "
+                                                "or 'latest': the newest complete step_<N> in checkpoint_dir")
+    keep_last: int | None = option(None, ge=1, help="keep only the newest N complete checkpoints in checkpoint_dir "
+                                                    "(older ones are removed after each save); null: keep all")
     lr_schedule: str = option("constant", choices=LR_SCHEDULES,
                               help="after warm-up: constant, or cosine down to min_lr_ratio x lr")
     min_lr_ratio: float = option(0.1, ge=0, help="cosine floor, as a fraction of optimizer.lr")

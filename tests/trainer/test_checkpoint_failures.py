@@ -185,3 +185,40 @@ def test_optimizer_field_mismatch_without_the_recorded_class(ranks, saved, tmp_p
 def test_cli_resume_with_another_hidden_size_exit_2_one_line(tmp_path):
     line, _, _ = cli_refusal(tmp_path, lambda d: None, "model.config.hidden_size=32")
     assert "does not fit this model: tensor model.embed_tokens.weight has shape [" in line, line
+
+
+# ----------------------------------------------------------------------------- atomic, rotating saves
+def test_atomic_rotating_saves_and_resume_latest(ranks, tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(W.ROOT + "/examples/models", ckpts / "step_1.partial")   # a stale half-written save
+    [straight, _] = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(tmp_path / "a"),
+                                                            **{**KW, "steps": 4}))
+    first = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), schedule__save_every=1,
+                                                    schedule__keep_last=2, **{**KW, "steps": 3}))
+    assert first[0]["step"] == 3
+    # every save renamed into place, the stale temporary cleared, only the newest 2 kept
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]
+    assert json.loads((ckpts / "step_3" / "hyper_meta.json").read_text())["step"] == 3
+    # a half-written newer save (even one holding a hyper_meta.json) is never picked by 'latest'
+    shutil.copytree(ckpts / "step_3", ckpts / "step_9.partial")
+    second = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), schedule__resume_from="latest",
+                                                     **{**KW, "steps": 4}))
+    assert second[0]["step"] == 4 and second[0]["position"] == 4
+    assert second[0]["losses"] == straight["losses"][3:] == second[1]["losses"]   # resumed from step_3, exact
+    # naming the interrupted save says so
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", out_dir=str(out), schedule__resume_from=str(ckpts / "step_9"),
+                                                  **KW))
+    assert errs[0] == errs[1] and errs[0][0] == "CPConfigError", errs
+    assert f"checkpoint {ckpts / 'step_9'} was never completed: its save was interrupted" in errs[0][1], errs
+
+
+def test_resume_latest_without_a_checkpoint_is_refused(ranks, tmp_path):
+    (tmp_path / "ck" / "step_5.partial").mkdir(parents=True)
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", out_dir=str(tmp_path / "run"), schedule__resume_from="latest",
+                                                  schedule__checkpoint_dir=str(tmp_path / "ck"), **KW))
+    assert errs[0] == errs[1] and errs[0][0] == "CPConfigError", errs
+    msg = errs[0][1]
+    assert msg.startswith("[schedule.resume_from] 'latest' found no complete checkpoint") and str(tmp_path / "ck") in msg
+    assert "Fix: set schedule.checkpoint_dir" in msg, msg
