@@ -1,4 +1,11 @@
-"""Run log: per-step records -> JSON file + loss-curve PNG (rank 0), tqdm progress bar."""
+"""Run log: per-step records -> JSONL stream + JSON summary + loss-curve PNG (rank 0), tqdm bar.
+
+Rank 0 appends one JSON line per optimizer step to ``<out_dir>/<json_log stem>.jsonl`` (default
+``train_log.jsonl``) and flushes it, so a crash loses at most the step in flight. The first line
+is ``{"meta": ...}``; every other line is one step record. The JSON summary (``json_log``, with
+``meta``, ``steps`` and ``wall_time_s``) and the PNG are rebuilt from that file at checkpoints
+and at the end; after a crash, ``python -m hyper_parallel.trainer.metrics <out_dir>`` rebuilds them.
+"""
 from __future__ import annotations
 
 import json
@@ -14,36 +21,102 @@ class RunLog:
                  plot_name: str = "loss_curve.png", is_main: bool = True, meta: dict | None = None):
         self.out_dir = Path(out_dir)
         self.json_path = self.out_dir / json_name
+        self.jsonl_path = jsonl_path_for(self.json_path)
         self.plot_path = self.out_dir / plot_name
         self.is_main = is_main
         self.meta = dict(meta or {})
         self.records: list[dict] = []
         self.started = time.time()
+        self._stream = None   # the open JSONL file (rank 0), opened (truncated) on first use
+
+    def _open(self, records: list[dict]) -> None:
+        """Start the JSONL file afresh with the meta line and ``records``."""
+        if self._stream is not None:
+            self._stream.close()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._stream = open(self.jsonl_path, "w", encoding="utf-8")
+        self._stream.write(json.dumps({"meta": self.meta}) + "\n")
+        for r in records:
+            self._stream.write(json.dumps(r) + "\n")
+        self._stream.flush()
 
     def load_previous(self, upto_step: int) -> None:
-        """Keep the records of a resumed run (steps <= upto_step) so the curve continues."""
-        if not self.json_path.exists():
-            return
-        try:
-            old = json.loads(self.json_path.read_text())
-        except (OSError, ValueError):
-            return
-        self.records = [r for r in old.get("steps", []) if r.get("step", 0) <= upto_step]
+        """Keep the records of a resumed run (steps <= upto_step) so the curve continues: from the
+        JSONL stream when there is one (it survives a crash), else from the JSON summary. Rank 0
+        rewrites the stream with exactly those records."""
+        old = read_jsonl(self.jsonl_path)[1] if self.jsonl_path.exists() else None
+        if old is None and self.json_path.exists():
+            try:
+                old = json.loads(self.json_path.read_text()).get("steps", [])
+            except (OSError, ValueError, AttributeError):
+                old = None
+        self.records = [r for r in (old or []) if r.get("step", 0) <= upto_step]
+        if self.is_main:
+            self._open(self.records)
 
     def append(self, record: dict) -> None:
+        """One step record: kept, and on rank 0 written as one flushed JSONL line."""
         self.records.append(record)
+        if self.is_main:
+            if self._stream is None:
+                self._open([])
+            self._stream.write(json.dumps(record) + "\n")
+            self._stream.flush()
 
     def write(self, plot: bool = True) -> None:
+        """Rank 0: rebuild the JSON summary (and with ``plot`` the PNG) from the JSONL stream."""
         if not self.is_main:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        body = {"meta": self.meta, "steps": self.records,
+        if self._stream is None:
+            self._open(self.records)
+        self._stream.flush()
+        _, steps = read_jsonl(self.jsonl_path)
+        self.records = steps
+        body = {"meta": self.meta, "steps": steps,
                 "wall_time_s": round(time.time() - self.started, 3)}
         tmp = self.json_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, self.json_path)
         if plot and self.records:
             plot_loss_curve(self.records, self.plot_path, title=self.meta.get("title", "training loss"))
+
+
+def jsonl_path_for(json_path: str | Path) -> Path:
+    """``train_log.json`` -> ``train_log.jsonl`` (beside it)."""
+    json_path = Path(json_path)
+    if json_path.suffix == ".jsonl":   # json_log itself named .jsonl: keep the two apart
+        return json_path.with_name(json_path.stem + ".steps.jsonl")
+    return json_path.with_name(json_path.stem + ".jsonl")
+
+
+def read_jsonl(path: str | Path) -> tuple[dict, list[dict]]:
+    """(meta, step records) of a JSONL run log; a torn last line (a crash mid-write) is skipped."""
+    meta, steps = {}, []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and set(obj) == {"meta"}:
+            meta = obj["meta"]
+        elif isinstance(obj, dict):
+            steps.append(obj)
+    return meta, steps
+
+
+def rebuild(out_dir: str | Path, json_name: str = "train_log.json", plot_name: str | None = "loss_curve.png") -> dict:
+    """Rebuild ``<out_dir>/<json_name>`` (and the PNG unless ``plot_name`` is None) from the JSONL
+    stream, e.g. after a crash; returns the summary written."""
+    out_dir = Path(out_dir)
+    meta, steps = read_jsonl(jsonl_path_for(out_dir / json_name))
+    body = {"meta": meta, "steps": steps, "wall_time_s": None}
+    tmp = (out_dir / json_name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, out_dir / json_name)
+    if plot_name and steps:
+        plot_loss_curve(steps, out_dir / plot_name, title=meta.get("title", "training loss"))
+    return body
 
 
 def plot_loss_curve(records: list[dict], path: str | Path, title: str = "training loss") -> None:
@@ -89,3 +162,13 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+if __name__ == "__main__":  # python -m hyper_parallel.trainer.metrics OUT_DIR [JSON_NAME [PLOT_NAME]]
+    import sys
+
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m hyper_parallel.trainer.metrics OUT_DIR [JSON_NAME [PLOT_NAME]]")
+    summary = rebuild(*sys.argv[1:4])
+    print(f"rebuilt {Path(sys.argv[1]) / (sys.argv[2] if len(sys.argv) > 2 else 'train_log.json')}: "
+          f"{len(summary['steps'])} steps")

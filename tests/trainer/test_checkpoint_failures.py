@@ -222,3 +222,43 @@ def test_resume_latest_without_a_checkpoint_is_refused(ranks, tmp_path):
     msg = errs[0][1]
     assert msg.startswith("[schedule.resume_from] 'latest' found no complete checkpoint") and str(tmp_path / "ck") in msg
     assert "Fix: set schedule.checkpoint_dir" in msg, msg
+
+
+# ----------------------------------------------------------------------------- a run log that survives a crash
+def test_run_log_jsonl_survives_a_crash_and_rebuilds(tmp_path):
+    """hyper-train (1 process) killed (SIGKILL) at step 3 without save_every: train_log.jsonl holds the meta
+    line and steps 1-2, flushed; the JSON summary and the PNG are rebuilt from it."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": W.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_FAULT_INJECT": "rank=0,step=3,kind=kill"}
+    cmd = [sys.executable, "-m", "hyper_parallel.trainer.cli", "examples/train_cp1.yaml", "schedule.steps=5",
+           "data.seq_len=64", "logging.progress=false", f"logging.out_dir={out}"]
+    p = subprocess.run(cmd, cwd=W.ROOT, env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert p.returncode == -9, p.stderr[-3000:]
+    assert not (out / "train_log.json").exists()   # the summary was never written: only the stream survives
+    from hyper_parallel.trainer.metrics import read_jsonl
+    meta, steps = read_jsonl(out / "train_log.jsonl")
+    assert meta["topology"]["cp_size"] == 1 and [r["step"] for r in steps] == [1, 2]
+    assert all(isinstance(r["loss"], float) and "peak_mem_gb_per_rank" in r for r in steps)
+    r = subprocess.run([sys.executable, "-m", "hyper_parallel.trainer.metrics", str(out)], cwd=W.ROOT, env=env,
+                       capture_output=True, text=True, timeout=scaled(120))
+    assert r.returncode == 0 and "2 steps" in r.stdout, r.stderr
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == steps and log["meta"] == meta
+    assert (out / "loss_curve.png").stat().st_size > 1000
+
+
+def test_run_log_jsonl_matches_the_summary_across_a_resume(ranks, tmp_path):
+    out = tmp_path / "run"
+    cfg = dict(KW, cp=1, steps=4)
+    [first] = ranks(1).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), **cfg), None, 2)
+    # a crash after step 3 would leave a step the checkpoint does not cover: the resume drops it
+    with open(out / "train_log.jsonl", "a") as fh:
+        fh.write(json.dumps({"step": 3, "loss": 99.0}) + "\n" + '{"step": 4, "lo')   # and a torn line
+    [second] = ranks(1).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), schedule__resume_from=first["path"],
+                                                        **cfg))
+    from hyper_parallel.trainer.metrics import read_jsonl
+    _, steps = read_jsonl(out / "train_log.jsonl")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["loss"] for r in steps] == first["losses"] + second["losses"]   # exact (JSON float round trip)
+    assert json.loads((out / "train_log.json").read_text())["steps"] == steps
