@@ -16,6 +16,7 @@ COEF = 0.5   # large, so the router term is visible in every gradient at fp32 to
 def moe_cfg(arch: str, **kw) -> dict:
     """make_cfg for a tiny MoE with the router loss on (output_router_logits, router_aux_loss_coef)."""
     method = kw.pop("method", "colossal")
+    loss = {k.split("__", 1)[1]: kw.pop(k) for k in [k for k in kw if k.startswith("loss__")]}
     cfg = W.make_cfg("qwen3_moe", method="colossal" if method == "async_colossal" else method, **kw)
     if method == "async_colossal":   # the Qwen3-MoE model adapter's async Colossal (examples/cp/async_colossal.yaml)
         for entry in cfg["plan_overrides"]:
@@ -23,6 +24,8 @@ def moe_cfg(arch: str, **kw) -> dict:
     if arch == "mixtral":
         cfg["model"] = {"architecture": "mixtral", "config_file": MIXTRAL, "seed": 0}
     cfg["model"]["config"] = {"output_router_logits": True, "router_aux_loss_coef": COEF}
+    if loss:
+        cfg["loss"] = loss
     return cfg
 
 
@@ -66,10 +69,50 @@ def hf_reference(cfg: dict, batches: list):
             loss = out.loss - coef * out.aux_loss * (1 - 1 / len(mbs))   # HF adds coef*aux per call
             loss.backward()
             total += float((out.loss - coef * out.aux_loss).detach())
-            aux_total += float(out.aux_loss) / len(mbs)
+            aux_total += float(out.aux_loss.detach()) / len(mbs)
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         res.append({"loss": total, "router_loss": aux_total, "grads": grads})
+    return res
+
+
+def hf_reference_per_dp(cfg: dict, batches: list):
+    """``loss.router_balance_domain: local_micro_batch`` by hand (GA 1, one process): token CE over
+    every DP rank's rows (global mean) + coef x the mean over DP ranks of transformers'
+    ``load_balancing_loss_func`` on that rank's rows (padding masked). Returns per step the CE,
+    the router loss and the gradients (before clipping)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.model import HyperAutoModel
+
+    c = TrainerConfig.from_dict(cfg)
+    torch.manual_seed(c.schedule.seed)
+    model = HyperAutoModel.from_config(c.model).train()
+    o = c.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay)
+    cfg_m = model.config
+    D = len(batches)
+    res = []
+    for s in range(len(batches[0])):
+        mbs = [batches[d][s][0] for d in range(D)]
+        n = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in mbs))
+        ce_total, aux_total = 0.0, 0.0
+        for b in mbs:
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                        num_items_in_batch=n, output_router_logits=True, use_cache=False)
+            aux = load_balancing_loss_func(out.router_logits, cfg_m.num_experts, cfg_m.num_experts_per_tok,
+                                           b["attention_mask"])
+            ce = out.loss - cfg_m.router_aux_loss_coef * out.aux_loss
+            (ce + cfg_m.router_aux_loss_coef * aux / D).backward()
+            ce_total += float(ce.detach())
+            aux_total += float(aux.detach()) / D
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        res.append({"loss": ce_total, "router_loss": aux_total, "grads": grads})
     return res

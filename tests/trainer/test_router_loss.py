@@ -147,3 +147,18 @@ def test_router_loss_off_and_bad_config_refused(ranks, tmp_path):
     on.config.router_z_loss_coef = 0.001
     with pytest.raises(CPConfigError, match="router_z_loss_coef"):
         router_loss_spec(on, LossConfig())
+
+
+def test_dp2_cp2_local_domain_equals_per_dp_rank_transformers_loss(ranks, tmp_path):
+    """``loss.router_balance_domain: local_micro_batch``: each DP rank's rows balanced on their own
+    (over its CP group), the step value the mean over DP ranks — equal to transformers' per-rank
+    loss averaged over DP, and different from the default (global) domain."""
+    kw = dict(steps=3, ga=1, min_doc_len=16, micro_batch_size=1, out_dir=str(tmp_path))
+    cfg = R.moe_cfg("qwen3_moe", cp=2, dp_shard=2, loss__router_balance_domain="local_micro_batch", **kw)
+    batches = W.make_batches(cfg, dp_size=2)
+    ref = R.hf_reference_per_dp(R.moe_cfg("qwen3_moe", cp=1, plan=False, **kw), batches)
+    outs = ranks(4).run(R.run_moe_steps, cfg, batches)
+    for o in outs:
+        _compare(o["steps"], ref, f"dp2 cp2 local domain rank ({o['dp_rank']}, {o['cp_rank']})")
+    glob = R.hf_reference(R.moe_cfg("qwen3_moe", cp=1, plan=False, **kw), W.reference_batches(batches))
+    assert abs(glob[0]["router_loss"] - ref[0]["router_loss"]) > 10 * ROUTER_ATOL   # measured 2.3e-4
