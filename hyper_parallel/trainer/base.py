@@ -33,7 +33,7 @@ from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
-from .metrics import Progress, RunLog
+from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel
 from .step import StepProbe, StepResult, run_step
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
@@ -60,6 +60,10 @@ class BaseTrainer:
             set_default_timeout(cfg.accelerator.comm_timeout_s)
         init_distributed(self.platform)
         check_same_config_on_every_rank(cfg)
+        # every output path writable before anything is built (agreed: the same error on every rank)
+        ckpt.agree_same_error(lambda: check_output_paths(
+            cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
+            if cfg.schedule.save_every else None), what="output paths")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.schedule.seed)

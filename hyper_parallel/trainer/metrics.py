@@ -82,6 +82,59 @@ class RunLog:
             plot_loss_curve(self.records, self.plot_path, title=self.meta.get("title", "training loss"))
 
 
+def _writable_dir(field: str, d: Path) -> None:
+    """Create ``d`` (parents too) and prove it writable with a probe file; CPConfigError naming ``field``."""
+    from ..distributed.errors import CPConfigError
+
+    for parent in (d, *d.parents):
+        if parent.exists() and not parent.is_dir():
+            raise CPConfigError(field, f"{d} cannot be a directory: {parent} is a file",
+                                fix=f"point {field} at a directory (or move the file {parent} away)")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".hyper_parallel_write_probe_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CPConfigError(field, f"cannot write in {d} ({type(exc).__name__}: {exc.strerror or exc})",
+                            fix=f"choose a writable directory for {field}") from None
+
+
+def check_output_paths(logging_cfg, checkpoint_dir: str | Path | None = None, *, plot: bool | None = None) -> None:
+    """Before the first step (local, no collective): every output path of the run can be written.
+
+    ``logging.out_dir`` is created and writable; ``json_log`` (and its ``.jsonl`` stream) and, when
+    plotting, ``plot_file`` are not directories, their folders are created and writable, and the
+    plot's extension is an image format matplotlib can write (no extension = PNG);
+    ``checkpoint_dir`` (when given) is created and writable. Raises :class:`CPConfigError` naming
+    the first bad field."""
+    from ..distributed.errors import CPConfigError
+
+    out = Path(logging_cfg.out_dir)
+    _writable_dir("logging.out_dir", out)
+    plot = logging_cfg.plot if plot is None else plot
+    targets = [("logging.json_log", out / logging_cfg.json_log)]
+    targets.append(("logging.json_log", jsonl_path_for(out / logging_cfg.json_log)))
+    if plot:
+        targets.append(("logging.plot_file", out / logging_cfg.plot_file))
+    for field, f in targets:
+        if f.is_dir():
+            raise CPConfigError(field, f"{f} is a directory, not a file", fix=f"give {field} a file name")
+        _writable_dir(field, f.parent)
+    if plot:
+        ext = Path(logging_cfg.plot_file).suffix.lstrip(".").lower()
+        if ext:
+            from matplotlib.backend_bases import FigureCanvasBase
+
+            formats = sorted(FigureCanvasBase.get_supported_filetypes())
+            if ext not in formats:
+                raise CPConfigError("logging.plot_file", f"{logging_cfg.plot_file!r} has an image format matplotlib "
+                                    f"cannot write ({ext!r}; supported: {', '.join(formats)})",
+                                    fix="use .png (or .pdf / .svg), or set logging.plot: false")
+    if checkpoint_dir is not None:
+        _writable_dir("schedule.checkpoint_dir", Path(checkpoint_dir))
+
+
 def jsonl_path_for(json_path: str | Path) -> Path:
     """``train_log.json`` -> ``train_log.jsonl`` (beside it)."""
     json_path = Path(json_path)

@@ -262,3 +262,62 @@ def test_run_log_jsonl_matches_the_summary_across_a_resume(ranks, tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["loss"] for r in steps] == first["losses"] + second["losses"]   # exact (JSON float round trip)
     assert json.loads((out / "train_log.json").read_text())["steps"] == steps
+
+
+# ----------------------------------------------------------------------------- output paths, before the first step
+def _file(p: Path) -> Path:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("not a directory")
+    return p
+
+
+OUTPUTS = {  # case -> (make the bad path under tmp, overrides, words)
+    "out_dir is a file": (lambda t: _file(t / "f"), lambda t: dict(out_dir=str(t / "f")),
+                          "[logging.out_dir] ", "cannot be a directory: {t}/f is a file"),
+    "out_dir under a file": (lambda t: _file(t / "f"), lambda t: dict(out_dir=str(t / "f" / "run")),
+                             "[logging.out_dir] ", "is a file"),
+    "json_log is a directory": (lambda t: (t / "run" / "log.json").mkdir(parents=True),
+                                lambda t: dict(out_dir=str(t / "run"), logging__json_log="log.json"),
+                                "[logging.json_log] ", "{t}/run/log.json is a directory"),
+    "json_log folder under a file": (lambda t: _file(t / "run" / "f"),
+                                     lambda t: dict(out_dir=str(t / "run"), logging__json_log="f/log.json"),
+                                     "[logging.json_log] ", "{t}/run/f is a file"),
+    "plot_file unknown format": (lambda t: None,
+                                 lambda t: dict(out_dir=str(t / "run"), logging__plot=True, logging__plot_file="c.xyz"),
+                                 "[logging.plot_file] ", "'c.xyz' has an image format matplotlib cannot write ('xyz'"),
+    "checkpoint_dir is a file": (lambda t: _file(t / "ck"),
+                                 lambda t: dict(out_dir=str(t / "run"), schedule__save_every=1,
+                                                schedule__checkpoint_dir=str(t / "ck")),
+                                 "[schedule.checkpoint_dir] ", "is a file"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS))
+def test_bad_output_path_is_refused_before_any_step(ranks, tmp_path, case):
+    make, over, field, words = OUTPUTS[case]
+    make(tmp_path)
+    errs = ranks(2).run(W.build_error, W.make_cfg("llama", **{**KW, **over(tmp_path)}))
+    assert errs[0] is not None and errs[0] == errs[1], errs
+    kind, msg = errs[0]
+    assert kind == "CPConfigError" and msg.startswith(field), msg
+    assert words.format(t=tmp_path) in msg and ". Fix: " in msg and "\n" not in msg, msg
+
+
+def test_output_folders_are_created_up_front(ranks, tmp_path):
+    over = dict(out_dir=str(tmp_path / "run"), logging__json_log="logs/l.json", logging__plot=True,
+                logging__plot_file="plots/c.svg")
+    assert ranks(2).run(W.build_error, W.make_cfg("llama", **{**KW, **over})) == [None, None]
+    assert (tmp_path / "run" / "logs").is_dir() and (tmp_path / "run" / "plots").is_dir()
+
+
+def test_cli_unknown_plot_format_exit_2_before_training(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": W.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "hyper_parallel.trainer.cli", "examples/train_cp1.yaml", "schedule.steps=2",
+           "data.seq_len=64", "logging.progress=false", f"logging.out_dir={out}", "logging.plot_file=curve.xyz"]
+    p = subprocess.run(cmd, cwd=W.ROOT, env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hyper-train:")]
+    assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [logging.plot_file] "), p.stderr
+    assert "Traceback" not in p.stderr and "step 1/" not in p.stdout
+    assert not (out / "train_log.jsonl").exists()
