@@ -262,9 +262,17 @@ class BaseTrainer:
                 results.append(res)
                 self.run_log.append(res.record())
                 bar.update(res.loss, res.tokens_per_s, res.lr,
-                           None if not res.peak_mem_gb_per_rank else max(res.peak_mem_gb_per_rank))
-                if self.step % lcfg.log_every == 0 and not lcfg.progress and self.is_main:
-                    print(f"step {res.step}/{total} loss={res.loss:.4f} tok/s={res.tokens_per_s:,.0f}", flush=True)
+                           None if not res.peak_mem_gb_per_rank else max(res.peak_mem_gb_per_rank), res.router_loss)
+                if self.step % lcfg.log_every == 0 and self.is_main:
+                    load = ""
+                    if res.expert_load:     # MoE: tokens per expert of the balancing domain, max / mean
+                        load = (f" expert load max/mean={res.expert_load.get('max_over_mean', float('nan')):.2f}"
+                                f" (max {res.expert_load.get('max', 0):.1f}, mean {res.expert_load.get('mean', 0):.1f} tokens)")
+                    if not lcfg.progress:
+                        print(f"step {res.step}/{total} loss={res.loss:.4f} tok/s={res.tokens_per_s:,.0f}{load}",
+                              flush=True)
+                    elif load:
+                        bar.write(f"step {res.step}:{load}")
                 if scfg.save_every and self.step % scfg.save_every == 0:
                     self.save_checkpoint()
                     last_saved = self.step

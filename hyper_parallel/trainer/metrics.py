@@ -180,12 +180,21 @@ def plot_loss_curve(records: list[dict], path: str | Path, title: str = "trainin
 
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    ax.plot(steps, losses, marker="." if len(steps) < 60 else None, lw=1.4)
-    ax.set_xlabel("optimizer step")
+    router = [(r["step"], r["router_loss"]) for r in records if r.get("router_loss") is not None]
+    marker = "." if len(steps) < 60 else None
+    fig, axes = plt.subplots(2 if router else 1, 1, figsize=(6, 5.6 if router else 3.6), dpi=110, squeeze=False,
+                             sharex=True)
+    ax = axes[0][0]
+    ax.plot(steps, losses, marker=marker, lw=1.4)
     ax.set_ylabel("loss (global token mean)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    if router:      # MoE: the router's load-balancing loss (before its coefficient), per step
+        rax = axes[1][0]
+        rax.plot([s for s, _ in router], [v for _, v in router], marker=marker, lw=1.4, color="tab:orange")
+        rax.set_ylabel("router aux loss")
+        rax.grid(alpha=0.3)
+    axes[-1][0].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(str(path))
     plt.close(fig)
@@ -201,11 +210,14 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
 
-    def update(self, loss: float, tokens_per_s: float, lr: float, peak_mem_gb: float | None = None) -> None:
-        """One step; ``peak_mem_gb`` is the largest rank's peak memory so far."""
+    def update(self, loss: float, tokens_per_s: float, lr: float, peak_mem_gb: float | None = None,
+               router_loss: float | None = None) -> None:
+        """One step; ``peak_mem_gb`` is the largest rank's peak memory so far, ``router_loss`` the MoE
+        router's load-balancing loss (None: not an MoE run)."""
         if self.bar is not None:
             mem = "" if peak_mem_gb is None else f" mem={peak_mem_gb:.2f}GB"
-            self.bar.set_postfix_str(f"loss={loss:.4f} tok/s={tokens_per_s:,.0f} lr={lr:.2e}{mem}")
+            router = "" if router_loss is None else f" router={router_loss:.4f}"
+            self.bar.set_postfix_str(f"loss={loss:.4f}{router} tok/s={tokens_per_s:,.0f} lr={lr:.2e}{mem}")
             self.bar.update(1)
 
     def write(self, msg: str) -> None:
