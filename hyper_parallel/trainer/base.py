@@ -61,9 +61,9 @@ class BaseTrainer:
         init_distributed(self.platform)
         check_same_config_on_every_rank(cfg)
         # every output path writable before anything is built (agreed: the same error on every rank)
-        ckpt.agree_same_error(lambda: check_output_paths(
+        agree_or_raise(lambda: check_output_paths(
             cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
-            if cfg.schedule.save_every else None), what="output paths")
+            if cfg.schedule.save_every else None), what="output paths", same_error=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.schedule.seed)

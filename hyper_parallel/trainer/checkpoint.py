@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.errors import CPConfigError
+from ..distributed.preflight import agree_or_raise
 from ..platform import all_gather_object, barrier
 
 META_FILE = "hyper_meta.json"
@@ -128,7 +129,7 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
         if _is_main() and path.exists():
             shutil.rmtree(path)
 
-    agree_same_error(clear, what="checkpoint save (clearing the temporary directory)")
+    agree_or_raise(clear, what="checkpoint save (clearing the temporary directory)", same_error=True)
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(step, dtype=torch.int64),
@@ -165,7 +166,7 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
             os.rename(path, final)
         rotate(final.parent, keep_last, keep=final)
 
-    agree_same_error(publish, what="checkpoint save (rename)")   # platform all-gather: the barrier
+    agree_or_raise(publish, what="checkpoint save (rename)", same_error=True)   # platform all-gather: the barrier
     return final
 
 
@@ -264,33 +265,6 @@ def check_topology(path, saved: dict, current: dict) -> None:
                 fix=f"resume with {field}={saved.get(key)}")
 
 
-def agree_same_error(check, what: str):
-    """Run ``check()`` on every rank, gather the outcomes (platform all-gather, with the collective
-    timeout) and raise the lowest failing rank's error on *every* rank, so each rank prints the
-    same line. Errors that do not pickle travel as :class:`PreflightError` text."""
-    from ..distributed.errors import PreflightError
-
-    error, result = None, None
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-        error = exc
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return result
-    rank = dist.get_rank()
-    payload = None
-    if error is not None:
-        payload = error if isinstance(error, CPConfigError) else \
-            PreflightError(f"{what} failed on rank {rank}: {type(error).__name__}: {error}")
-    failed = [(r, e) for r, e in enumerate(all_gather_object(payload)) if e is not None]
-    if failed:
-        first_rank, first = failed[0]
-        raise (payload if first_rank == rank else first)
-    return result
-
-
 def validate_resume(path: str | Path | None, topology: dict, root: str | Path | None = None) -> dict | None:
     """Agreed on every rank: the checkpoint exists, is intact (:func:`verify_checkpoint`, the files
     split between the ranks) and was saved with this topology; the same error on every rank.
@@ -312,7 +286,7 @@ def validate_resume(path: str | Path | None, topology: dict, root: str | Path | 
         verify_checkpoint(where, meta, part=rank, parts=world)
         return {**meta, "path": str(where)}
 
-    return agree_same_error(check, what="checkpoint resume")
+    return agree_or_raise(check, what="checkpoint resume", same_error=True)
 
 
 _MODEL_FIX = ("resume with the model config the checkpoint was saved with (its hyper_meta.json 'config' "
@@ -390,7 +364,8 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(-1, dtype=torch.int64),
                          "data_position": torch.tensor(-1, dtype=torch.int64)}}
-    agree_same_error(lambda: check_structure(path, meta, state, optimizer), what="checkpoint structure")
+    agree_or_raise(lambda: check_structure(path, meta, state, optimizer), what="checkpoint structure",
+                   same_error=True)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     step = int(state["trainer"]["step"])

@@ -162,6 +162,17 @@ class _AllToAllUneven(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- Colossal
+def _check_kv_pair(k: torch.Tensor, v: torch.Tensor, cp_dim: int, fn: str) -> int:
+    """The normalized ``cp_dim`` of a K/V pair that agrees in shape up to it (v's head dim may differ)."""
+    dk = _check_dim(k, cp_dim, "k", fn)
+    dv = _check_dim(v, cp_dim, "v", fn)
+    if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
+        raise CPCollectiveError(
+            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
+        )
+    return dk
+
+
 def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     """Gather the local K/V sequence shards of the CP group into the global sequence.
 
@@ -173,12 +184,7 @@ def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     """
     fn = "flex_cp_allgather"
     group = resolve_group(cp_mesh)
-    dk = _check_dim(k, cp_dim, "k", fn)
-    dv = _check_dim(v, cp_dim, "v", fn)
-    if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
-        raise CPCollectiveError(
-            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
-        )
+    dk = _check_kv_pair(k, v, cp_dim, fn)
     if P.group_size(group) == 1:
         return k, v
     return _KVAllGather.apply(k, v, group, dk)
@@ -254,12 +260,7 @@ def flex_cp_window_gather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh
     """
     fn = "flex_cp_window_gather"
     group = resolve_group(cp_mesh)
-    dk = _check_dim(k, cp_dim, "k", fn)
-    dv = _check_dim(v, cp_dim, "v", fn)
-    if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
-        raise CPCollectiveError(
-            f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
-        )
+    dk = _check_kv_pair(k, v, cp_dim, fn)
     world, me = P.group_size(group), P.group_rank(group)
     ranges = [tuple(int(x) for x in rg) for rg in ranges]
     if len(ranges) != world or any(not (0 <= lo <= r <= hi < world) for r, (lo, hi) in enumerate(ranges)):

@@ -285,6 +285,17 @@ def _validate_common(what: str, target_module: nn.Module, tp_size: int) -> None:
                          f"{type(target_module).__name__}: use tp_size: 1")
 
 
+def _require_class(what: str, target_module: nn.Module, tp_size: int, classes: tuple, exact_for: str) -> None:
+    """:func:`_validate_common`, then refuse a module whose class is not in ``classes`` (the method is
+    exact only for their forward): ``"{what} {exact_for}; {cls} is not one of them — declare
+    sequence_gather ..."``."""
+    _validate_common(what, target_module, tp_size)
+    cls = type(target_module).__name__
+    if cls not in classes:
+        raise ValueError(f"{what} {exact_for}; {cls} is not one of them — declare sequence_gather (generic, exact) "
+                         "for it instead")
+
+
 # ============================================================================ sequence_gather
 def validate_sequence_gather(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
@@ -380,12 +391,10 @@ def _kernel(module: nn.Module) -> Optional[int]:
 def validate_short_conv_halo(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
     what = "short_conv_halo_cp_wrapper"
-    _validate_common(what, target_module, tp_size)
+    _require_class(what, target_module, tp_size, HALO_CLASSES,
+                   "is exact only for a short convolution whose forward is token-wise around one causal depthwise "
+                   f"conv ({', '.join(HALO_CLASSES)})")
     cls = type(target_module).__name__
-    if cls not in HALO_CLASSES:
-        raise ValueError(f"{what} is exact only for a short convolution whose forward is token-wise around one "
-                         f"causal depthwise conv ({', '.join(HALO_CLASSES)}); {cls} is not one of them — declare "
-                         "sequence_gather (generic, exact) for it instead")
     conv, k = getattr(target_module, "conv", None), _kernel(target_module)
     if k is None or not all(hasattr(target_module, n) for n in ("in_proj", "out_proj")):
         raise ValueError(f"{what}: {cls} has no conv (nn.Conv1d) / in_proj / out_proj")
@@ -452,11 +461,9 @@ GDN_CLASSES = ("Qwen3NextGatedDeltaNet",)
 
 def validate_gated_deltanet_ulysses(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     what = "gated_deltanet_ulysses_cp_wrapper"
-    _validate_common(what, target_module, tp_size)
+    _require_class(what, target_module, tp_size, GDN_CLASSES,
+                   f"re-runs the forward of {', '.join(GDN_CLASSES)} head-parallel")
     cls = type(target_module).__name__
-    if cls not in GDN_CLASSES:
-        raise ValueError(f"{what} re-runs the forward of {', '.join(GDN_CLASSES)} head-parallel; {cls} is not one "
-                         "of them — declare sequence_gather (generic, exact) for it instead")
     hk, hv = target_module.num_k_heads, target_module.num_v_heads
     if hk % cp_size or hv % cp_size:
         raise ValueError(f"{what}: Ulysses splits the linear-attention heads over cp_size={cp_size}, but {cls} has "
@@ -541,11 +548,8 @@ def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
 def validate_gated_deltanet_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
     what = "gated_deltanet_state_passing_cp_wrapper"
-    _validate_common(what, target_module, tp_size)
-    cls = type(target_module).__name__
-    if cls not in GDN_CLASSES:
-        raise ValueError(f"{what} re-runs the forward of {', '.join(GDN_CLASSES)} with a passed recurrent state; "
-                         f"{cls} is not one of them — declare sequence_gather (generic, exact) for it instead")
+    _require_class(what, target_module, tp_size, GDN_CLASSES,
+                   f"re-runs the forward of {', '.join(GDN_CLASSES)} with a passed recurrent state")
 
 
 def _pack_rows(doc: Optional[torch.Tensor], B: int, L: int, device):
@@ -790,11 +794,8 @@ MAMBA2_CLASSES = ("FalconH1Mixer",)
 def validate_mamba2_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
     what = "mamba2_state_passing_cp_wrapper"
-    _validate_common(what, target_module, tp_size)
-    cls = type(target_module).__name__
-    if cls not in MAMBA2_CLASSES:
-        raise ValueError(f"{what} re-runs the forward of {', '.join(MAMBA2_CLASSES)} with a passed SSM state; {cls} "
-                         "is not one of them — declare sequence_gather (generic, exact) for it instead")
+    _require_class(what, target_module, tp_size, MAMBA2_CLASSES,
+                   f"re-runs the forward of {', '.join(MAMBA2_CLASSES)} with a passed SSM state")
 
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_mamba2_state_passing)
