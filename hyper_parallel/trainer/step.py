@@ -15,8 +15,9 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 
-from ..platform import all_gather_object
+from ..platform import all_gather
 from ..platform.faults import maybe_inject_fault
 from .grad_utils import clip_grad_norm_global
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
@@ -128,6 +129,9 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     full_params = trainer.named_full("param") if probe and probe.params else None
     dt = time.perf_counter() - t0
     n = int(n_global)
-    peaks = [round(b / 2**30, 4) for b in all_gather_object(trainer.platform.peak_memory_bytes())]
+    # every rank's peak memory: one float64 per rank in one all-gather over the world
+    peak = torch.tensor([float(trainer.platform.peak_memory_bytes())], dtype=torch.float64, device=trainer.device)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    peaks = [round(b / 2**30, 4) for b in all_gather(peak, world, tag="trainer.peak_memory").tolist()]
     return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
                       router_value, expert_load, logits_out, grads, full_params)
