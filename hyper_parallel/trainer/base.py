@@ -28,6 +28,7 @@ from ..distributed.infrastructure import DistributedSetup, setup_distributed
 from ..distributed.preflight import agree_or_raise
 from ..platform import get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
+from ..platform.host_memory import configure_host_allocator
 from . import checkpoint as ckpt
 from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
@@ -317,7 +318,9 @@ class BaseTrainer:
 # ---------------------------------------------------------------------- helpers
 def bind_local_device(platform) -> None:
     """CUDA/NPU: pin this process to its local device (LOCAL_RANK) before the process group
-    starts, so NCCL/HCCL ranks do not all land on device 0. No-op on CPU."""
+    starts, so NCCL/HCCL ranks do not all land on device 0. CPU: fix the host allocator's mmap
+    threshold (:func:`~hyper_parallel.platform.host_memory.configure_host_allocator`)."""
+    configure_host_allocator(platform.device_type)
     mod = platform.device_module()
     if mod is not None and hasattr(mod, "set_device"):
         mod.set_device(_local_rank())
