@@ -51,24 +51,82 @@ class ModelConfig:
     seed: int = option(0, help="init seed (the same model on every rank and in every run)")
 
 
+DATA_SOURCES = ("bytes", "files")
+DATA_FORMATS = (None, "json", "parquet", "text")
+
+
+def _file_list(value, path: str):
+    """``data.files``: one path/glob or a list of them -> a list of strings (None stays None)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
+        raise CPConfigError(path, f"must be a path/glob or a non-empty list of them, got {value!r}",
+                            fix="e.g. files: [data/*.jsonl]")
+    return list(items)
+
+
 @dataclasses.dataclass
 class DataConfig:
-    """Byte-level text rows (see data.py)."""
+    """Where rows come from: byte-level text (data.py) or tokenized files (data_sources.py,
+    packing.py)."""
+    source: str = option("bytes", choices=DATA_SOURCES,
+                         help="bytes: the UTF-8 bytes of data.path (vocab 256); files: data.files read with HF "
+                              "datasets and tokenized by data.tokenizer")
     path: str | None = option(None, shown_default="examples/data/corpus.txt",
-                              help="text file; tokens are its UTF-8 bytes (vocab 256)")
+                              help="source bytes: text file; tokens are its UTF-8 bytes (vocab 256)")
+    files: list | None = option(None, parse=_file_list, type_name="path or list of paths/globs",
+                                help="source files: json/jsonl/parquet/text files (globs allowed)")
+    format: str | None = option(None, choices=DATA_FORMATS,
+                                help="source files: json | parquet | text (null: from the file extension; text = one "
+                                     "document per file)")
+    text_field: str = option("text", help="source files: the column/key holding each document's text (json, parquet)")
+    tokenizer: str | None = option(None, help="source files: local tokenizer directory "
+                                              "(AutoTokenizer.from_pretrained, nothing downloaded)")
+    cache_dir: str | None = option(None, shown_default="~/.cache/hyper_parallel/tokens",
+                                   help="source files: where the tokenized store is written once and reused")
+    packing: bool = option(False, help="source files: documents + EOS back to back in rows of seq_len, with "
+                                       "document boundaries (seq_lens); false: one document per row, truncated")
+    shuffle: bool = option(True, help="source files: a new document order every epoch (seeded by data.seed)")
+    eval_fraction: float = option(0.0, ge=0, help="source files: fraction of documents held out for evaluation")
+    eval_every: int | None = option(None, ge=1, help="evaluate on the held-out documents every N optimizer steps "
+                                                     "(and after the last step)")
+    eval_batches: int = option(2, ge=1, help="micro-batches per DP rank in one evaluation (the same rows every time)")
     seq_len: int = option(128, ge=2, help="global sequence length of a row (the CP shard is cut from it)")
     micro_batch_size: int = option(1, ge=1, help="rows per global micro-batch, per DP rank")
-    min_doc_len: int | None = option(None, ge=2, help="if set, each row is a document of random length in "
-                                                      "[min_doc_len, seq_len], right-padded")
+    min_doc_len: int | None = option(None, ge=2, help="source bytes: if set, each row is a document of random "
+                                                      "length in [min_doc_len, seq_len], right-padded")
     pad_to_multiple: int | None = option(None, ge=1, help="round the row length up to a multiple")
     seed: int = option(0, help="data seed")
-    pad_token_id: int = option(0, help="id written into padding (byte 0 never occurs in text)")
+    pad_token_id: int = option(0, help="id written into padding (it carries no loss and is never attended to)")
     ignore_index: int = option(-100, help="label value of targets that carry no loss")
 
     def _check(self, path: str) -> None:
         if self.min_doc_len is not None and self.min_doc_len > self.seq_len:
             raise CPConfigError(f"{path}.min_doc_len", f"{self.min_doc_len} exceeds data.seq_len={self.seq_len}",
                                 fix="use min_doc_len <= seq_len")
+        if self.source == "files":
+            for name in ("files", "tokenizer"):
+                if getattr(self, name) is None:
+                    raise CPConfigError(f"{path}.{name}", "is required with data.source: files",
+                                        fix="e.g. files: [my_docs.jsonl] and tokenizer: my_tokenizer_dir")
+            if self.min_doc_len is not None:
+                raise CPConfigError(f"{path}.min_doc_len", "applies to data.source: bytes only",
+                                    fix="remove it (document lengths come from the files)")
+            if self.path is not None:
+                raise CPConfigError(f"{path}.path", "applies to data.source: bytes only",
+                                    fix="list the files in data.files instead")
+            if self.eval_fraction >= 1:
+                raise CPConfigError(f"{path}.eval_fraction", f"must be < 1, got {self.eval_fraction}")
+        else:
+            for name, default in (("files", None), ("tokenizer", None), ("packing", False),
+                                  ("eval_fraction", 0.0), ("eval_every", None)):
+                if getattr(self, name) != default:
+                    raise CPConfigError(f"{path}.{name}", "applies to data.source: files only",
+                                        fix="set data.source: files (with data.files and data.tokenizer) or remove it")
+        if self.eval_every is not None and self.eval_fraction <= 0:
+            raise CPConfigError(f"{path}.eval_every", "needs held-out documents",
+                                fix="set data.eval_fraction > 0 (e.g. 0.05)")
 
 
 @dataclasses.dataclass
