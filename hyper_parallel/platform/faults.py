@@ -5,7 +5,8 @@
 (``kind=kill``: a dead peer) when the trainer is about to run optimizer step ``step`` (1-based,
 as logged): ``at=step`` (default) before the step's first collective, ``at=forward`` after the
 step's token-count all-reduce, just before the first forward (so the peer's next collective is
-one of FSDP2's own all-gathers rather than a hyper_parallel one). Unset: nothing happens. The
+one of FSDP2's own all-gathers rather than a hyper_parallel one), ``at=save`` in the checkpoint
+save of step ``step``, just before DCP writes (the peer's next collective is one of DCP's own). Unset: nothing happens. The
 hook exists for the peer-failure tests (``tests/foundation/test_peer_failure.py``); never set
 it in a real run. A malformed value raises ``ValueError`` naming the variable.
 """
@@ -18,7 +19,7 @@ import sys
 
 ENV = "HYPER_PARALLEL_FAULT_INJECT"
 KINDS = ("stop", "kill")
-POINTS = ("step", "forward")
+POINTS = ("step", "forward", "save")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def parse_fault_spec(text: str | None) -> FaultSpec | None:
     missing = {"rank", "step", "kind"} - set(fields)
     if unknown or missing:
         raise ValueError(f"{ENV}={text!r}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)} "
-                         f"(want rank=R,step=S,kind=stop|kill[,at=step|forward])")
+                         f"(want rank=R,step=S,kind=stop|kill[,at=step|forward|save])")
     spec = FaultSpec(int(fields["rank"]), int(fields["step"]), fields["kind"], fields.get("at", "step"))
     if spec.kind not in KINDS or spec.at not in POINTS or spec.step < 1 or spec.rank < 0:
         raise ValueError(f"{ENV}={text!r}: kind must be one of {KINDS}, at one of {POINTS}, step >= 1, rank >= 0")

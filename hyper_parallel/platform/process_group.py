@@ -45,5 +45,25 @@ def init_distributed(platform: Platform | None = None, *, rank: int | None = Non
 
 
 def destroy_distributed() -> None:
+    _TIMED_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_TIMED_GROUPS: dict = {}
+
+
+def timed_world_group():
+    """A group of every rank whose collectives time out after :func:`default_timeout` (the value
+    of ``accelerator.comm_timeout_s`` once the trainer set it), for torch code that issues its own
+    collectives on a group it is given (DCP's save and load). The default group keeps the timeout
+    it was created with, before the config was read. Cached per (world size, timeout); creating
+    one is collective (every rank calls it at the same point). None when not distributed."""
+    if not dist.is_initialized():
+        return None
+    timeout = default_timeout()
+    key = (dist.get_world_size(), timeout)
+    group = _TIMED_GROUPS.get(key)
+    if group is None:
+        group = _TIMED_GROUPS[key] = dist.new_group(timeout=timeout)
+    return group

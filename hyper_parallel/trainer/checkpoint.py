@@ -21,14 +21,21 @@ once every rank has written and checksummed its files (an agreement through the 
 with the collective timeout), so a ``step_<N>`` directory is always complete; ``keep_last`` then
 removes the oldest complete ones. ``resume_from: latest`` is the newest complete ``step_<N>``.
 
-Resuming requires the *same* topology. Resharding to another CP size is out of scope
-(design 1.3) and is rejected before anything is loaded, with an error naming
-``schedule.resume_from`` and both sizes; other topology changes are rejected the same way
-because every DP rank's data stream depends on them.
+Resuming at another CP size, DP size or world size reshards: DCP saves every tensor by its
+global shape (FSDP2/DTensor shards with their offsets) and reads back the pieces this run's
+shards need, model and optimizer state alike, so CP=2 -> 1 or 4 and a DP change load the same
+state; the data position (global micro-batches consumed per DP rank) carries over unchanged.
+Another TP size is refused by name (:func:`check_topology`).
+
+Every collective of a save or a load honours ``accelerator.comm_timeout_s``: DCP runs on
+:func:`~hyper_parallel.platform.process_group.timed_world_group` (the default group may have been
+created before the config was read, with the launcher-wide timeout), the agreements go through
+the platform layer's timed waits.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,7 +48,10 @@ import torch.distributed as dist
 from ..distributed.errors import CPConfigError
 from ..distributed.preflight import agree_or_raise
 from ..platform import all_gather_object, barrier
+from ..platform.faults import maybe_inject_fault
+from ..platform.process_group import timed_world_group
 
+log = logging.getLogger("hyper_parallel.trainer")
 META_FILE = "hyper_meta.json"
 FORMAT = "hyper_parallel.trainer/1"
 DCP_METADATA = ".metadata"
@@ -134,8 +144,9 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(step, dtype=torch.int64),
                          "data_position": torch.tensor(data_position, dtype=torch.int64)}}
-    dcp.save(state, checkpoint_id=str(path))
     rank = dist.get_rank() if dist.is_initialized() else 0
+    maybe_inject_fault(rank, step, "save")   # test hook (platform/faults.py)
+    dcp.save(state, checkpoint_id=str(path), process_group=timed_world_group())
     try:  # each rank checksums what it wrote; the outcome is gathered even on failure
         mine = _own_file_sums(path, rank)
     except OSError as exc:
@@ -246,28 +257,38 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def check_topology(path, saved: dict, current: dict) -> None:
-    """Raise CPConfigError naming schedule.resume_from and both sizes on any mismatch."""
-    if saved.get("cp_size") != current["cp_size"]:
+def check_topology(path, saved: dict, current: dict) -> dict | None:
+    """What a resume from a checkpoint saved with topology ``saved`` onto ``current`` needs.
+
+    Returns None for the same topology, else ``{"from": saved, "to": current}``: the CP size, the
+    DP sizes and the world size may change, because DCP reshards every FSDP2/DTensor tensor
+    (model and optimizer state are saved by global shape and read back as this run's shards) and
+    the data stream position is per DP rank (global micro-batches consumed). The TP size may not:
+    a TP plan restructures its modules (heads split per rank, fused projections) and nothing
+    checks that the saved shards map onto another TP layout, so it raises :class:`CPConfigError`
+    naming ``accelerator.tp_size`` and both sizes."""
+    if saved.get("tp", 1) != current["tp"]:
         raise CPConfigError(
             "schedule.resume_from",
-            f"checkpoint {path} was saved with accelerator.cp_size={saved.get('cp_size')} but this run has "
-            f"accelerator.cp_size={current['cp_size']}: resharding a checkpoint to another CP size is not "
-            "supported (out of scope in Phase 1)",
-            fix=f"resume with accelerator.cp_size={saved.get('cp_size')}, or start a fresh run without resume_from")
-    for key, field in TOPOLOGY_KEYS[1:]:
-        if saved.get(key) != current[key]:
-            raise CPConfigError(
-                "schedule.resume_from",
-                f"checkpoint {path} was saved with {field}={saved.get(key)} but this run has "
-                f"{field}={current[key]}: resuming requires the same topology (each DP rank's data "
-                "stream and the sharded state depend on it)",
-                fix=f"resume with {field}={saved.get(key)}")
+            f"checkpoint {path} was saved with accelerator.tp_size={saved.get('tp')} but this run has "
+            f"accelerator.tp_size={current['tp']}: tensor-parallel state is not resharded (the TP plan "
+            "restructures its modules: attention heads and MLP columns split per rank)",
+            fix=f"resume with accelerator.tp_size={saved.get('tp')} (cp_size and the DP sizes may change)")
+    changed = [k for k, _ in TOPOLOGY_KEYS if saved.get(k) != current[k]]
+    return {"from": {k: saved.get(k) for k, _ in TOPOLOGY_KEYS}, "to": dict(current)} if changed else None
+
+
+def describe_reshard(reshard: dict) -> str:
+    """``cp_size 2 -> 1, world_size 2 -> 1`` for the sizes that differ."""
+    return ", ".join(f"{field.split('.')[-1]} {reshard['from'][k]} -> {reshard['to'][k]}"
+                     for k, field in TOPOLOGY_KEYS if reshard["from"].get(k) != reshard["to"].get(k))
 
 
 def validate_resume(path: str | Path | None, topology: dict, root: str | Path | None = None) -> dict | None:
     """Agreed on every rank: the checkpoint exists, is intact (:func:`verify_checkpoint`, the files
-    split between the ranks) and was saved with this topology; the same error on every rank.
+    split between the ranks) and its topology can be loaded here (:func:`check_topology`: another
+    CP / DP / world size is resharded, ``meta["reshard"]``; another TP size is refused); the same
+    error on every rank.
 
     Collective: every rank calls it, also those with no ``path`` (they check nothing and
     return None), so that a ``resume_from`` set on only some ranks fails every rank here.
@@ -276,15 +297,16 @@ def validate_resume(path: str | Path | None, topology: dict, root: str | Path | 
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    timed_world_group()   # created here, at set-up on every rank, before any save or load needs it
 
     def check():
         if not path:
             return None
         where = resolve_resume(path, root)
         meta = read_meta(where)
-        check_topology(where, meta.get("topology", {}), topology)
+        reshard = check_topology(where, meta.get("topology", {}), topology)
         verify_checkpoint(where, meta, part=rank, parts=world)
-        return {**meta, "path": str(where)}
+        return {**meta, "path": str(where), "reshard": reshard}
 
     return agree_or_raise(check, what="checkpoint resume", same_error=True)
 
@@ -366,7 +388,12 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
                          "data_position": torch.tensor(-1, dtype=torch.int64)}}
     agree_or_raise(lambda: check_structure(path, meta, state, optimizer), what="checkpoint structure",
                    same_error=True)
-    dcp.load(state, checkpoint_id=str(path))
+    reshard = meta.get("reshard")
+    if reshard and _is_main():
+        log.info("resuming %s at another topology (%s): DCP reshards the model and optimizer state; the data "
+                 "position (%s micro-batches per DP rank) carries over", path, describe_reshard(reshard),
+                 meta.get("data_position"))
+    dcp.load(state, checkpoint_id=str(path), process_group=timed_world_group())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     step = int(state["trainer"]["step"])
     pos = int(state["trainer"]["data_position"])
