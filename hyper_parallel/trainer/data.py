@@ -1,4 +1,8 @@
-"""Byte-level text data: a corpus file -> deterministic global micro-batches per DP rank.
+"""Training data: byte-level text rows (here) and the stream every source feeds
+(:class:`DataStream`, :func:`build_data_stream`; tokenized files and packed documents are in
+:mod:`.data_sources` and :mod:`.packing`).
+
+Byte-level text data: a corpus file -> deterministic global micro-batches per DP rank.
 
 Tokens are the UTF-8 bytes of the file (vocab 256; byte 0, which never occurs in text, is the
 pad id). Every *global micro-batch* is a pure function of ``(data.seed, dp_rank, index)``:
@@ -108,9 +112,15 @@ class TextBatcher:
 
 
 class DataStream:
-    """Iterator over global micro-batches with an integer position (checkpointed)."""
+    """Iterator over global micro-batches with a position (checkpointed).
 
-    def __init__(self, batcher: TextBatcher, position: int = 0):
+    ``position``: micro-batches consumed by this DP rank (every DP rank consumes the same number).
+    :meth:`state_dict` also records the stream as a DP-size-free dict — ``rows_consumed`` (global
+    rows over every DP rank), ``epoch``, ``seed`` — which :meth:`load_state_dict` prefers for a
+    row-indexed batcher (:class:`~hyper_parallel.trainer.packing.RowBatcher`), so a resume at
+    another DP size continues at the same global row."""
+
+    def __init__(self, batcher, position: int = 0):
         self.batcher = batcher
         self.position = position
 
@@ -120,10 +130,71 @@ class DataStream:
         return out
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "dp_rank": self.batcher.dp_rank, "seed": self.batcher.seed}
+        state = {"position": self.position, "dp_rank": self.batcher.dp_rank, "seed": self.batcher.seed}
+        if hasattr(self.batcher, "rows_before"):
+            rows = self.batcher.rows_before(self.position)
+            state.update(rows_consumed=rows, epoch=self.batcher.rows.epoch_of(rows),
+                         micro_batch_size=self.batcher.micro_batch_size)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        if state.get("rows_consumed") is not None and hasattr(self.batcher, "rows_before"):
+            if int(state.get("seed", self.batcher.seed)) != self.batcher.seed:
+                raise CPConfigError("data.seed", f"is {self.batcher.seed}, the checkpoint's stream used "
+                                    f"{state['seed']}: the resumed rows would differ",
+                                    fix=f"resume with data.seed={state['seed']}")
+            per_index = self.batcher.rows_before(1)
+            rows = int(state["rows_consumed"])
+            if rows % per_index:
+                raise CPConfigError("data.micro_batch_size", f"the checkpoint consumed {rows} global rows, not a "
+                                    f"multiple of dp_size x micro_batch_size = {per_index}: no row boundary "
+                                    "to resume at", fix="resume with a DP size / micro-batch size dividing it")
+            self.position = rows // per_index
+        else:
+            self.position = int(state["position"])
+
+
+def build_data_stream(cfg: DataConfig, *, dp_rank: int, dp_size: int, vocab_size: int | None,
+                      is_builder: bool = True) -> tuple[DataStream, DataStream | None]:
+    """(training stream, held-out stream or None) for the ``data`` section.
+
+    ``source: bytes``: :class:`TextBatcher` (no held-out split). ``source: files``: the token store
+    (:func:`~hyper_parallel.trainer.data_sources.open_token_store`: built once by
+    ``is_builder``, collective when a process group is up), split by ``eval_fraction``, rows by
+    :mod:`~hyper_parallel.trainer.packing`. ``vocab_size`` (the model's embedding rows) is checked
+    against the tokenizer, every token id and ``pad_token_id`` before any step."""
+    if cfg.source == "bytes":
+        batcher = TextBatcher.from_config(cfg, dp_rank=dp_rank)
+        top = int(batcher.corpus.tokens.max())
+        _check_vocab(vocab_size, top + 1, top, cfg.pad_token_id, f"the byte-level text {batcher.corpus.path}")
+        return DataStream(batcher), None
+    from .data_sources import open_token_store
+    from .packing import DocumentRows, RowBatcher, split_documents
+
+    store = open_token_store(cfg, is_builder=is_builder)
+    _check_vocab(vocab_size, store.vocab_size, store.max_token_id, cfg.pad_token_id,
+                 f"the tokenizer {cfg.tokenizer}")
+    train_docs, eval_docs = split_documents(len(store), cfg.eval_fraction, cfg.seed)
+
+    def batcher(docs, shuffle):
+        rows = DocumentRows(store, docs, cfg.seq_len, seed=cfg.seed, shuffle=shuffle, packing=cfg.packing)
+        return RowBatcher(rows, cfg.micro_batch_size, dp_rank, dp_size, cfg.pad_to_multiple, cfg.pad_token_id,
+                          cfg.ignore_index)
+
+    held_out = DataStream(batcher(eval_docs, False)) if len(eval_docs) else None
+    return DataStream(batcher(train_docs, cfg.shuffle)), held_out
+
+
+def _check_vocab(vocab_size: int | None, tok_vocab: int, max_id: int, pad_id: int, what: str) -> None:
+    if vocab_size is None:
+        return
+    if tok_vocab > vocab_size or max_id >= vocab_size:
+        raise CPConfigError("model.config", f"the model embeds {vocab_size} token ids but {what} has "
+                            f"{tok_vocab} tokens (largest id in the data {max_id})",
+                            fix=f"set vocab_size: {tok_vocab} (or more) in the model config")
+    if not 0 <= pad_id < vocab_size:
+        raise CPConfigError("data.pad_token_id", f"{pad_id} is not a token id of the model (vocab {vocab_size})",
+                            fix="use the tokenizer's pad id or 0")
 
 
 def concat_batches(batches: list[dict]) -> dict:

@@ -185,7 +185,12 @@ def plot_loss_curve(records: list[dict], path: str | Path, title: str = "trainin
     fig, axes = plt.subplots(2 if router else 1, 1, figsize=(6, 5.6 if router else 3.6), dpi=110, squeeze=False,
                              sharex=True)
     ax = axes[0][0]
-    ax.plot(steps, losses, marker=marker, lw=1.4)
+    ax.plot(steps, losses, marker=marker, lw=1.4, label="train")
+    held_out = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if held_out:    # data.eval_every: the held-out loss (evaluate.py) on the same axes
+        ax.plot([s for s, _ in held_out], [v for _, v in held_out], marker="o", lw=1.4, color="tab:green",
+                label="eval (held-out)")
+        ax.legend(loc="upper right")
     ax.set_ylabel("loss (global token mean)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -1,9 +1,10 @@
-"""TextTrainer: byte-level causal language modeling on a text file (see data.py, loss.py,
-tiled_head.py: with ``loss.tiled`` the LM head computes the loss in token chunks)."""
+"""TextTrainer: causal language modeling on byte-level text or tokenized (optionally packed)
+documents (see data.py, data_sources.py, packing.py, loss.py, tiled_head.py: with ``loss.tiled``
+the LM head computes the loss in token chunks; evaluate.py: the held-out loss)."""
 from __future__ import annotations
 
 from .base import BaseTrainer, PreparedBatch
-from .data import DataStream, TextBatcher
+from .data import DataStream, build_data_stream
 from .loss import token_loss_sum
 from .router_loss import local_router_stats, router_spec, valid_input_mask
 
@@ -12,7 +13,13 @@ class TextTrainer(BaseTrainer):
     """Next-token prediction: sum of token CE over local ``shift_labels`` (ignore_index masked)."""
 
     def build_data(self) -> DataStream:
-        return DataStream(TextBatcher.from_config(self.cfg.data, dp_rank=self.mesh.dp_rank))
+        """The training stream (``self.eval_data``: the held-out stream or None); the tokenized store
+        is built by rank 0 once and the model's vocabulary checked against it before any step."""
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        stream, self.eval_data = build_data_stream(self.cfg.data, dp_rank=self.mesh.dp_rank,
+                                                   dp_size=self.mesh.dp_size, vocab_size=vocab,
+                                                   is_builder=self.is_main)
+        return stream
 
     def compute_loss(self, prepared: PreparedBatch):
         """-> (logits, local loss sum, local valid targets). With an MoE router loss on
