@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 
+from . import simlink as _simlink
 from .peer import TIMEOUT, CollectiveError, CommTimeoutError, PeerLostError, classify_failure, group_ranks_of
 
 
@@ -96,10 +97,12 @@ def comm_counter():
             _COUNTER.stack.remove(records)
 
 
-def _record(op: str, world: int, sent: float, recv: float, tag: str) -> None:
+def _record(op: str, world: int, sent: float, recv: float, tag: str) -> Optional[float]:
+    """Count the collective; return when it completes on the simulated link (None: link off)."""
     with _COUNTER.lock:
         for records in _COUNTER.stack:
             records.append(CommRecord(op, world, int(sent), int(recv), tag))
+    return _simlink.reserve(int(max(sent, recv)))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -114,8 +117,10 @@ class CommHandle:
     :func:`pending_handles` (tests assert no handle dangles after forward/backward).
     """
 
-    def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None, group=None):
+    def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None, group=None,
+                 ready_at: Optional[float] = None):
         self.op = op
+        self._ready_at = ready_at        # simulated link (platform/simlink.py): wait() blocks until then
         self.group = group
         self._t0 = time.monotonic()
         self._work = work
@@ -140,6 +145,7 @@ class CommHandle:
                     _PENDING.discard(self)
                     raise peer_error(self.op, self.group, self._t0, self._timeout)
                 _PENDING.discard(self)
+            _simlink.settle(self._ready_at)     # on the thread that waits: the comm thread for async CP
             self._result = self._finalize()
             self._done = True
         return self._result
@@ -209,10 +215,11 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, async_op: bool = False, tag
     xc = x.contiguous()
     flat = torch.empty(world * xc.numel(), dtype=xc.dtype, device=xc.device)
     work = _launch("all_gather", group, lambda: _ALL_GATHER(flat, xc.view(-1), group=group, async_op=True))
-    _record("all_gather", world, _nbytes(xc) * (world - 1), _nbytes(xc) * (world - 1), tag)
+    ready = _record("all_gather", world, _nbytes(xc) * (world - 1), _nbytes(xc) * (world - 1), tag)
     d = dim % x.dim()
     handle = CommHandle("all_gather", work,
-                        lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d), group=group)
+                        lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d), group=group,
+                        ready_at=ready)
     return handle if async_op else handle.wait()
 
 
@@ -230,8 +237,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, op=dist.ReduceOp.SUM,
     work = _launch("reduce_scatter", group,
                    lambda: _REDUCE_SCATTER(out.view(-1), stacked.view(-1), op=op, group=group, async_op=True))
     n = _nbytes(stacked)
-    _record("reduce_scatter", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("reduce_scatter", work, lambda: out, group=group)
+    ready = _record("reduce_scatter", world, n * (world - 1) / world, n * (world - 1) / world, tag)
+    handle = CommHandle("reduce_scatter", work, lambda: out, group=group, ready_at=ready)
     return handle if async_op else handle.wait()
 
 
@@ -251,8 +258,8 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
     out = torch.empty_like(stacked)
     work = _launch("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group, async_op=True))
     n = _nbytes(stacked)
-    _record("all_to_all", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd), group=group)
+    ready = _record("all_to_all", world, n * (world - 1) / world, n * (world - 1) / world, tag)
+    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd), group=group, ready_at=ready)
     return handle if async_op else handle.wait()
 
 
@@ -283,8 +290,9 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
         input_split_sizes=[c * piece for c in send_counts], group=group, async_op=True))
     me = group_rank(group)
     pb = piece * (xt.numel() // max(xt.shape[0], 1)) * xt.element_size()
-    _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]), tag)
-    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group)
+    ready = _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]),
+                    tag)
+    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group, ready_at=ready)
     return handle if async_op else handle.wait()
 
 
@@ -296,8 +304,8 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     out = x.detach().clone().contiguous()
     work = _launch("all_reduce", group, lambda: dist.all_reduce(out, op=op, group=group, async_op=True))
     n = _nbytes(out)
-    _record("all_reduce", world, 2 * n * (world - 1) / world, 2 * n * (world - 1) / world, tag)
-    handle = CommHandle("all_reduce", work, lambda: out, group=group)
+    ready = _record("all_reduce", world, 2 * n * (world - 1) / world, 2 * n * (world - 1) / world, tag)
+    handle = CommHandle("all_reduce", work, lambda: out, group=group, ready_at=ready)
     return handle if async_op else handle.wait()
 
 

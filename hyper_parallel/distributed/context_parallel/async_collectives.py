@@ -41,6 +41,11 @@ def async_trace():
         _TRACE = prev
 
 
+def tracing() -> bool:
+    """Whether an :func:`async_trace` is recording (callers skip trace-only work otherwise)."""
+    return _TRACE is not None
+
+
 def trace_event(event: str, name: str) -> None:
     if _TRACE is not None:
         _TRACE.append((event, name, time.perf_counter()))
@@ -120,3 +125,72 @@ class _Wait(torch.autograd.Function):
         state.bwd_handle = state.backward_comm(grad.contiguous())
         trace_event("bwd_launch", state.name)
         return grad.new_zeros(ctx.token_shape), None
+
+
+# ----------------------------------------------------------------------------- comm plans
+# A plan is (forward_comm, backward_comm) for :class:`AsyncCollective`: each takes a tensor and
+# returns a CommHandle. Every step runs on the platform's communication thread
+# (:func:`hyper_parallel.platform.launch_chain`, FIFO, same submission order on every rank) and
+# calls the sync CP collectives of :mod:`.collectives` (the same layout functions the sync
+# strategies use) on a detached tensor, so no autograd graph is built there; the autograd
+# mirror is :class:`AsyncCollective`'s. A step with several collectives (Hybrid K/V: ulysses A2A
+# then colossal AllGather) is one chain: the dependency is kept on the comm thread.
+def _chain(steps, op: str) -> Callable[[torch.Tensor], CommHandle]:
+    from ...platform import launch_chain
+
+    def run(x: torch.Tensor) -> CommHandle:
+        return launch_chain(x, [_no_grad(s) for s in steps], op=op)
+
+    return run
+
+
+def _no_grad(step):
+    def run(y):
+        with torch.no_grad():
+            return step(y)
+    return run
+
+
+def colossal_kv_plan(group, seq_dim: int = 2) -> tuple:
+    """K or V ``[B, Hk, L, D]`` -> AllGather on ``group`` -> ``[B, Hk, S, D]``; bwd: ReduceScatter(sum)."""
+    from ...platform import reduce_scatter
+    from .collectives import all_gather_seq
+
+    return (_chain([lambda y: all_gather_seq(y, group, dim=seq_dim, tag="async_kv_gather")], "async_kv_gather"),
+            _chain([lambda g: reduce_scatter(g, group, dim=seq_dim, tag="async_kv_reduce_scatter")],
+                   "async_kv_reduce_scatter"))
+
+
+def ulysses_plan(group) -> tuple:
+    """``[B, H, L, D]`` -> seq->head A2A on ``group`` -> ``[B, H/u, u*L, D]``; bwd: the inverse A2A.
+
+    Even head split only (``H % u == 0``): :func:`..wrappers.heads.check_heads` (default
+    ``even_heads_only``) refuses other layouts before the first step."""
+    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    return (_chain([lambda y: ulysses_seq_to_head(y, group, tag="async_seq_to_head")], "async_seq_to_head"),
+            _chain([lambda g: ulysses_head_to_seq(g, group, tag="async_head_to_seq")], "async_head_to_seq"))
+
+
+def hybrid_kv_plan(colossal_group, ulysses_group) -> tuple:
+    """K or V: seq->head A2A on the ulysses group chained into AllGather on the colossal group
+    (``[B, Hk, S/C, D]`` -> ``[B, Hk/u, S, D]``); bwd: ReduceScatter(colossal) chained into the
+    inverse A2A(ulysses). Both stages run on the comm thread, forward and backward."""
+    from ...platform import reduce_scatter
+    from .collectives import all_gather_seq, ulysses_head_to_seq, ulysses_seq_to_head
+
+    fwd = _chain([lambda y: ulysses_seq_to_head(y, ulysses_group, tag="async_seq_to_head"),
+                  lambda y: all_gather_seq(y, colossal_group, dim=2, tag="async_kv_gather")], "hybrid_kv_chain")
+    bwd = _chain([lambda g: reduce_scatter(g, colossal_group, dim=2, tag="async_kv_reduce_scatter"),
+                  lambda g: ulysses_head_to_seq(g, ulysses_group, tag="async_head_to_seq")], "hybrid_kv_chain_bwd")
+    return fwd, bwd
+
+
+def head_tail_q_plan(group) -> tuple:
+    """Q ``[B, Hq, L, D]`` (sub-chunks 2r, 2r+1) -> Head-Tail dispatch -> ``cat(q_head, q_tail)``
+    along the sequence (sub-chunks r and 2C-1-r, ``[B, Hq, L, D]``); bwd: the combine exchange
+    (the inverse permutation) of ``(dq_head, dq_tail)``."""
+    from .collectives import head_tail_combine, head_tail_dispatch
+
+    return (_chain([lambda y: torch.cat(head_tail_dispatch(y, group), dim=2)], "async_head_tail_dispatch"),
+            _chain([lambda g: head_tail_combine(*g.chunk(2, dim=2), group)], "async_head_tail_dispatch_bwd"))

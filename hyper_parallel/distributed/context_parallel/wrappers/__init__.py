@@ -80,6 +80,8 @@ from .entry_points import (BUILTIN_NAMES, flex_hf_cp_wrapper, flex_hf_ulysses_cp
                            sdpa_hf_load_balance_cp_wrapper, sdpa_hf_ulysses_cp_wrapper, sdpa_qkv_cp_wrapper,
                            sdpa_qkv_hybrid_cp_wrapper, sdpa_qkv_load_balance_cp_wrapper, sdpa_qkv_ulysses_cp_wrapper)
 from .heads import check_heads, module_heads, unrepeat_kv
+from .async_entry_points import (async_colossal_cp_wrapper, async_hybrid_cp_wrapper,  # noqa: E402
+                                 async_load_balance_cp_wrapper, async_ulysses_cp_wrapper)
 from .validate_mode import VALIDATE_TOLERANCE, CPValidationError
 
 __all__ = [
@@ -88,4 +90,5 @@ __all__ = [
     "sdpa_qkv_hybrid_cp_wrapper", "sdpa_qkv_load_balance_cp_wrapper", "flex_hf_cp_wrapper",
     "flex_hf_ulysses_cp_wrapper", "flex_qkv_cp_wrapper", "flex_qkv_ulysses_cp_wrapper",
     "CPValidationError", "VALIDATE_TOLERANCE", "module_heads", "check_heads", "unrepeat_kv", "BUILTIN_NAMES",
+    "async_colossal_cp_wrapper", "async_ulysses_cp_wrapper", "async_hybrid_cp_wrapper", "async_load_balance_cp_wrapper",
 ]

@@ -1,0 +1,432 @@
+"""The async handoff protocol (design 4.4) and the generic async CP installation.
+
+**Protocol.** An attention that can run async CP exposes its real handoff modules::
+
+    attn.get_async_cp_handoffs() -> {"q": cp_q_handoff, "k": cp_k_handoff, "v": cp_v_handoff,
+                                     "wait": cp_attn_wait}
+
+and its forward calls them in this contract (one call each per forward)::
+
+    k = self.cp_k_handoff(k)          # k [B, Hk, L, D]: projection (+ norm) + RoPE done, last safe point
+    v = self.cp_v_handoff(v)          # v [B, Hk, L, D]
+    q = self.cp_q_handoff(q)          # q [B, Hq, L, D]
+    q, k, v = self.cp_attn_wait(q, k, v)     # the handoff outputs, unchanged
+    out = attention_interface(self, q, k, v, ...)   # transformers' attention interface, once
+
+The handoff modules are identity :class:`HandoffPoint` / :class:`AttnWait` modules owned by the
+attention (no parameters, so checkpoints and TP/FSDP plans do not change). Compute placed
+between a launch and the wait is what the collective overlaps; the adapters put the K and V
+handoffs first and the Q branch (projection, norm, RoPE) after them.
+
+**Generic installation** (:func:`install_async`): forward hooks on the handoffs launch the
+method's collectives (:class:`~..async_collectives.AsyncCollective`, on the platform's comm
+thread) at their output; the hook on ``cp_attn_wait`` waits them and hands the communicated
+tensors to the attention call, which is routed (private config naming transformers' interface
+``hyper_parallel_cp``, as the sync ``*_hf`` wrappers) to the engine with global positions.
+Backward mirrors it: the wait node's backward launches the inverse collective, the launch
+node's backward (right before the projection's grad GEMM) waits it.
+
+**Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
+name), the four modules are distinct and owned by this attention, and a probe forward (train
+mode, 2 tokens) proves each is called exactly once, the three handoffs before the wait and the
+wait before the single attention call, with outputs ``[B, H, S, D]`` of this module's heads
+(q: Hq, k/v: Hk) passed to ``cp_attn_wait`` unchanged; at least one owned compute module runs
+between the first communicated launch and the wait (else it is launch-then-wait: no overlap,
+refused as pseudo-async). Then the static refusals of the sync wrappers (attention dropout,
+ALiBi) and the method's head/degree rule (:func:`.heads.check_heads`). At every real call the
+same pseudo-async rule is checked again and the local shapes against the CP batch meta before
+the first launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ....platform import group_rank
+from .. import catalogue
+from ..async_collectives import (AsyncCollective, colossal_kv_plan, head_tail_q_plan, hybrid_kv_plan,
+                                 trace_event, tracing, ulysses_plan)
+from ..collectives import head_tail_combine, head_tail_sub_chunks, ulysses_head_to_seq
+from ..interception import (AttentionCall, CPInterceptionError, current_apply_context,
+                            ensure_hf_interface_registered, hf_probe_inputs, install_private_config,
+                            intercept_hf_interface)
+from ..meta import current_cp_batch_meta
+from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, UlyssesStrategy
+from ..strategies.base import engine_attention
+from .heads import check_heads, module_heads
+from .preflight import check_call, check_features
+
+__all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
+           "install_async", "ASYNC_METHODS"]
+
+HANDOFF_KEYS = ("q", "k", "v", "wait")
+# which tensors each async method communicates at its handoffs
+ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": ("q", "k", "v"),
+                 "load_balance": ("k", "v", "q")}
+
+
+class HandoffPoint(nn.Module):
+    """Identity module marking a tensor's last safe handoff (``[B, H, L, D]`` after projection,
+    norm and RoPE). The async wrapper's forward hook launches the collective at its output."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.handoff = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return self.handoff
+
+
+class AttnWait(nn.Module):
+    """Identity on ``(q, k, v)`` right before the attention consumer; the async wrapper's hook
+    replaces its output by the waited (communicated) tensors."""
+
+    def forward(self, q, k, v):
+        return q, k, v
+
+
+# ----------------------------------------------------------------------------- protocol checks
+def get_handoffs(module: nn.Module, who: str) -> dict:
+    """The four handoff modules of ``module`` (checked: protocol present, distinct, owned)."""
+    name = type(module).__name__
+    getter = getattr(module, "get_async_cp_handoffs", None)
+    if not callable(getter):
+        raise ValueError(
+            f"{who}: {name} does not implement the async handoff protocol (no get_async_cp_handoffs()), so "
+            "async CP cannot choose its launch/wait points; use this model's adapter "
+            "(hyper_parallel.models.<model_type>.adapter.*_async_*_cp_wrapper, docs/async_cp.md) or a sync wrapper "
+            "(sdpa_hf / sdpa_hf_ulysses / sdpa_hf_hybrid_cp_wrapper)")
+    got = getter()
+    if not isinstance(got, dict) or set(got) != set(HANDOFF_KEYS):
+        raise ValueError(f"{who}: {name}.get_async_cp_handoffs() must return a dict with keys {HANDOFF_KEYS}, "
+                         f"got {sorted(got) if isinstance(got, dict) else type(got).__name__}")
+    mods = [got[k] for k in HANDOFF_KEYS]
+    for key, m in zip(HANDOFF_KEYS, mods):
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"{who}: {name}.get_async_cp_handoffs()['{key}'] is a {type(m).__name__}, "
+                             "not an nn.Module")
+    if len({id(m) for m in mods}) != 4:
+        raise ValueError(f"{who}: {name}.get_async_cp_handoffs() returns the same module twice; the q, k, v and "
+                         "wait handoffs must be four distinct modules")
+    owned = {id(m) for m in module.modules() if m is not module}
+    for key, m in zip(HANDOFF_KEYS, mods):
+        if id(m) not in owned:
+            raise ValueError(f"{who}: the '{key}' handoff ({type(m).__name__}) is not a submodule of this {name}; "
+                             "each attention must own its handoff modules")
+    return dict(got)
+
+
+def _compute_modules(module: nn.Module, handoffs: dict) -> dict:
+    """Owned leaf modules with parameters (projections, norms), by name: the compute a launch overlaps."""
+    skip = {id(m) for m in handoffs.values()}
+    return {n: m for n, m in module.named_modules() if n and id(m) not in skip and not list(m.children())
+            and any(True for _ in m.parameters(recurse=False))}
+
+
+@dataclasses.dataclass
+class ProbeRecord:
+    events: list            # ("handoff", key, out) | ("compute", name) | ("attention",)
+    wait_args: tuple
+
+
+def probe_handoffs(module: nn.Module, forward: Callable, who: str) -> Optional[ProbeRecord]:
+    """Run ``forward`` (the attention's protocol forward) on 2 dummy tokens in train mode with
+    recording hooks and the attention call answered by zeros; None when the module cannot be
+    probed (meta/DTensor parameters, no HF signature)."""
+    kwargs = hf_probe_inputs(module)
+    if kwargs is None:
+        return None
+    handoffs = get_handoffs(module, who)
+    events: list = []
+    wait_args: list = []
+    hooks = []
+    for key in ("q", "k", "v"):
+        hooks.append(handoffs[key].register_forward_hook(
+            lambda m, a, out, key=key: events.append(("handoff", key, out))))
+    hooks.append(handoffs["wait"].register_forward_hook(
+        lambda m, a, out: (events.append(("handoff", "wait", out)), wait_args.append(a))[0] and None))
+    for n, m in _compute_modules(module, handoffs).items():
+        hooks.append(m.register_forward_hook(lambda m, a, out, n=n: events.append(("compute", n))))
+
+    def zeros(call: AttentionCall) -> torch.Tensor:
+        events.append(("attention",))
+        return call.q.new_zeros(call.q.shape[0], call.q.shape[1], call.q.shape[2], call.v.shape[-1])
+
+    ensure_hf_interface_registered()
+    undo = install_private_config(module)
+    was_training = module.training
+    try:
+        module.train(True)
+        with torch.no_grad(), intercept_hf_interface(who, module, zeros, max_calls=1 << 30, check=False):
+            forward(**kwargs)
+    finally:
+        module.train(was_training)
+        undo()
+        for h in hooks:
+            h.remove()
+    return ProbeRecord(events, wait_args[0] if wait_args else ())
+
+
+def check_probe_record(rec: ProbeRecord, module: nn.Module, method: str, who: str) -> None:
+    """The probe's evidence against the protocol contract (see the module docstring)."""
+    name = type(module).__name__
+    calls = {k: [i for i, e in enumerate(rec.events) if e[0] == "handoff" and e[1] == k] for k in HANDOFF_KEYS}
+    att = [i for i, e in enumerate(rec.events) if e[0] == "attention"]
+    for key, idx in calls.items():
+        if len(idx) != 1:
+            raise ValueError(f"{who}: a probe forward of {name} called its '{key}' handoff {len(idx)} times; the "
+                             "protocol needs exactly one call per forward (launch and wait must pair up)")
+    if len(att) != 1:
+        raise ValueError(f"{who}: a probe forward of {name} made {len(att)} attention-interface calls; the async "
+                         "wrapper replaces exactly one (check attn_implementation and the adapter's forward)")
+    w = calls["wait"][0]
+    for key in ("q", "k", "v"):
+        if calls[key][0] > w:
+            raise ValueError(f"{who}: {name} calls cp_attn_wait before its '{key}' handoff; every handoff must "
+                             "precede the wait")
+    if att[0] < w:
+        raise ValueError(f"{who}: {name} calls its attention before cp_attn_wait; the wait must precede the consumer")
+    hq, hk = module_heads(module)
+    outs = {k: rec.events[calls[k][0]][2] for k in ("q", "k", "v")}
+    for i, key in enumerate(("q", "k", "v")):
+        t = outs[key]
+        heads = hq if key == "q" else hk
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[2] != 2 or (
+                heads is not None and t.shape[1] != heads):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{who}: {name}'s '{key}' handoff outputs {shape}; the async wrappers need "
+                             f"[B, H, S, D] with H = {heads} ({'query' if key == 'q' else 'KV'} heads) and the "
+                             "sequence on dim 2 (probe: S=2)")
+        if len(rec.wait_args) != 3 or rec.wait_args[i] is not t:
+            raise ValueError(f"{who}: {name} does not pass its '{key}' handoff output to cp_attn_wait unchanged; "
+                             "the wait must receive exactly the launched tensors (no reshape/copy in between)")
+    launches = [calls[k][0] for k in ASYNC_METHODS[method]]
+    first = min(launches)
+    if not any(e[0] == "compute" for e in rec.events[first:w]):
+        order = [e[1] if e[0] != "attention" else "attention" for e in rec.events]
+        raise ValueError(
+            f"{who}: {name} launches its {'/'.join(ASYNC_METHODS[method])} collectives and waits for them with no "
+            f"compute in between (probe order {order}): that is launch-then-wait, pseudo-async with no overlap. "
+            "Place the handoffs at the last safe point before the remaining projections, or use the sync wrapper")
+
+
+def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: int, tp_size: int = 1,
+                   ulysses_degree=None, probe: bool = True, forward: Optional[Callable] = None) -> None:
+    """Preflight of a generic async wrapper (no collective); raises ValueError naming ``who``."""
+    get_handoffs(target_module, who)
+    check_features(target_module, who)
+    check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
+    if probe:
+        rec = probe_handoffs(target_module, forward or target_module.forward, who)
+        if rec is not None:
+            check_probe_record(rec, target_module, method, who)
+
+
+# ----------------------------------------------------------------------------- installation
+@dataclasses.dataclass
+class _Plan:
+    method: str
+    plans: dict              # tensor key -> (forward_comm, backward_comm)
+    checker: object          # the sync strategy of the method on the same groups (local checks only)
+    out_group: object = None  # ulysses group of the output head->seq A2A (Ulysses/Hybrid)
+    ulysses_degree: Optional[int] = None
+    group: object = None     # cp group (Head-Tail combine)
+
+
+def _group_of(cp_mesh):
+    if cp_mesh is None:
+        raise ValueError("async CP wrappers need an active cp mesh (accelerator.cp_size > 1)")
+    return cp_mesh if not hasattr(cp_mesh, "get_group") else cp_mesh.get_group()
+
+
+def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
+    """The collectives of ``method`` on the cached groups (never creates one)."""
+    if method == "hybrid":
+        if mesh is None or not hasattr(mesh, "hybrid_groups"):
+            raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
+        cg, ug = mesh.hybrid_groups(ulysses_degree)
+        kv = hybrid_kv_plan(cg, ug)
+        return _Plan(method, {"k": kv, "v": kv, "q": ulysses_plan(ug)}, HybridStrategy(cg, ug), ug, ulysses_degree)
+    group = _group_of(cp_mesh)
+    if method == "colossal":
+        kv = colossal_kv_plan(group)
+        return _Plan(method, {"k": kv, "v": kv}, AllGatherStrategy(group), group=group)
+    if method == "ulysses":
+        p = ulysses_plan(group)
+        return _Plan(method, {"q": p, "k": p, "v": p}, UlyssesStrategy(group), group)
+    if method == "load_balance":
+        kv = colossal_kv_plan(group)
+        return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group)}, HeadTailStrategy(group), group=group)
+    raise ValueError(f"no async plan for CP method {method!r}")
+
+
+class _Call:
+    """State of one forward of one attention: its collectives and the compute seen since launch."""
+
+    def __init__(self):
+        self.colls: dict = {}
+        self.tokens: dict = {}
+        self.computes_since_launch = 0
+        self.checked = False
+
+
+def _consumer(plan: _Plan, module: nn.Module, owner: str) -> Callable[[AttentionCall], torch.Tensor]:
+    """The attention call after the wait: engine attention on the communicated tensors."""
+    who = f"module '{owner}'"
+
+    def handler(call: AttentionCall) -> torch.Tensor:
+        check_call(call, module, who, at="at the call")
+        meta = current_cp_batch_meta()
+        q, k, v = call.q, call.k, call.v
+        kw = dict(meta=meta, scale=call.scale, window=call.window, softcap=call.softcap)
+        sinks = call.sinks
+        if sinks is not None and sinks.dtype != q.dtype:
+            sinks = sinks.to(q.dtype)
+        m = plan.method
+        if m == "colossal":
+            return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
+        if m == "load_balance":
+            C, r = plan.checker.cp_size, plan.checker.cp_rank
+            sub = meta.global_seq_len // (2 * C)
+            outs = []
+            # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
+            for q_part, chunk in zip(q.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
+                q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
+                n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
+                trace_event("compute", f"attention_chunk{chunk}")
+                outs.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
+                                             k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks, **kw))
+            return head_tail_combine(outs[0], outs[1], plan.group)
+        # ulysses / hybrid: this rank's head slice over the (group's) whole sequence
+        u = plan.ulysses_degree or plan.checker.cp_size
+        i = group_rank(plan.out_group)
+        # even head split (check_heads): this rank's query heads are [i*n, (i+1)*n), its sinks follow them
+        sinks_h = None if sinks is None else sinks.narrow(0, i * q.shape[1], q.shape[1])
+        if m == "ulysses":
+            q_pos = meta.k_index
+        else:
+            span = meta.local_seq_len * u
+            start = (meta.cp_rank // u) * span
+            q_pos = torch.arange(start, start + span, dtype=torch.int64)
+        out = engine_attention(q, k, v, q_pos=q_pos, k_pos=meta.k_index, sinks=sinks_h, **kw)
+        # sync: its result feeds o_proj at once. Every comm-thread job of this layer has been waited,
+        # so issuing it from this thread keeps the per-group collective order identical on all ranks.
+        return ulysses_head_to_seq(out, plan.out_group, tag="async_out_head_to_seq")
+
+    return handler
+
+
+def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str, ulysses_degree=None,
+                  forward: Optional[Callable] = None) -> Callable:
+    """Install async ``method`` on an attention implementing the protocol; return the CP forward.
+
+    ``forward`` is the protocol forward to run (default: the module's current forward). Hooks
+    are registered on the handoff modules and on the owned compute modules (overlap accounting
+    and the trace of :func:`~..async_collectives.async_trace`); ``__hp_undo__`` removes them and
+    restores the config.
+    """
+    if method not in ASYNC_METHODS:
+        raise ValueError(f"{who}: no async variant of method {method!r}")
+    catalogue.check_degree(method, None, ulysses_degree, who)
+    ctx = current_apply_context()
+    owner = ctx.fqn or type(target_module).__name__
+    handoffs = get_handoffs(target_module, who)
+    plan = make_plan(method, mesh, cp_mesh, ulysses_degree)
+    comm_keys = ASYNC_METHODS[method]
+    original = forward or target_module.forward
+    groups = getattr(target_module, "num_key_value_groups", 1)
+    state: list = []          # the _Call of the forward in progress (one at a time per module)
+
+    def cur() -> _Call:
+        if not state:
+            raise CPInterceptionError(f"module '{owner}': a handoff module ran outside the wrapped forward")
+        return state[-1]
+
+    def check_first(c: _Call, key: str, t: torch.Tensor) -> None:
+        if c.checked:
+            return
+        c.checked = True
+        meta = current_cp_batch_meta()
+        hk = t.shape[1] if key != "q" else t.shape[1] // groups
+        kv_shape = (t.shape[0], hk, t.shape[2], t.shape[3])
+        q_shape = (t.shape[0], hk * groups, t.shape[2], t.shape[3])
+        plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
+                                  cp_rank=plan.checker.cp_rank)
+        if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
+            raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "
+                             f"2*cp_size={2 * plan.checker.cp_size}; shard the batch with policy='load_balance'")
+
+    def launch_hook(key):
+        def hook(mod, args, out):
+            c = cur()
+            if key not in comm_keys:
+                return None
+            check_first(c, key, out)
+            if not c.colls:
+                c.computes_since_launch = 0
+            coll = AsyncCollective(key, *plan.plans[key])
+            c.colls[key] = coll
+            return coll.launch(out)
+        return hook
+
+    def wait_hook(mod, args, out):
+        c = cur()
+        got = dict(zip(("q", "k", "v"), out))
+        missing = [k for k in comm_keys if k not in c.colls]
+        if missing:
+            raise CPInterceptionError(f"module '{owner}': cp_attn_wait ran before the {missing} handoff(s)")
+        res = {k: (c.colls[k].wait(got[k]) if k in c.colls else got[k]) for k in ("q", "k", "v")}
+        if c.computes_since_launch == 0:
+            raise ValueError(f"{who}: module '{owner}' waited its collectives with no compute since the first "
+                             "launch (launch-then-wait, pseudo-async); place the handoffs before the remaining "
+                             "projections or use the sync wrapper")
+        return res["q"], res["k"], res["v"]
+
+    def compute_hook(name):
+        def hook(mod, args, out):
+            if state:
+                state[-1].computes_since_launch += 1
+            trace_event("compute", name)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                if tracing():
+                    out.register_hook(lambda g, name=name: trace_event("bwd_compute", name))
+            return None
+        return hook
+
+    hooks = [handoffs[k].register_forward_hook(launch_hook(k)) for k in ("q", "k", "v")]
+    hooks.append(handoffs["wait"].register_forward_hook(wait_hook))
+    hooks += [m.register_forward_hook(compute_hook(n)) for n, m in _compute_modules(target_module, handoffs).items()]
+
+    ensure_hf_interface_registered()
+    undo = [install_private_config(target_module)]
+    undo.append(lambda: [h.remove() for h in hooks])
+    handler = _consumer(plan, target_module, owner)
+
+    def cp_forward(*args, **kwargs):
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            raise ValueError(f"module '{owner}': async CP does not support a KV cache / use_cache in training; call "
+                             "the model with use_cache=False")
+        state.append(_Call())
+        try:
+            with intercept_hf_interface(owner, target_module, handler):
+                return original(*args, **kwargs)
+        finally:
+            c = state.pop()
+            for coll in c.colls.values():     # an error between launch and wait: never leave a handle behind
+                if coll.handle is not None:
+                    try:
+                        coll.handle.wait()
+                    except Exception:  # noqa: BLE001 - the original error is the one to report
+                        pass
+                    coll.handle = None
+
+    cp_forward.__hp_undo__ = undo
+    cp_forward.__hp_strategy__ = plan.checker
+    cp_forward.__wrapped__ = original
+    return cp_forward

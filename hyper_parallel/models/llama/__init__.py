@@ -1,0 +1,1 @@
+"""Llama adapters."""

@@ -1,0 +1,1 @@
+"""Llama distributed adapters (async CP wrappers)."""

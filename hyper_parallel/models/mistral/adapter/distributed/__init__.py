@@ -1,0 +1,1 @@
+"""Mistral distributed adapters (async CP wrappers)."""

@@ -1,0 +1,1 @@
+"""Qwen2 adapter package."""

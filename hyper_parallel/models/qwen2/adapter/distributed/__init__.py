@@ -1,0 +1,1 @@
+"""Qwen2 distributed adapters (async CP wrappers)."""

@@ -1,0 +1,1 @@
+"""Qwen3 distributed adapters (async CP wrappers)."""
