@@ -83,10 +83,7 @@ def load_tokenizer(path: str):
     has no EOS token."""
     from transformers import AutoTokenizer
 
-    d = resolve_path(path)
-    if not d.is_dir():
-        raise CPConfigError("data.tokenizer", f"{path} is not a directory",
-                            fix="point it at a local tokenizer directory (tokenizer.json + tokenizer_config.json)")
+    d = tokenizer_dir(path)
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - reported as a config error
@@ -98,6 +95,15 @@ def load_tokenizer(path: str):
     return tok
 
 
+def tokenizer_dir(path: str) -> Path:
+    """``data.tokenizer`` as an existing directory (CPConfigError otherwise)."""
+    d = resolve_path(path)
+    if not d.is_dir():
+        raise CPConfigError("data.tokenizer", f"{path} is not a directory",
+                            fix="point it at a local tokenizer directory (tokenizer.json + tokenizer_config.json)")
+    return d
+
+
 def _tokenizer_digest(d: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in d.iterdir() if p.is_file() and p.stat().st_size < (256 << 20)):
@@ -106,13 +112,13 @@ def _tokenizer_digest(d: Path) -> str:
     return h.hexdigest()
 
 
-def store_key(files: list[Path], fmt: str, text_field: str, tokenizer_dir: str) -> str:
+def store_key(files: list[Path], fmt: str, text_field: str, tokenizer: str) -> str:
     """Hash of everything the store's content depends on (module doc)."""
     h = hashlib.sha256(f"v{STORE_VERSION}|{fmt}|{text_field}".encode())
     for f in files:
         st = f.stat()
         h.update(f"|{f}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(_tokenizer_digest(resolve_path(tokenizer_dir)).encode())
+    h.update(_tokenizer_digest(tokenizer_dir(tokenizer)).encode())
     return h.hexdigest()[:24]
 
 
@@ -139,12 +145,12 @@ class TokenStore:
         return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])]
 
 
-def build_token_store(files: list[Path], fmt: str, text_field: str, tokenizer_dir: str, out: Path,
+def build_token_store(files: list[Path], fmt: str, text_field: str, tokenizer: str, out: Path,
                       batch_size: int = 256) -> Path:
     """Tokenize every document of ``files`` into the store directory ``out`` (module doc)."""
     import datasets
 
-    tok = load_tokenizer(tokenizer_dir)
+    tok = load_tokenizer(tokenizer)
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
@@ -175,7 +181,7 @@ def build_token_store(files: list[Path], fmt: str, text_field: str, tokenizer_di
         raise CPConfigError("data.files", f"{len(files)} file(s) hold no non-empty document in {field!r}")
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     meta = {"version": STORE_VERSION, "files": [str(f) for f in files], "format": fmt, "text_field": field,
-            "tokenizer": str(resolve_path(tokenizer_dir)), "n_docs": len(offsets) - 1, "n_tokens": offsets[-1],
+            "tokenizer": str(resolve_path(tokenizer)), "n_docs": len(offsets) - 1, "n_tokens": offsets[-1],
             "eos_token_id": int(tok.eos_token_id), "vocab_size": len(tok), "max_token_id": max(max_id, tok.eos_token_id)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if out.exists():      # another builder won the race with identical content
