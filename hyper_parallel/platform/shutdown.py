@@ -11,6 +11,8 @@ Contract:
   has failed. On SIGTERM a watcher thread gives the main thread ``grace_s`` seconds to report
   its own peer failure (then the precise diagnosis wins); otherwise it names the collective the
   main thread is blocked in, if any (from its live stack), and exits with 128 + SIGTERM.
+* :func:`install_parent_watch`: a rank whose launcher died (SIGKILLed torchrun) stops within a
+  second with one line and exit code 129 instead of training on as an orphan.
 """
 from __future__ import annotations
 
@@ -83,3 +85,41 @@ def install_sigterm_report(prefix: str = "", rank_fn: Callable[[], Optional[int]
 
     threading.Thread(target=watch, name="hp-sigterm-report", daemon=True).start()
     return True
+
+
+LAUNCHER_GONE_EXIT = 129   # 128 + SIGHUP, the conventional "controlling process went away" status
+
+
+def launcher_gone_line(rank: Optional[int], launcher_pid: int) -> str:
+    who = "" if rank is None else f"rank {rank}: "
+    return (f"{who}the launcher (pid {launcher_pid}, e.g. torchrun) is gone - stopping now, writing nothing "
+            f"more (the last complete checkpoint stays resumable; start the job again to continue)")
+
+
+def install_parent_watch(prefix: str = "", rank_fn: Callable[[], Optional[int]] = lambda: None,
+                         interval_s: float = 1.0) -> bool:
+    """Stop this rank when its launcher dies (see :func:`launcher_gone_line`).
+
+    A rank started by a launcher (torchrun sets ``TORCHELASTIC_RUN_ID``; any parent other than
+    init counts) records its parent's pid; a daemon thread polls ``os.getppid()`` every
+    ``interval_s`` seconds and, once the parent is gone (the rank was re-parented), ends the
+    process with one line and exit code :data:`LAUNCHER_GONE_EXIT` through :func:`exit_now`
+    (``os._exit``: no further log line, checkpoint file or collective). Without the launcher a
+    rank would keep training and writing checkpoints as an orphan, and its peers would not be
+    restarted. Polling, not ``prctl(PR_SET_PDEATHSIG)``: that signal fires when the parent
+    *thread* that spawned the rank exits, which a launcher may do while alive, and a signal could
+    not stop the main thread before its next write. Returns False (and watches nothing) outside
+    a launcher or when the parent is already init (pid 1)."""
+    parent = os.getppid()
+    if parent <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return False
+
+    def watch():
+        while True:
+            threading.Event().wait(interval_s)
+            if os.getppid() != parent:
+                exit_now(prefix + launcher_gone_line(rank_fn(), parent), LAUNCHER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="hp-parent-watch", daemon=True).start()
+    return True
+

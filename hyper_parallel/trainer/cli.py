@@ -14,7 +14,8 @@ and agreed before anything else runs. Exit codes: 0 done,
 2 configuration error (message names the YAML field), 3 a peer rank stopped or died (one line:
 the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
 stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
-1 other failure.
+129 the launcher (torchrun) is gone (one line; the rank stops within a second instead of training
+on as an orphan), 1 other failure.
 
 A peer failure ends the process with ``os._exit`` right after the line (a clean teardown could
 block on the lost peer for another timeout). Its full traceback goes to
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
-    from ..platform.shutdown import exit_now, install_sigterm_report
+    from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report
     from .config import TrainerConfig
     from .text import TextTrainer
 
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
 
     if hard_exit:
         install_sigterm_report("hyper-train: ", _rank)
+        install_parent_watch("hyper-train: ", _rank)   # launcher SIGKILLed: stop, write nothing more
     cfg = None
     try:
         from .base import bind_local_device

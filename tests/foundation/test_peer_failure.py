@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.platform import comm
+from hyper_parallel.testing import scaled
 from hyper_parallel.platform.faults import FaultSpec, parse_fault_spec
 from hyper_parallel.platform.peer import (PEER_LOST, TIMEOUT, CommTimeoutError, PeerLostError, classify_failure,
                                           diagnose, locate_collective, timeout_from_message)
@@ -211,7 +212,8 @@ def _rank_of(pid: int):
     return None
 
 
-def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s: float = 600.0) -> dict:
+def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s: float = 600.0,
+                    extra: tuple = ()) -> dict:
     """Run the main job's CLI on 2 ranks under torchrun with ``fault``; watch the workers.
 
     Returns the survivor's stderr, torchrun's output, the fault time (faulty worker first seen
@@ -224,7 +226,8 @@ def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s
            "--log-dir", str(logs), "--redirects", "3", "--monitor-interval", "0.1",
            "-m", "hyper_parallel.trainer.cli", "examples/train_cp2.yaml",
            "schedule.steps=3", "data.seq_len=64", "data.micro_batch_size=1", "logging.progress=false",
-           "logging.plot=false", f"logging.out_dir={out}", f"accelerator.comm_timeout_s={COMM_TIMEOUT_S}"]
+           "logging.plot=false", f"logging.out_dir={out}", f"accelerator.comm_timeout_s={COMM_TIMEOUT_S}",
+           *extra]
     # the world group (created before the YAML is read) gets a generous timeout, so a slow start-up
     # on a loaded machine is not mistaken for the fault; the mesh groups and every hyper_parallel
     # wait use accelerator.comm_timeout_s
@@ -311,3 +314,81 @@ def test_dead_peer_gives_one_line_and_the_survivor_exits(tmp_path):
                         r"\(killed, crashed or out of memory\); exiting with code 3 \(traceback: .+\)", line)
     term = re.fullmatch(r"hyper-train: rank 0: terminated by SIGTERM .*likely cause: .*(stopped or died).*", line)
     assert (lost and code == 3) or (term and code in (143, -15)), (code, line)
+
+
+def test_frozen_peer_during_a_checkpoint_save_honours_comm_timeout(tmp_path):
+    """rank 1 freezes inside the step-1 save, just before DCP writes: rank 0 waits in one of DCP's
+    own collectives, which run on the world group created with accelerator.comm_timeout_s (10 s),
+    not on the launcher-wide default group (120 s here, 300 s by default): one line, exit 3."""
+    res = _run_with_fault(tmp_path, "rank=1,step=1,kind=stop,at=save", extra=("schedule.save_every=1",))
+    line = _the_line(res)
+    m = re.fullmatch(r"hyper-train: rank 0: collective (\w+) on group \[0, 1\] \(global ranks\) timed out after "
+                     r"(\d+\.\d) s - likely cause: peer rank 1 stopped responding \(frozen/SIGSTOP, hung or "
+                     r"overloaded\) or died; exiting with code 3 \(traceback: (.+)\)", line)
+    assert m, line
+    assert COMM_TIMEOUT_S - 0.5 <= float(m.group(2)) < 120, line     # the config's timeout, not the world's
+    assert "checkpoint" in Path(m.group(3)).read_text()               # it was the save's collective
+    assert _exitcode_of_rank(res["launcher"], 0) == 3, res["launcher"][-3000:]
+    assert not (res["out"] / "checkpoints" / "step_1").exists()     # only the .partial directory
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+def test_killed_launcher_stops_every_rank_which_writes_nothing_more(tmp_path):
+    """torchrun SIGKILLed mid-run: both orphaned ranks notice within a second (parent watch), print
+    one line each and exit 129; nothing under out_dir changes afterwards."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(logs), "--redirects", "3", "-m", "hyper_parallel.trainer.cli", "examples/train_cp2.yaml",
+           "schedule.steps=100000", "schedule.save_every=2", "schedule.keep_last=2", "data.seq_len=64",
+           "data.micro_batch_size=1", "logging.progress=false", "logging.plot=false", f"logging.out_dir={out}",
+           f"accelerator.comm_timeout_s={COMM_TIMEOUT_S}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYPER_PARALLEL_TRACEBACK", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    workers: list[int] = []
+    jsonl = out / "train_log.jsonl"
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < scaled(300):   # wait for a few steps and a checkpoint
+            if len(workers) < 2:
+                workers = [p for p in _children(proc.pid) if _rank_of(p) is not None]
+            if jsonl.exists() and jsonl.read_text().count('"step"') >= 4 and (out / "checkpoints").exists():
+                break
+            assert proc.poll() is None, "the job ended before the launcher was killed"
+            time.sleep(0.2)   # polling external processes, not synchronizing with them
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)   # the launcher only: its ranks are orphaned
+        proc.wait()
+        killed = time.monotonic()
+        while any(_state(p) != "gone" for p in workers) and time.monotonic() - killed < COMM_TIMEOUT_S + 30:
+            time.sleep(0.1)
+        stopped_after = time.monotonic() - killed
+        assert all(_state(p) == "gone" for p in workers), "orphaned ranks kept running"
+        assert stopped_after <= COMM_TIMEOUT_S, stopped_after
+        before = _snapshot(out)
+        time.sleep(3)
+        assert _snapshot(out) == before        # nothing written after the ranks stopped
+    finally:
+        for pid in workers:
+            if _state(pid) != "gone":
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    gone = (f"the launcher (pid {proc.pid}, e.g. torchrun) is gone - stopping now, writing nothing more (the last "
+            "complete checkpoint stays resumable; start the job again to continue)")
+    seen = []
+    for rank in (0, 1):
+        err = "".join(p.read_text() for p in logs.glob(f"*/attempt_0/{rank}/stderr.log"))
+        lines = [ln for ln in err.splitlines() if ln.startswith("hyper-train: ")]
+        assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        # the first rank to notice leaves; its peer may then see the closed connection first
+        assert lines[0] == f"hyper-train: rank {rank}: {gone}" or re.fullmatch(
+            rf"hyper-train: rank {rank}: collective \w+ on group \[0, 1\] \(global ranks\) failed.*peer rank "
+            rf"{1 - rank} died.*exiting with code 3 .*", lines[0]), lines[0]
+        seen.append(gone in lines[0])
+    assert any(seen)
