@@ -132,7 +132,8 @@ def test_degree_rule_is_one_function():
     with pytest.raises(ValueError, match=r"w: Hybrid needs .*ulysses_degree=3, cp_size=4"):
         check_heads("hybrid", attn, 4, 1, 3, "w")
     with pytest.raises(ValueError, match="num_kv_heads=2 < cp_size \\(ulysses_degree\\)=4"):
-        check_heads("ulysses", attn, 4, who="w")
+        check_heads("ulysses", attn, 4, who="w")                          # default: the even rule (async)
+    check_heads("ulysses", attn, 4, who="w", even_heads_only=False)      # sync: KV heads replicated
     check_heads("colossal", attn, 4)
     check_heads("hybrid", attn, 4, ulysses_degree=2)
 

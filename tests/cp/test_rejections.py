@@ -24,12 +24,14 @@ def strategy_rejections():
     uly, hyb = build_strategy("ulysses", ctx), build_strategy("hybrid", ctx, ulysses_degree=2)
     ag, ht = build_strategy("colossal", ctx), build_strategy("load_balance", ctx)
     cases = {
-        "uly_q_heads": lambda: uly.attention(*_qkv(6, 6, 4), meta=meta),
-        "uly_gqa_fewer_kv": lambda: uly.attention(*_qkv(8, 2, 4), meta=meta),
-        "uly_validate": lambda: uly.validate(num_q_heads=12, num_kv_heads=6, cp_size=4),
-        "hyb_heads": lambda: hyb.attention(*_qkv(3, 3, 4), meta=meta),
+        # uneven heads and KV heads fewer than the degree are split (tests/cp/test_ulysses_heads.py);
+        # what still has no exact split: fewer query heads than the degree, or not GQA
+        "uly_q_heads": lambda: uly.attention(*_qkv(3, 3, 4), meta=meta),
+        "uly_mqa_few_q": lambda: uly.attention(*_qkv(2, 1, 4), meta=meta),
+        "uly_validate": lambda: uly.validate(num_q_heads=6, num_kv_heads=4, cp_size=4),
+        "hyb_heads": lambda: hyb.attention(*_qkv(1, 1, 4), meta=meta),
         "hyb_cp_not_multiple": lambda: hyb.validate(num_q_heads=4, num_kv_heads=2, cp_size=5),
-        "hyb_kv_fewer": lambda: hyb.validate(num_q_heads=4, num_kv_heads=1, cp_size=4),
+        "hyb_not_gqa": lambda: hyb.validate(num_q_heads=4, num_kv_heads=3, cp_size=4),
         "hyb_u_eq_cp": lambda: build_strategy("hybrid", mesh_ctx(4, (4,)), ulysses_degree=4),
         "hyb_u_missing": lambda: build_strategy("hybrid", ctx),
         "hyb_undeclared": lambda: build_strategy("hybrid", ctx, ulysses_degree=3),
@@ -58,12 +60,12 @@ def strategy_rejections():
 
 
 EXPECT = {
-    "uly_q_heads": ["num_q_heads=6", "num_kv_heads=6", "not divisible by cp_size (ulysses_degree)=4"],
-    "uly_gqa_fewer_kv": ["num_kv_heads=2 < cp_size (ulysses_degree)=4", "not repeated"],
-    "uly_validate": ["num_kv_heads=6 not divisible by cp_size (ulysses_degree)=4", "num_q_heads=12"],
-    "hyb_heads": ["num_q_heads=3 and num_kv_heads=3 not divisible by ulysses_degree=2"],
+    "uly_q_heads": ["num_q_heads=3 < cp_size (ulysses_degree)=4", "num_kv_heads=3", "at least one query head"],
+    "uly_mqa_few_q": ["num_q_heads=2 < cp_size (ulysses_degree)=4", "num_kv_heads=1", "Ulysses degree <= 2"],
+    "uly_validate": ["num_q_heads=6 must be a positive multiple of num_kv_heads=4"],
+    "hyb_heads": ["num_q_heads=1 < ulysses_degree=2", "colossal"],
     "hyb_cp_not_multiple": ["cp_size % ulysses_degree == 0", "ulysses_degree=2, cp_size=5"],
-    "hyb_kv_fewer": ["num_kv_heads=1 < ulysses_degree=2"],
+    "hyb_not_gqa": ["num_q_heads=4 must be a positive multiple of num_kv_heads=3"],
     "hyb_u_eq_cp": ["1 < ulysses_degree < cp_size", "ulysses_degree=4, cp_size=4"],
     "hyb_u_missing": ["needs ulysses_degree"],
     "hyb_undeclared": ["MeshConfigError", "ulysses_degree=3"],
@@ -91,8 +93,9 @@ def test_strategy_rejections_before_any_collective(ranks):
 
 def test_validate_messages_single_process():
     from hyper_parallel.distributed.context_parallel.strategies.ulysses import check_head_split
-    with pytest.raises(ValueError, match=r"num_q_heads=4 and num_kv_heads=4 not divisible by ulysses_degree=3"):
-        check_head_split("HybridStrategy", 4, 4, 3, "ulysses_degree")
+    with pytest.raises(ValueError, match=r"num_q_heads=2 < ulysses_degree=3 .*use ulysses_degree in \[2\]"):
+        check_head_split("HybridStrategy", 2, 2, 3, "ulysses_degree", cp_size=6)
+    assert check_head_split("HybridStrategy", 4, 4, 3, "ulysses_degree").q_counts == (2, 1, 1)   # uneven: split
     AllGatherStrategy(None).validate(num_q_heads=4, num_kv_heads=1, cp_size=1)       # MQA is fine
     HeadTailStrategy(None).validate(num_q_heads=6, num_kv_heads=3, cp_size=1)
     UlyssesStrategy(None).validate(num_q_heads=6, num_kv_heads=3, cp_size=1)

@@ -154,15 +154,18 @@ def test_attention_dropout_rejected():
 
 # ---------------------------------------------------------------- heads / degrees / combinations
 def test_ulysses_head_divisibility(llama, llama_kv4):
-    raises(llama, [entry("sdpa_hf_ulysses")], cp=4, field="plan_overrides[0].inner_wrapper",
-           fragments=("num_kv_heads=2 < cp_size (ulysses_degree)=4",))
+    """4 q / 2 kv heads: cp 4 replicates the KV heads (accepted); cp 8 leaves a rank without a query head."""
+    plan(llama, [entry("sdpa_hf_ulysses")], cp=4)         # KV heads fewer than the degree: replicated
+    raises(llama, [entry("sdpa_hf_ulysses")], cp=8, field="plan_overrides[0].inner_wrapper",
+           fragments=("num_q_heads=4 < cp_size (ulysses_degree)=8", "at least one query head"))
     plan(llama_kv4, [entry("sdpa_hf_ulysses")], cp=4)     # 4 q / 4 kv heads: fine
 
 
 def test_ulysses_heads_checked_per_tp_rank(llama):
-    """tp 2 leaves 2 q / 1 kv heads per rank: Ulysses cp 2 is rejected by the planner."""
-    plan(llama, [entry("sdpa_hf_ulysses")], cp=2)
-    raises(llama, [entry("sdpa_hf_ulysses")], cp=2, tp_size=2, fragments=("num_kv_heads=1", "tp_size=2"))
+    """tp 2 leaves 2 q / 1 kv heads per rank: Ulysses cp 2 replicates the KV head, cp 4 is rejected."""
+    plan(llama, [entry("sdpa_hf_ulysses")], cp=4)
+    plan(llama, [entry("sdpa_hf_ulysses")], cp=2, tp_size=2)
+    raises(llama, [entry("sdpa_hf_ulysses")], cp=4, tp_size=2, fragments=("num_q_heads=2 < cp_size", "tp_size=2"))
 
 
 @pytest.mark.parametrize("degree,fragment", [(4, "1 < ulysses_degree < cp_size"), (3, "1 < ulysses_degree"),

@@ -88,7 +88,7 @@ class CPMethod:
     batch_policy: str = "all_gather"  # shard_batch_for_cp policy
     layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
     length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
-    head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": Hq, Hk divisible by the degree | "module"
+    head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": heads split over the degree (ulysses_layout) | "module"
     head_doc: str = ""
     degree: str = "none"             # "none": no degree | "cp": degree == cp_size | "param": named parameter
     degree_param: Optional[str] = None
@@ -114,7 +114,9 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
     CPMethod(
         name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", batch_policy="ulysses",
-        head_rule="split", head_doc="Hq and Hk divisible by cp_size (Hk >= cp_size)",
+        head_rule="split",
+        head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
+                 "accepted (async: Hq, Hk divisible by cp_size)",
         degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
         async_targets=(f"{ASYNC_QWEN3_MOE}.qwen3_moe_async_ulysses_cp_wrapper",),
         async_reason="Qwen3-MoE adapter",
@@ -124,7 +126,9 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_ulysses_cp_wrapper", "flex_qkv_ulysses"))),
     CPMethod(
         name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", batch_policy="hybrid",
-        head_rule="split", head_doc="Hq and Hk divisible by ulysses_degree",
+        head_rule="split",
+        head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
+                 "replicated) accepted (async: Hq, Hk divisible by ulysses_degree)",
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
         async_targets=(f"{ASYNC_QWEN3_MOE}.qwen3_moe_async_hybrid_cp_wrapper",),
@@ -263,7 +267,12 @@ def check_degree(method, cp_size: Optional[int], degree, who: str = "") -> None:
 
 
 def head_split(method, cp_size: int, degree=None) -> Optional[tuple]:
-    """(degree, label) the heads of a "split" method are divided by; None for other head rules."""
+    """(degree, label) the heads of a "split" method are split over; None for other head rules.
+
+    A "split" method's heads go to the ranks of its Ulysses group as
+    ``strategies.ulysses_layout.ulysses_head_layout(Hq, Hk, degree)`` decides: any GQA ratio with
+    ``Hq >= degree``; counts that do not divide the degree are split unevenly (differing by at
+    most one) and KV heads fewer than the degree are replicated to the ranks that use them."""
     row = method if isinstance(method, CPMethod) else get_method(method)
     if row.head_rule != "split":
         return None

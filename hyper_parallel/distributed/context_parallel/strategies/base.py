@@ -150,14 +150,6 @@ def check_sinks(who: str, sinks, num_q_heads: int) -> None:
                          f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
 
 
-def head_slice_sinks(sinks, num_q_heads: int, degree: int, index: int):
-    """The sinks of head slice ``index`` of ``degree`` (Ulysses/Hybrid head split), or None."""
-    if sinks is None:
-        return None
-    n = num_q_heads // degree
-    return sinks[index * n:(index + 1) * n]
-
-
 def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
                      k_pos: torch.Tensor, meta: CPBatchMeta, scale: float | None = None,
                      window: int | None = None, softcap: float | None = None,

@@ -11,18 +11,22 @@ Layout (C ranks, degree u, rank r = c*u + i):
   out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
 Backward: ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes
-the seq->head A2A. Constraints: 1 < u < C, C % u == 0, Hq % u == 0, Hk % u == 0 (Hk >= u).
+the seq->head A2A. Heads over the ulysses sub-group follow
+:func:`.ulysses_layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above
+is the even case; otherwise query counts differ by at most one and KV heads are replicated to
+each ulysses rank whose query heads use them (gradients of the copies summed in backward).
+Constraints: 1 < u < C, C % u == 0, Hq % Hk == 0, Hq >= u.
 """
 from __future__ import annotations
 
 import torch
 
 from ....platform import group_rank, group_size
-from ..collectives import (group_desc, hybrid_kv_allgather, resolve_group, ulysses_head_to_seq,
-                           ulysses_seq_to_head)
+from ..collectives import group_desc, hybrid_kv_allgather, resolve_group
 from ..meta import CPBatchMeta
-from .base import ContextParallelStrategy, check_sinks, engine_attention, head_slice_sinks
-from .ulysses import check_head_split
+from .base import ContextParallelStrategy, check_sinks
+from .ulysses import check_head_split, ulysses_group_attention
+from .ulysses_layout import UlyssesHeadLayout
 
 
 class HybridStrategy(ContextParallelStrategy):
@@ -63,8 +67,9 @@ class HybridStrategy(ContextParallelStrategy):
 
         ``num_q_heads`` / ``num_kv_heads`` are the heads this rank computes (TP-local);
         ``cp_size`` must equal colossal size x ulysses size, with ``1 < u < cp_size`` and
-        ``cp_size % u == 0`` for ``u`` = the ulysses group size. Heads must split over ``u``:
-        ``Hq % Hk == 0``, ``Hk >= u``, ``Hq % u == Hk % u == 0``. Local check only: no collective.
+        ``cp_size % u == 0`` for ``u`` = the ulysses group size. Heads split over ``u`` by
+        :func:`.ulysses_layout.ulysses_head_layout`: ``Hq % Hk == 0`` and ``Hq >= u`` (uneven
+        counts and replicated KV heads are accepted). Local check only: no collective.
         """
         who, u = type(self).__name__, self.ulysses_degree
         if not 1 < u < cp_size or cp_size % u:
@@ -73,7 +78,12 @@ class HybridStrategy(ContextParallelStrategy):
         if cp_size != self.cp_size:
             raise ValueError(f"{who}: cp_size={cp_size} but colossal({self.colossal_degree}) x "
                              f"ulysses({u}) = {self.cp_size}")
-        check_head_split(who, num_q_heads, num_kv_heads, u, "ulysses_degree")
+        self.head_layout(num_q_heads, num_kv_heads)
+
+    def head_layout(self, num_q_heads: int, num_kv_heads: int) -> UlyssesHeadLayout:
+        """Per-ulysses-rank query / KV heads for these (TP-local) heads (raises like :meth:`validate`)."""
+        return check_head_split(type(self).__name__, num_q_heads, num_kv_heads, self.ulysses_degree,
+                                "ulysses_degree", cp_size=self.cp_size)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None, window: int | None = None, softcap: float | None = None,
@@ -82,12 +92,10 @@ class HybridStrategy(ContextParallelStrategy):
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
         check_sinks(type(self).__name__, sinks, q.shape[1])
         u = self.ulysses_degree
-        sinks_h = head_slice_sinks(sinks, q.shape[1], u, group_rank(self.ulysses_group))
-        q_h = ulysses_seq_to_head(q, self.ulysses_group, tag="cp.ulysses_s2h_q")
-        k_all, v_all = hybrid_kv_allgather(k, v, self.colossal_group, self.ulysses_group)
+        cg, ug = self.colossal_group, self.ulysses_group
         n = meta.local_seq_len * u
-        start = group_rank(self.colossal_group) * n
+        start = group_rank(cg) * n
         q_pos = torch.arange(start, start + n, dtype=torch.int64)
-        out_h = engine_attention(q_h, k_all, v_all, q_pos=q_pos, k_pos=meta.k_index, meta=meta, scale=scale,
-                                 window=window, softcap=softcap, sinks=sinks_h)
-        return ulysses_head_to_seq(out_h, self.ulysses_group, tag="cp.ulysses_h2s_out")
+        return ulysses_group_attention(
+            q, k, v, ug, group_rank(ug), kv_fn=lambda k, v, heads: hybrid_kv_allgather(k, v, cg, ug, heads=heads),
+            q_pos=q_pos, k_pos=meta.k_index, meta=meta, sinks=sinks, scale=scale, window=window, softcap=softcap)

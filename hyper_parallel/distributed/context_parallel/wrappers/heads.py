@@ -2,8 +2,9 @@
 
 * :func:`module_heads` — (q heads, kv heads) a rank computes for an attention module (TP-local);
 * :func:`check_heads` — the catalogue's head and degree rules of a method for a module
-  (:mod:`..catalogue`: Colossal / Head-Tail any GQA ratio, Ulysses heads divisible by cp_size,
-  Hybrid heads divisible by ``ulysses_degree`` with ``1 < ulysses_degree < cp_size``);
+  (:mod:`..catalogue`: Colossal / Head-Tail any GQA ratio; Ulysses (degree cp_size) and Hybrid
+  (``1 < ulysses_degree < cp_size``) any GQA ratio with at least as many query heads as the
+  degree — the per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`);
 * :func:`unrepeat_kv` — K/V that HF repeated for GQA (``repeat_kv``) as a strided view of the
   Hk distinct heads (no copy), so only Hk heads are communicated.
 
@@ -60,10 +61,18 @@ def module_heads(module: nn.Module, tp_size: int = 1) -> tuple[Optional[int], Op
 
 
 def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, ulysses_degree=None,
-                who: str = "CP wrapper") -> None:
+                who: str = "CP wrapper", even_heads_only: bool = True) -> None:
     """Raise ValueError (prefixed ``who``) when ``module``'s TP-local heads or ``ulysses_degree``
     break ``method``'s rules in the catalogue; heads that cannot be read from the module are left
-    to the strategy's check of the real tensors at apply/run time."""
+    to the strategy's check of the real tensors at apply/run time.
+
+    For Ulysses/Hybrid, ``even_heads_only=False`` accepts every layout
+    :func:`..strategies.ulysses_layout.ulysses_head_layout` splits exactly (uneven counts, KV heads
+    replicated when fewer than the degree) — the sync wrappers, whose strategies compute from that
+    layout. The default keeps the even rule (``Hq`` and ``Hk`` divisible by the degree) for
+    callers whose collectives still assume it (the async adapter until it routes its A2As through
+    ``ulysses_seq_to_head(..., heads=layout.q_heads / layout.kv_heads)``), so they refuse before
+    the first step instead of failing in a collective."""
     row = catalogue.get_method(method)
     catalogue.check_degree(row, cp_size, ulysses_degree, who)
     hq, hk = module_heads(module, tp_size)
@@ -75,7 +84,14 @@ def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, 
         if split is None:
             check_gqa(who, hq, hk)
         else:
-            check_head_split(who, hq, hk, *split)
+            lay = check_head_split(who, hq, hk, *split, cp_size=cp_size if row.degree == "param" else None)
+            if even_heads_only and not lay.even:
+                deg, label = split
+                what = (f"num_kv_heads={hk} < {label}={deg} (num_q_heads={hq})" if hk < deg else
+                        f"num_q_heads={hq}, num_kv_heads={hk} not both divisible by {label}={deg}")
+                raise ValueError(
+                    f"{who}: {what}: this wrapper needs the even head split (Hq and Hk divisible by the degree); "
+                    f"use the sync {row.name} wrapper, which splits {lay.describe()}, or a degree dividing {hk}")
     except ValueError as exc:
         raise ValueError(f"{exc}{tp_note}") from None
 
