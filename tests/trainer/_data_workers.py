@@ -109,7 +109,7 @@ def resume_run(cfg: dict, steps: int, save_at: int | None = None, resume: str | 
     path = str(trainer.save_checkpoint()) if save_at is not None else None
     return {"losses": [r.loss for r in res], "tokens": [r.valid_tokens for r in res],
             "grad_norms": [r.grad_norm for r in res], "state": trainer.data.state_dict(), "path": path,
-            "eval": [r.get("eval_loss") for r in trainer.run_log.records]}
+            "eval": {r["step"]: r["eval_loss"] for r in trainer.run_log.records if r.get("eval_loss") is not None}}
 
 
 def torch_equal_lists(a, b) -> bool:
