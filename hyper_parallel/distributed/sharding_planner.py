@@ -78,6 +78,9 @@ class ShardingPlan:
         if self.tp_layer_plan:
             lines.append("  TP per layer: " + ", ".join(f"{k}={v}" for k, v in self.tp_layer_plan.items()))
         lines.append(self.resolved.summary())
+        from .context_parallel.wrappers.heads import head_layout_lines   # lazy: the planner does not import wrappers
+
+        lines += head_layout_lines(self.cp_targets, self.cp_size, self.tp_size)   # Ulysses/Hybrid per-rank heads
         return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@
   (:mod:`..catalogue`: Colossal / Head-Tail any GQA ratio; Ulysses (degree cp_size) and Hybrid
   (``1 < ulysses_degree < cp_size``) any GQA ratio with at least as many query heads as the
   degree — the per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`);
+* :func:`head_layout_lines` — the plan summary's per-rank query / KV heads of Ulysses and Hybrid;
 * :func:`unrepeat_kv` — K/V that HF repeated for GQA (``repeat_kv``) as a strided view of the
   Hk distinct heads (no copy), so only Hk heads are communicated.
 
@@ -20,8 +21,9 @@ from .. import catalogue
 from ..interception import AttentionCall
 from ..strategies.base import check_gqa
 from ..strategies.ulysses import check_head_split
+from ..strategies.ulysses_layout import ulysses_head_layout
 
-__all__ = ["module_heads", "check_heads", "unrepeat_kv"]
+__all__ = ["module_heads", "check_heads", "unrepeat_kv", "head_layout_lines"]
 
 
 def module_heads(module: nn.Module, tp_size: int = 1) -> tuple[Optional[int], Optional[int]]:
@@ -94,6 +96,32 @@ def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, 
                     f"use the sync {row.name} wrapper, which splits {lay.describe()}, or a degree dividing {hk}")
     except ValueError as exc:
         raise ValueError(f"{exc}{tp_note}") from None
+
+
+def head_layout_lines(targets, cp_size: int, tp_size: int = 1) -> list:
+    """Plan-summary lines: for every resolved CP target (``.info.method``, ``.params``,
+    ``.inner_module``, ``.fqn``) whose method splits heads (Ulysses, Hybrid), the per-rank query /
+    KV heads of its Ulysses group (TP-local heads), one line per distinct layout. Targets whose
+    heads cannot be read are left out. Local only."""
+    seen: dict = {}
+    for t in targets:
+        method = t.info.method if getattr(t, "info", None) is not None else None
+        try:
+            row = catalogue.get_method(method) if method else None
+        except (KeyError, ValueError):
+            row = None
+        if row is None or row.head_rule != "split":
+            continue
+        degree = cp_size if row.degree == "cp" else t.params.get(row.degree_param)
+        try:
+            hq, hk = module_heads(t.inner_module, tp_size)
+            lay = ulysses_head_layout(hq, hk, int(degree)) if None not in (hq, hk, degree) else None
+        except (ValueError, TypeError):
+            lay = None
+        if lay is not None:
+            note = f" per TP rank (tp_size={tp_size})" if tp_size > 1 else ""
+            seen.setdefault(f"{row.name} {lay.describe()}{note}", []).append(t.fqn)
+    return [f"  {d} on {len(f)} module(s): {f[0]}{', ...' if len(f) > 1 else ''}" for d, f in seen.items()]
 
 
 def unrepeat_kv(call: AttentionCall):
