@@ -1,0 +1,135 @@
+"""Rank functions of the async CP tests (module-level so the warm gloo pool can run them).
+
+:func:`async_cases` runs, for each (arch, method, batch kind), three copies of one tiny random
+transformers model with identical weights: the async adapter wrapper (planner + applier, no
+FSDP), its sync counterpart (``sdpa_hf*``) and the CP=1 reference (plain HF on the global
+batch), one forward + backward of ``sum(logits * w)`` each, and returns the errors
+async-vs-CP=1 and async-vs-sync (logits on valid tokens; every gradient, summed over the CP
+group, relative to the reference's largest gradient), the handle count left pending and the
+per-tensor launch/wait counts of the trace (forward and backward).
+"""
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
+from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from tests.wrappers._workers import _COMMON, WINDOW, arch_config, attention_batch, cp_forward_backward, mesh_ctx
+
+ADAPTERS = {a: f"hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_"
+            for a in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")}
+SYNC = "hyper_parallel.distributed.context_parallel.wrappers."
+# method -> (cp, async suffix, sync target, named params)
+METHODS = {
+    "colossal": (2, "colossal_cp_wrapper", "sdpa_hf_cp_wrapper", {}),
+    "ulysses": (2, "ulysses_cp_wrapper", "sdpa_hf_ulysses_cp_wrapper", {}),
+    "load_balance": (2, "load_balance_cp_wrapper", "sdpa_hf_load_balance_cp_wrapper", {}),
+    "hybrid": (4, "hybrid_cp_wrapper", "sdpa_hf_hybrid_cp_wrapper", {"ulysses_degree": 2}),
+}
+
+
+def config(arch: str):
+    """Tiny fp32 config (GQA 4:2, dropout 0): the shared wrapper-test configs (Llama, Qwen2 and
+    Mistral with a sliding window) plus Qwen3 and Qwen3-MoE (QK-norm, Qwen3 with a window)."""
+    import transformers as T
+
+    if arch == "qwen3":
+        return T.Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                             **_COMMON)
+    if arch == "qwen3_moe":
+        return T.Qwen3MoeConfig(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                **_COMMON)
+    cfg, _ = arch_config(arch)
+    return cfg
+
+
+def build(arch: str, n: int):
+    import transformers as T
+
+    cfg = config(arch)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    first = T.AutoModelForCausalLM.from_config(cfg).float().train()
+    out = [first]
+    for _ in range(n - 1):
+        m = T.AutoModelForCausalLM.from_config(cfg).float().train()
+        m.load_state_dict(first.state_dict())
+        out.append(m)
+    return out
+
+
+def _apply(model, mesh, cp, target, params):
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": {"_target_": target, **params}}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+    return model, plan
+
+
+def _grads(model, group):
+    from hyper_parallel import platform as P
+
+    out = {}
+    for n, p in model.named_parameters():      # same order on every rank: the all-reduces line up
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out[n] = P.all_reduce(g.contiguous(), group)
+    return out
+
+
+def _grad_err(got: dict, ref: dict) -> float:
+    gmax = max(g.abs().max().item() for g in ref.values())
+    return max((got[n] - ref[n]).abs().max().item() for n in ref) / max(gmax, 1e-12)
+
+
+def async_cases(cases) -> list:
+    """[(arch, method, kind, S)] on this rank -> one result dict per case (see the module doc)."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+    from hyper_parallel.platform import pending_handles
+
+    out = []
+    for i, (arch, method, kind, S) in enumerate(cases):
+        cp, suffix, sync_name, params = METHODS[method]
+        mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
+        model_a, model_s, ref = build(arch, 3)
+        model_a, plan_a = _apply(model_a, mesh, cp, ADAPTERS[arch] + suffix, params)
+        model_s, plan_s = _apply(model_s, mesh, cp, SYNC + sync_name, params)
+        assert plan_a.batch_policy == plan_s.batch_policy
+        batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
+        with async_trace() as trace:
+            full_a, w, _ = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=i, use_cache=False)
+        pending = pending_handles()
+        full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=i, use_cache=False)
+        ref_logits = ref(**ref_inputs).logits
+        (ref_logits * w).sum().backward()
+        ref_logits = ref_logits.detach()
+        group = mesh.cp_mesh.get_group()
+        g_a, g_s = _grads(model_a, group), _grads(model_s, group)
+        g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
+        vmask = valid[..., None]
+        rmax = (ref_logits.abs() * vmask).max().item()
+        counts = {}
+        for ev, name, _t in trace:
+            counts[(ev, name)] = counts.get((ev, name), 0) + 1
+        out.append({
+            "case": f"{arch}/{method}/{kind}/S={S}",
+            "logits_vs_cp1": ((full_a - ref_logits).abs() * vmask).max().item() / rmax,
+            "logits_vs_sync": ((full_a - full_s).abs() * vmask).max().item() / rmax,
+            "grads_vs_cp1": _grad_err(g_a, g_ref), "grads_vs_sync": _grad_err(g_a, g_s),
+            "sync_vs_cp1": _grad_err(g_s, g_ref),
+            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers,
+        })
+    return out
+
+
+def trace_run(arch: str, method: str, S: int = 32) -> list:
+    """One forward+backward of the async adapter; the ``async_trace`` events ``(event, name)``."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+
+    cp, suffix, _sync, params = METHODS[method]
+    mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
+    [model] = build(arch, 1)
+    model, plan = _apply(model, mesh, cp, ADAPTERS[arch] + suffix, params)
+    batch, _ref, valid = attention_batch("padding", S, model.config.vocab_size)
+    with async_trace() as trace:
+        cp_forward_backward(model, mesh, plan, batch, valid, seed=0, use_cache=False)
+    return [(e, n) for e, n, _t in trace]
