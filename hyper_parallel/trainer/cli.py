@@ -90,6 +90,15 @@ def help_text() -> str:
             f"{field_reference_text()}\n")
 
 
+def load_config(argv: list):
+    """The CLI's config path, local (no collective): ``argv[0]`` (the YAML file) + overrides ->
+    :meth:`TrainerConfig.from_yaml` -> :func:`~hyper_parallel.trainer.config.check_run_config`
+    (the cross-field checks). Raises CPConfigError naming the field."""
+    from .config import TrainerConfig, check_run_config
+
+    return check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:]))
+
+
 def main(argv=None) -> int:
     """Run ``hyper-train``; returns the exit code. From the command line (``argv`` None) a peer
     failure or SIGTERM ends the process right after its one line (``os._exit``)."""
@@ -113,7 +122,6 @@ def main(argv=None) -> int:
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
     from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report
-    from .config import TrainerConfig
     from .text import TextTrainer
 
     code = 0
@@ -129,7 +137,7 @@ def main(argv=None) -> int:
         platform = get_platform()
         bind_local_device(platform)
         init_distributed(platform)
-        cfg = agree_or_raise(lambda: TrainerConfig.from_yaml(argv[0], argv[1:]), what="config load")
+        cfg = agree_or_raise(lambda: load_config(argv), what="config load")
         is_main = not dist.is_initialized() or dist.get_rank() == 0
         level = getattr(logging, str(cfg.logging.level).upper(), logging.INFO)
         logging.basicConfig(level=level if is_main else max(level, logging.WARNING),
