@@ -263,9 +263,10 @@ class BaseTrainer:
                 results.append(res)
                 held_out = self.maybe_evaluate(total)
                 self.run_log.append({**res.record(), **held_out})
-                if held_out:
-                    bar.write(f"step {res.step}: eval loss {held_out['eval_loss']:.4f} "
-                              f"ppl {held_out['eval_ppl']:.2f} ({held_out['eval_tokens']} tokens)")
+                if held_out and self.is_main:
+                    line = (f"step {res.step}: eval loss {held_out['eval_loss']:.4f} "
+                            f"ppl {held_out['eval_ppl']:.2f} ({held_out['eval_tokens']} tokens)")
+                    bar.write(line) if lcfg.progress else print(line, flush=True)
                 bar.update(res.loss, res.tokens_per_s, res.lr,
                            None if not res.peak_mem_gb_per_rank else max(res.peak_mem_gb_per_rank), res.router_loss)
                 if self.step % lcfg.log_every == 0 and self.is_main:

@@ -196,6 +196,8 @@ class LoggingConfig:
                         help="Python logging level (ranks other than 0 log warnings only)")
     json_log: str = option("train_log.json", help="per-step JSON records (written under out_dir)")
     plot_file: str = option("loss_curve.png", help="loss curve per optimizer step (written under out_dir)")
+    export_hf: bool = option(False, help="after training, write the model in Hugging Face format (+ data.tokenizer's "
+                                         "files) to <out_dir>/hf (hf_checkpoint.save_hf)")
 
 
 def _plan_overrides(value) -> list:

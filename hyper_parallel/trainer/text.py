@@ -21,6 +21,26 @@ class TextTrainer(BaseTrainer):
                                                    is_builder=self.is_main)
         return stream
 
+    def train(self, steps: int | None = None):
+        """:meth:`BaseTrainer.train`, then with ``logging.export_hf`` the HF export (:meth:`export_hf`)."""
+        results = super().train(steps)
+        if self.cfg.logging.export_hf:
+            self.export_hf()
+        return results
+
+    def export_hf(self, out_dir=None):
+        """Collective: the trained model in Hugging Face format (``save_pretrained`` layout, gathered
+        shard by shard by :func:`~hyper_parallel.trainer.hf_checkpoint.save_hf`) with the tokenizer
+        files of ``data.tokenizer``, in ``out_dir`` (default ``<logging.out_dir>/hf``)."""
+        from pathlib import Path
+
+        from .hf_checkpoint import save_hf
+        from .model import resolve_path
+
+        out = Path(out_dir) if out_dir is not None else Path(self.cfg.logging.out_dir) / "hf"
+        tok = self.cfg.data.tokenizer if self.cfg.data.source == "files" else None
+        return save_hf(self, out, tokenizer_dir=str(resolve_path(tok)) if tok else None)
+
     def compute_loss(self, prepared: PreparedBatch):
         """-> (logits, local loss sum, local valid targets). With an MoE router loss on
         (:mod:`.router_loss`), also sets ``self.router_stats`` to this rank's local router sums
