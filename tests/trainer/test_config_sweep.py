@@ -120,3 +120,19 @@ def test_cli_exit_2_one_line_no_traceback(tmp_path, args, field):
     assert len(lines) == 1 and lines[0].startswith(f"hyper-train: configuration error: [{field}]"), p.stderr
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "run").exists()    # refused before anything ran
+
+
+def test_custom_wrapper_example_runs_from_any_folder(tmp_path):
+    """examples/cp/custom_wrapper.yaml names ``examples.cp.custom_wrapper_example...``: a ``_target_``
+    module that is not importable is looked for beside the config file and in its parent folders
+    (config.resolve_plan_targets), so the example trains 1 step under torchrun started in an
+    unrelated folder, with nothing of the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1")
+    cfg = ROOT / "examples" / "cp" / "custom_wrapper.yaml"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "hyper_parallel.trainer.cli", str(cfg), "schedule.steps=1", "data.seq_len=64",
+                        "logging.progress=false", "logging.plot=false", f"logging.out_dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "my_allgather_cp_wrapper" in p.stdout and "done: 1 steps" in p.stdout, p.stdout[-2000:]
