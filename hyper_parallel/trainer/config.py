@@ -153,6 +153,10 @@ class ScheduleConfig:
     grad_accum_steps: int = option(1, ge=1, help="micro-batches per optimizer step")
     seed: int = option(0, help="global torch seed")
     activation_checkpointing: bool = option(False, help="recompute each decoder layer in backward")
+    tiled_mlp: bool = option(False, help="each decoder layer's dense MLP in chunks of tiled_mlp_chunk_size local "
+                                         "tokens, recomputed in backward: its [S_local, intermediate] activations "
+                                         "are never saved (exact; refused for MoE blocks and with tp_size > 1)")
+    tiled_mlp_chunk_size: int = option(2048, ge=1, help="tokens per tiled-MLP chunk (schedule.tiled_mlp)")
     mixed_precision: str | None = option(None, choices=MIXED_PRECISION,
                                          help="bf16: FSDP2 MixedPrecisionPolicy(param bf16, reduce fp32), fp32 "
                                               "master weights; null: fp32")
