@@ -8,6 +8,7 @@ import torch
 from hyper_parallel import platform as P
 from hyper_parallel.distributed.context_parallel.meta import CPBatchMeta
 from hyper_parallel.distributed.context_parallel.strategies import build_strategy
+from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
 from tests.cp.common import mesh_ctx, sub_group3
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -51,10 +52,13 @@ def measure(cp, plans):
 
 PLANS = {
     2: [("colossal", None, 2, 16, 4, 2, 8, "float32"), ("ulysses", None, 1, 8, 4, 2, 4, "float32"),
+        ("ulysses", None, 1, 8, 3, 1, 4, "float32"),                        # MQA, uneven 2/1
         ("load_balance", None, 2, 16, 4, 1, 8, "float32"), ("colossal", None, 1, 8, 2, 2, 4, "float64")],
     4: [("colossal", None, 2, 32, 4, 2, 8, "float32"), ("ulysses", None, 2, 16, 8, 4, 4, "float32"),
         ("hybrid", 2, 2, 32, 4, 2, 8, "float32"), ("load_balance", None, 1, 32, 4, 2, 4, "float32"),
-        ("load_balance", None, 1, 16, 2, 2, 4, "float64")],
+        ("load_balance", None, 1, 16, 2, 2, 4, "float64"),
+        ("ulysses", None, 1, 16, 4, 1, 4, "float32"), ("ulysses", None, 2, 16, 6, 2, 4, "float32"),  # MQA; uneven
+        ("hybrid", 2, 1, 32, 3, 1, 4, "float32")],                         # Hybrid sub-group: MQA, uneven
     8: [("hybrid", 2, 1, 32, 4, 2, 4, "float32"), ("hybrid", 4, 1, 32, 8, 4, 4, "float32"),
         ("load_balance", None, 1, 32, 2, 1, 4, "float32")],
 }
@@ -66,6 +70,9 @@ def test_comm_volume_matches_docs(ranks, cp):
     for plan, *per_rank in zip(PLANS[cp], *res):
         method, u, B, S, Hq, Hk, D, dt = plan
         env = dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D, C=cp, U=u or 1, e=torch.tensor([], dtype=getattr(torch, dt)).element_size())
+        if method in ("ulysses", "hybrid"):      # per-rank heads of the Ulysses layout (docs/strategies/ulysses.md)
+            lay = ulysses_head_layout(Hq, Hk, u or cp)
+            env.update(nq=list(lay.q_counts), nk=list(lay.kv_counts), NK=lay.kv_copies)
         formulas = doc_formulas(PAGES[method])
         for r, got in enumerate(per_rank):  # r: this rank's cp rank (formulas may depend on it)
             expect = tuple(eval(formulas[key], {"__builtins__": {}}, {**env, "r": r}) for key in KEYS)  # noqa: S307
