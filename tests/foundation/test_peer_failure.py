@@ -322,6 +322,7 @@ def test_frozen_peer_during_a_checkpoint_save_honours_comm_timeout(tmp_path):
     not on the launcher-wide default group (120 s here, 300 s by default): one line, exit 3."""
     res = _run_with_fault(tmp_path, "rank=1,step=1,kind=stop,at=save", extra=("schedule.save_every=1",))
     line = _the_line(res)
+    print(line)
     m = re.fullmatch(r"hyper-train: rank 0: collective (\w+) on group \[0, 1\] \(global ranks\) timed out after "
                      r"(\d+\.\d) s - likely cause: peer rank 1 stopped responding \(frozen/SIGSTOP, hung or "
                      r"overloaded\) or died; exiting with code 3 \(traceback: (.+)\)", line)
