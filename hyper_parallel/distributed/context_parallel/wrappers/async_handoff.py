@@ -328,8 +328,9 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
 
     ``forward`` is the protocol forward to run (default: the module's current forward). Hooks
     are registered on the handoff modules and on the owned compute modules (overlap accounting
-    and the trace of :func:`~..async_collectives.async_trace`); ``__hp_undo__`` removes them and
-    restores the config.
+    and the trace of :func:`~..async_collectives.async_trace`); they act only inside the returned
+    CP forward (elsewhere, e.g. with CP disabled for the preflight proof's reference, they are
+    inert). ``__hp_undo__`` restores the module's config.
     """
     if method not in ASYNC_METHODS:
         raise ValueError(f"{who}: no async variant of method {method!r}")
@@ -343,10 +344,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     groups = getattr(target_module, "num_key_value_groups", 1)
     state: list = []          # the _Call of the forward in progress (one at a time per module)
 
-    def cur() -> _Call:
-        if not state:
-            raise CPInterceptionError(f"module '{owner}': a handoff module ran outside the wrapped forward")
-        return state[-1]
+    def cur() -> Optional[_Call]:
+        return state[-1] if state else None
 
     def check_first(c: _Call, key: str, t: torch.Tensor) -> None:
         if c.checked:
@@ -365,7 +364,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     def launch_hook(key):
         def hook(mod, args, out):
             c = cur()
-            if key not in comm_keys:
+            if c is None or key not in comm_keys:     # outside the CP forward (e.g. CP disabled): inert
                 return None
             check_first(c, key, out)
             if not c.colls:
@@ -377,6 +376,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
 
     def wait_hook(mod, args, out):
         c = cur()
+        if c is None:
+            return None
         got = dict(zip(("q", "k", "v"), out))
         missing = [k for k in comm_keys if k not in c.colls]
         if missing:
@@ -390,8 +391,9 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
 
     def compute_hook(name):
         def hook(mod, args, out):
-            if state:
-                state[-1].computes_since_launch += 1
+            if not state:
+                return None
+            state[-1].computes_since_launch += 1
             trace_event("compute", name)
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 if tracing():
@@ -405,7 +407,6 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
 
     ensure_hf_interface_registered()
     undo = [install_private_config(target_module)]
-    undo.append(lambda: [h.remove() for h in hooks])
     handler = _consumer(plan, target_module, owner)
 
     def cp_forward(*args, **kwargs):
