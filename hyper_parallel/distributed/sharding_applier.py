@@ -39,7 +39,7 @@ import torch.nn as nn
 from .context_parallel.interception import applying
 from .context_parallel.meta import cp_batch_context, current_cp_batch_meta
 from .context_parallel.model_proof import NO_INSTANCE_FORWARD
-from .context_parallel.rope import check_rotary_modules, install_cp_rope
+from .context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
 from .errors import CPConfigError
 from .sharding_planner import ShardingPlan
 from .tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
@@ -183,15 +183,49 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
     fully_shard(model, **kwargs)
 
 
+def _check_rope_unwrapped(model, cp_size: int, installed: _Installed) -> None:
+    """The RoPE preflight on a model whose rotary modules already carry the CP forward (meta
+    build: probed once values exist): each rotary module's pre-CP forward is put back for the probe."""
+    rotary = {id(m) for _, m in find_rotary_modules(model)}
+    saved = []
+    for module, prev, _ in installed.items:
+        if id(module) in rotary:
+            saved.append((module, module.__dict__.get("forward", _MISSING)))
+            if prev is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = prev
+    try:
+        check_rotary_modules(model, cp_size)
+    finally:
+        for module, fwd in reversed(saved):
+            if fwd is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = fwd
+
+
+def _prove(model, plan: ShardingPlan, mesh, preflight_proof) -> None:
+    from .context_parallel.model_proof import prove_cp_model
+
+    prove_cp_model(model, plan, mesh, **(preflight_proof if isinstance(preflight_proof, dict) else {}))
+
+
 def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, *, mode: str = "production",
                         fsdp: Optional[bool] = None, mp_policy=None, reshard_after_forward: bool = True,
                         activation_checkpointing: bool = False,
-                        preflight_proof=False) -> tuple[nn.Module, TPGradInfo]:
+                        preflight_proof=False,
+                        materialize: Optional[Callable[[nn.Module], object]] = None) -> tuple[nn.Module, TPGradInfo]:
     """Apply TP -> CP -> activation checkpointing -> FSDP2; return ``(model, tp_grad_info)``.
 
     ``preflight_proof``: False, True, or a dict of :func:`~.context_parallel.model_proof.prove_cp_model`
     options — when cp > 1, prove before FSDP (fp32 master weights) that the model computes under
     CP what it computes without it; a refusal rolls the CP install back and raises on every rank.
+
+    ``materialize``: for a model built on the ``meta`` device — ``materialize(model)`` runs after
+    FSDP (last step), so each rank allocates and fills only its own shards (TP slices, FSDP
+    chunks); the checks that need values (the RoPE probe, the CP preflight proof) then run on the
+    materialized, sharded model instead of before TP / FSDP.
 
     ``device_mesh``: the :class:`~.mesh.MeshContext` (required unless tp = cp = 1 and fsdp off).
     ``fsdp``: None = on when ``mesh.fsdp_mesh`` has more than one rank. ``mp_policy``: an FSDP2
@@ -215,8 +249,9 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         if degrees:
             mesh.ensure_hybrid(degrees)   # set-up time, collective; no-op when already built
 
-    # 0. RoPE preflight (local, deterministic: every rank reaches the same verdict)
-    if plan.cp_size > 1:
+    # 0. RoPE preflight (local, deterministic: every rank reaches the same verdict); a meta-built
+    # model has no buffer values yet: probed after materialization (step 5)
+    if plan.cp_size > 1 and materialize is None:
         check_rotary_modules(model, plan.cp_size)
 
     # 1. TP placement
@@ -236,16 +271,21 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         if activation_checkpointing:
             _apply_ac(model, plan, installed)
         # 3b. CP preflight proof (collective on every rank; before FSDP, so in the parameters' dtype)
-        if preflight_proof and plan.cp_size > 1:
-            from .context_parallel.model_proof import prove_cp_model
-
-            prove_cp_model(model, plan, mesh, **(preflight_proof if isinstance(preflight_proof, dict) else {}))
+        if preflight_proof and plan.cp_size > 1 and materialize is None:
+            _prove(model, plan, mesh, preflight_proof)
         # 4. FSDP2 / HSDP
         use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
         if use_fsdp:
             if not plan.decoder_layers:
                 raise _no_layers("fsdp", model)
             _apply_fsdp(model, plan, mesh, mp_policy, reshard_after_forward)
+        # 5. meta build: each rank materializes its own shards, then the value checks run
+        if materialize is not None:
+            materialize(model)
+            if plan.cp_size > 1:
+                _check_rope_unwrapped(model, plan.cp_size, installed)
+                if preflight_proof:
+                    _prove(model, plan, mesh, preflight_proof)
     except BaseException:
         installed.rollback()
         raise

@@ -35,7 +35,7 @@ from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel
+from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
 from .step import StepProbe, StepResult, run_step
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
@@ -69,7 +69,8 @@ class BaseTrainer:
         self.is_main = self.rank == 0
         torch.manual_seed(cfg.schedule.seed)
         if model is None:  # agreed: a bad model config on one rank fails every rank here
-            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model), what="model build")
+            # built on the meta device: parallelize() shards it, then each rank materializes its shards
+            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model, meta=True), what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
@@ -82,7 +83,9 @@ class BaseTrainer:
         self.cp_policy = None   # shard_batch_for_cp policy, from the sharding plan (CP > 1)
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())
-        model = model.to(self.device)
+        self.meta_build = is_meta_model(model)
+        if not self.meta_build:
+            model = model.to(self.device)
         self.tiled_head = self.install_loss_head(model)
         self.capture_logits = False      # run_step sets it when a probe asks for the logits
         self.model, self.tp_grad_info = self.parallelize(model)
@@ -95,7 +98,8 @@ class BaseTrainer:
         self.step = 0
         out_dir = Path(cfg.logging.out_dir)
         self.run_log = RunLog(out_dir, json_name=cfg.logging.json_log, plot_name=cfg.logging.plot_file,
-                              is_main=self.is_main, meta=self._log_meta())
+                              is_main=self.is_main, meta=self._log_meta(),
+                              tensorboard_dir=out_dir / "tensorboard" if cfg.logging.tensorboard else None)
         if cfg.schedule.resume_from:
             self.load_checkpoint(cfg.schedule.resume_from)
 
@@ -109,7 +113,9 @@ class BaseTrainer:
             return None
         from .tiled_head import install_tiled_head, verify_tiled_head
 
-        reason = verify_tiled_head(model, chunk_size=lc.chunk_size, ignore_index=self.cfg.data.ignore_index)
+        # a meta-built model holds no values yet: the probe runs on a small twin (same class and head config)
+        probe = head_probe_model(model) if is_meta_model(model) else model
+        reason = verify_tiled_head(probe, chunk_size=lc.chunk_size, ignore_index=self.cfg.data.ignore_index)
         if reason is not None:
             if self.is_main:
                 log.warning("loss.tiled: falling back to the untiled loss ([S_local, vocab] logits): %s", reason)
@@ -128,7 +134,10 @@ class BaseTrainer:
         acc = self.cfg.accelerator
         ac = self.cfg.schedule.activation_checkpointing
         bf16 = self.cfg.schedule.mixed_precision == "bf16"
+        materialize_fn = (lambda m: materialize(m, self.device)) if is_meta_model(model) else None
         if self.mesh.world_size == 1 and acc.tp_size == 1 and self.cp_size == 1 and not bf16:
+            if materialize_fn is not None:
+                materialize_fn(model)
             if ac:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model, None
@@ -154,7 +163,8 @@ class BaseTrainer:
                  if acc.cp_preflight_proof else False)
         model, tp_grad_info = apply_sharding_plan(model, plan, self.mesh, mode="production",
                                                   fsdp=True if bf16 else self.fsdp, mp_policy=mp_policy,
-                                                  activation_checkpointing=ac, preflight_proof=proof)
+                                                  activation_checkpointing=ac, preflight_proof=proof,
+                                                  materialize=materialize_fn)
         self.sharding_plan = plan
         self.cp_policy = plan.batch_policy
         return model, tp_grad_info

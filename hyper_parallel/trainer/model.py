@@ -5,10 +5,13 @@ randomly initialized model with a fixed seed; ``model.path`` loads a local check
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import zlib
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import yaml
 
 from ..distributed.errors import CPConfigError
@@ -43,10 +46,21 @@ def _hf_config_kwargs(cfg: ModelConfig) -> dict:
 
 
 class HyperAutoModel:
-    """Factory for HF causal LMs (``HyperAutoModel.from_config(ModelConfig)``)."""
+    """Factory for HF causal LMs (``HyperAutoModel.from_config(ModelConfig)``).
+
+    Every build starts on the ``meta`` device (no parameter memory anywhere). ``meta=True``
+    returns that empty model — the trainer applies its sharding plan to it and then calls
+    :func:`materialize`, so each rank allocates and fills only its own shards. ``meta=False``
+    (default) materializes the whole model on ``device`` at once (the ordinary, unsharded build).
+    Both fill every tensor the same way (:func:`materialize`), so a sharded random build equals
+    the ordinary build at the same seed, parameter by parameter.
+    """
 
     @staticmethod
-    def from_config(cfg: ModelConfig):
+    def from_config(cfg: ModelConfig, *, meta: bool = False, device="cpu", vocab_size: int | None = None):
+        """Build the model of ``cfg`` (see the class doc). ``vocab_size``: resize the vocabulary
+        (input embedding, output head) to this many rows — e.g. a tokenizer with added tokens;
+        with ``model.path`` the rows past the checkpoint's are initialised like the random build."""
         import transformers
 
         if cfg.dtype not in _DTYPES:
@@ -56,26 +70,252 @@ class HyperAutoModel:
             path = Path(cfg.path)
             if not path.is_dir():
                 raise CPConfigError("model.path", f"{path} is not a local checkpoint directory")
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(path), local_files_only=True, attn_implementation=cfg.attn_implementation, dtype=dtype)
-            return _for_training(model)
-        if not cfg.architecture:
-            raise CPConfigError("model.architecture", "is required when model.path is not given",
-                                fix="set e.g. architecture: llama with a small config")
-        try:
-            hf_cfg = transformers.AutoConfig.for_model(cfg.architecture, **_hf_config_kwargs(cfg))
-        except ValueError as exc:
-            raise CPConfigError("model.architecture", str(exc)) from exc
+            try:
+                hf_cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            except (OSError, ValueError) as exc:
+                raise CPConfigError("model.path", f"no readable config.json in {path}: {exc}") from exc
+            source = ("hf", str(path))
+        else:
+            if not cfg.architecture:
+                raise CPConfigError("model.architecture", "is required when model.path is not given",
+                                    fix="set e.g. architecture: llama with a small config")
+            try:
+                hf_cfg = transformers.AutoConfig.for_model(cfg.architecture, **_hf_config_kwargs(cfg))
+            except ValueError as exc:
+                raise CPConfigError("model.architecture", str(exc)) from exc
+            source = ("random", None)
+        if vocab_size is not None:
+            _resize_vocab_config(hf_cfg, int(vocab_size))
         hf_cfg._attn_implementation = cfg.attn_implementation
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=cfg.attn_implementation)
-        return _for_training(model.to(dtype))
+        model = build_meta_model(hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model.__dict__["_hp_source"] = _Source(kind=source[0], path=source[1], seed=cfg.seed)
+        model = _for_training(model)
+        if not meta:
+            materialize(model, device)
+        return model
 
     @staticmethod
     def save_pretrained(model, path: str | Path) -> None:
-        """Write an HF checkpoint directory loadable through ``model.path`` (full tensors)."""
-        model.save_pretrained(str(path), safe_serialization=True)
+        """Write an HF checkpoint directory loadable through ``model.path``, shard by shard
+        (:func:`~.hf_checkpoint.save_hf`; collective when the model is distributed)."""
+        from .hf_checkpoint import save_hf
+
+        save_hf(model, path)
+
+
+# ---------------------------------------------------------------------- meta build + materialize
+@dataclasses.dataclass
+class _Source:
+    """How :func:`materialize` fills a meta-built model: ``random`` (HF init, per-unit seeds derived
+    from ``seed``) or ``hf`` (the safetensors of ``path``; buffers and resized rows from the init)."""
+    kind: str
+    path: str | None
+    seed: int
+
+
+def build_meta_model(hf_cfg, *, dtype, attn_implementation: str):
+    """An HF causal LM of ``hf_cfg`` with every parameter and buffer on ``meta`` (no memory, no
+    init), plus a pristine deep copy of it (``_hp_pristine``) that :func:`materialize` builds its
+    per-unit full-size twins from after the model itself has been sharded."""
+    import copy
+
+    import transformers
+    from transformers import initialization as hf_init
+
+    with torch.device("meta"), hf_init.meta_device_safe_creation_ops():
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn_implementation,
+                                                              dtype=dtype)
+    model.__dict__["_hp_pristine"] = copy.deepcopy(model)   # not a registered submodule
+    return model
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    """True while any parameter or buffer of ``model`` is still on the meta device."""
+    return any(t.is_meta for t in _tensors(model))
+
+
+def _tensors(model: nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def _resize_vocab_config(hf_cfg, vocab: int) -> None:
+    text = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    have = getattr(text, "vocab_size", None)
+    if have is None:
+        raise CPConfigError("model.vocab_size", f"{type(hf_cfg).__name__} has no vocab_size to resize")
+    if vocab < have:
+        raise CPConfigError("model.vocab_size", f"{vocab} is smaller than the model's vocabulary ({have}): "
+                            "shrinking would drop trained rows", fix="use a tokenizer of at least the model's size")
+    text.vocab_size = vocab
+    if text is not hf_cfg and hasattr(hf_cfg, "vocab_size"):
+        hf_cfg.vocab_size = vocab
+    hf_cfg.__dict__["_hp_checkpoint_vocab"] = have
+
+
+def _unit_seed(seed: int, fqn: str) -> int:
+    return zlib.crc32(f"{seed}:{fqn}".encode()) & 0x7FFFFFFF
+
+
+def _init_units(pristine: nn.Module):
+    """(fqn, module, recurse) in a fixed order: each decoder layer as one unit (its own init may
+    reach into its children, e.g. GPT-2's scaled ``c_proj``), then every other module that owns
+    parameters or buffers directly, alone."""
+    from ..distributed.tensor_parallel import find_decoder_layers
+
+    layers = list(find_decoder_layers(pristine))
+    names = dict(pristine.named_modules())
+    units = [(fqn, names[fqn], True) for fqn in layers]
+    inside = tuple(f + "." for f in layers)
+    for fqn, mod in pristine.named_modules():
+        if fqn in layers or fqn.startswith(inside):
+            continue
+        if any(True for _ in mod.parameters(recurse=False)) or any(True for _ in mod.buffers(recurse=False)):
+            units.append((fqn, mod, False))
+    return units
+
+
+def _init_owner(pristine: nn.Module, fqn: str):
+    """The PreTrainedModel whose ``_init_weights`` covers ``fqn`` (the innermost one on its path,
+    as transformers' ``smart_apply`` dispatches)."""
+    from transformers import PreTrainedModel
+
+    owner, mod = pristine, pristine
+    for part in [p for p in fqn.split(".") if p]:
+        mod = getattr(mod, part)
+        if isinstance(mod, PreTrainedModel):
+            owner = mod
+    return owner
+
+
+def _full_twin(owner, unit: nn.Module, recurse: bool, fqn: str) -> nn.Module:
+    """A CPU copy of ``unit`` (all of it, or only its own tensors), every float tensor NaN, then
+    initialised by ``owner._init_weights`` children first; a tensor the init leaves NaN raises."""
+    import copy
+
+    if recurse:
+        twin = copy.deepcopy(unit)
+    else:
+        twin = copy.copy(unit)
+        twin.__dict__["_modules"] = {}
+        twin.__dict__["_parameters"] = dict(unit._parameters)
+        twin.__dict__["_buffers"] = dict(unit._buffers)
+        twin.__dict__["_non_persistent_buffers_set"] = set(unit._non_persistent_buffers_set)
+    twin.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in _tensors(twin):
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+    for sub in reversed(list(twin.modules())):   # descendants before their parent, like smart_apply
+        sub.__dict__.pop("_is_hf_initialized", None)
+        for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
+            t.__dict__.pop("_is_hf_initialized", None) if hasattr(t, "__dict__") else None
+        owner._init_weights(sub)
+    for name, t in list(twin.named_parameters()) + list(twin.named_buffers()):
+        if t.is_floating_point() and bool(torch.isnan(t).any()):
+            full = f"{fqn}.{name}" if fqn else name
+            raise CPConfigError("model", f"{type(owner).__name__}._init_weights leaves {full} "
+                                "uninitialised on a meta-device build", module=full,
+                                fix="give the model a complete _init_weights, or load it from model.path")
+    return twin
+
+
+def copy_into_local(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor ``full`` into ``dst`` (a DTensor: its local shard,
+    at its global offset; a plain tensor: all of it), converting the dtype."""
+    if hasattr(dst, "_local_tensor"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
+        src = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        dst._local_tensor.copy_(src)
+    else:
+        dst.copy_(full)
+
+
+def _to_empty_keep_ties(model: nn.Module, device) -> None:
+    """``model.to_empty(device)`` that keeps every Parameter object (tied weights stay tied):
+    tensors are swapped in place (what DTensor parameters always do)."""
+    prev = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(prev)
+
+
+def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.Module:
+    """Allocate this rank's part of every tensor of a meta-built (and possibly sharded) model on
+    ``device`` and fill it: ``random`` — each unit of :func:`_init_units` (a decoder layer, or one
+    other module) is built full-size on the CPU, initialised by the model's own ``_init_weights``
+    under a seed derived from ``(model.seed, unit fqn)``, and this rank's slices are copied; ``hf``
+    — buffers that way, parameters from the checkpoint (:func:`~.hf_checkpoint.load_hf_into`).
+
+    Memory: the local shards on ``device``, plus one unit full-size on the CPU at a time (the
+    largest decoder layer or the embedding), freed before the next. Cost: the random numbers of
+    the whole model are drawn on every rank (the price of a result independent of the sharding).
+    """
+    src: _Source = model.__dict__["_hp_source"]
+    pristine = model.__dict__["_hp_pristine"]
+    _to_empty_keep_ties(model, device)
+    real = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    # model.path with a vocabulary resized above the checkpoint's: the embedding rows past the
+    # checkpoint's come from the random init (the checkpoint's rows are read over them)
+    resized_rows = text.vocab_size if getattr(cfg, "_hp_checkpoint_vocab", None) else None
+    done: set = set()
+    with torch.no_grad():
+        for fqn, unit, recurse in _init_units(pristine):
+            buffers_only = only_buffers or (src.kind == "hf" and not (
+                resized_rows and any(p.dim() and p.shape[0] == resized_rows for p in unit.parameters(recurse=recurse))))
+            if buffers_only and not any(True for _ in unit.buffers(recurse=recurse)):
+                continue
+            owner = _init_owner(pristine, fqn)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_unit_seed(src.seed, fqn))
+                twin = _full_twin(owner, unit, recurse, fqn)
+            items = list(twin.named_buffers()) if buffers_only else (
+                list(twin.named_parameters(remove_duplicate=False)) + list(twin.named_buffers()))
+            for name, full in items:
+                key = f"{fqn}.{name}" if fqn else name
+                dst = real[key]
+                if id(dst) in done:      # a tied parameter: its first owner's values
+                    continue
+                done.add(id(dst))
+                copy_into_local(dst, full)
+            del twin
+        if src.kind == "hf":
+            from .hf_checkpoint import load_hf_into
+
+            load_hf_into(model, src.path, init_seed=src.seed)
+    return model
+
+
+def head_probe_model(model: nn.Module, *, vocab_cap: int = 512) -> nn.Module:
+    """A small, materialized CPU model of ``model``'s class and head configuration (one decoder
+    layer, at most ``vocab_cap`` vocabulary rows, random init at the model's seed) for probes that
+    must run a forward before the meta-built model holds any values (the tiled-head check)."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if isinstance(getattr(text, "num_hidden_layers", None), int):
+        text.num_hidden_layers = 1
+        if isinstance(getattr(text, "layer_types", None), list):
+            text.layer_types = text.layer_types[:1]
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > vocab_cap:
+        text.vocab_size = vocab_cap
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            tok = getattr(text, name, None)
+            if isinstance(tok, int) and tok >= vocab_cap:
+                setattr(text, name, None)
+    src: _Source = model.__dict__["_hp_source"]
+    dtype = next(iter(model.parameters())).dtype
+    probe = build_meta_model(cfg, dtype=dtype, attn_implementation=cfg._attn_implementation)
+    probe.__dict__["_hp_source"] = _Source(kind="random", path=None, seed=src.seed)
+    return materialize(_for_training(probe), "cpu")
 
 
 def _for_training(model):
