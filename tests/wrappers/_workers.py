@@ -269,6 +269,8 @@ def arch_config(arch: str):
         return T.DeepseekV3Config(moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
                                   first_k_dense_replace=1, n_group=1, topk_group=1, **c), "sdpa"
+    if arch == "qwen3_mqa":    # 3 query heads over 1 KV head: Ulysses splits them 2/1 and replicates the KV head
+        return T.Qwen3Config(**dict(c, num_attention_heads=3, num_key_value_heads=1, head_dim=16)), "sdpa"
     if arch == "falcon":
         return T.FalconConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                               new_decoder_architecture=False, multi_query=False, alibi=False,

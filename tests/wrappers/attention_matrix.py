@@ -132,6 +132,10 @@ ROWS = (
         cases("llama", 32, colossal="packed", ulysses="packed", head_tail="packed")
         + cases("llama", 27, colossal="packed_padding", ulysses="packed_padding", head_tail="packed_padding")
         + cases("llama_eager", 27, colossal="packed"))),
+    Row("Qwen3, MQA with 3 query heads (Ulysses/Hybrid: 2/1 query heads, the KV head replicated)", "sdpa",
+        {"qwen3_mqa": "Qwen3"}, packed=EXACT, cases=cases(
+            "qwen3_mqa", 27, colossal="padding", ulysses="packed_padding", head_tail="packed",
+            hybrid="packed_padding")),
     Row("Falcon (`nn.Dropout(p=0)`), SDPA called directly", "sdpa", {"falcon": "Falcon"}, packed=UNTESTED,
         alibi=Refused("`alibi=True`", "falcon_alibi", ("transformer.h.0.self_attention", "uses ALiBi")),
         cases=cases("falcon", 27, colossal="padding")),
