@@ -1,0 +1,97 @@
+"""The decoder layers' MLPs as tiled MLPs (issue 14 item 2, ``schedule.tiled_mlp``).
+
+:func:`install_tiled_mlp` replaces the forward of each decoder layer's ``mlp`` (instance attribute:
+parameter names, FSDP2 units and checkpoints are unchanged) with
+:func:`hyper_parallel.ops.tiled_mlp` over chunks of ``chunk_size`` local tokens: the MLP
+intermediates (``[B, S_local, intermediate]``, several copies for a gated MLP) are never saved for
+backward, only the MLP input is; backward recomputes one chunk at a time. Exact (module doc of
+:mod:`hyper_parallel.ops.tiled_mlp`).
+
+Which MLPs: a dense, token-wise feed-forward block — a module named ``mlp`` in a decoder layer
+(transformers' ``_no_split_modules``) whose class name ends in ``MLP`` and that owns no ``experts``
+/ ``router`` (mixture-of-experts blocks record router logits for the auxiliary loss through hooks,
+which a no-grad chunked forward would break). Before anything is changed, each MLP class is
+probed once on random rows: the chunked output must equal the whole call row for row, else the
+class is refused by name. Refused as well: ``tp_size > 1`` (the TP MLP is a DTensor island whose
+collectives would run per chunk; not supported yet) and a model without any such MLP.
+
+Local only: no collective; every rank reaches the same verdict on the same config.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..distributed.errors import CPConfigError
+from ..distributed.tensor_parallel import find_decoder_layers
+from ..ops.tiled_mlp import tiled_mlp
+
+__all__ = ["install_tiled_mlp"]
+
+FIELD = "schedule.tiled_mlp"
+
+
+def _refuse(problem: str, fix: str) -> CPConfigError:
+    return CPConfigError(FIELD, problem, fix=fix)
+
+
+def _dense_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found, refused = [], []
+    for name in find_decoder_layers(model):
+        mlp = getattr(model.get_submodule(name), "mlp", None)
+        if mlp is None:
+            continue
+        cls = type(mlp).__name__
+        children = {n for n, _ in mlp.named_children()}
+        if not cls.endswith("MLP") or children & {"experts", "router"}:
+            refused.append(f"{name}.mlp ({cls})")
+        else:
+            found.append((f"{name}.mlp", mlp))
+    if refused:
+        raise _refuse(f"{refused[0]} is not a dense token-wise MLP (mixture-of-experts blocks record router "
+                      f"logits through hooks; {len(refused)} such module(s))",
+                      "set schedule.tiled_mlp: false for this model")
+    if not found:
+        raise _refuse(f"{type(model).__name__} has no decoder layer with an `mlp` module",
+                      "set schedule.tiled_mlp: false")
+    return found
+
+
+def _probe_tokenwise(name: str, mlp: nn.Module) -> None:
+    """The chunked forward equals the whole forward row for row on random rows (fp32, no grad)."""
+    p = next(mlp.parameters(), None)
+    if p is None or p.device.type == "meta":
+        return  # nothing to probe (a meta-built model is probed by its owner after materializing)
+    hidden = p.shape[-1] if p.dim() == 2 else p.numel()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 6, hidden, generator=gen).to(device=p.device, dtype=p.dtype)
+    with torch.no_grad():
+        whole = mlp(x)
+        parts = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:5]), mlp(x[:, 5:])], dim=1)
+    if not torch.allclose(whole, parts, rtol=1e-5, atol=1e-6):
+        raise _refuse(f"{name} ({type(mlp).__name__}) is not token-wise: its output for a token depends on "
+                      f"other tokens (max diff {(whole - parts).abs().max().item():.3g})",
+                      "set schedule.tiled_mlp: false for this model")
+
+
+def install_tiled_mlp(model: nn.Module, chunk_size: int, *, tp_size: int = 1) -> list[str]:
+    """Tile every decoder layer's dense MLP (module doc); returns the module names."""
+    if tp_size > 1:
+        raise _refuse(f"not supported with tensor parallelism (accelerator.tp_size={tp_size})",
+                      "set schedule.tiled_mlp: false, or tp_size: 1")
+    mlps = _dense_mlps(model)
+    probed = set()
+    for name, mlp in mlps:
+        if type(mlp) not in probed:
+            _probe_tokenwise(name, mlp)
+            probed.add(type(mlp))
+    for _, mlp in mlps:
+        inner = mlp.forward
+
+        def forward(x, *args, _inner=inner, _mlp=mlp, **kwargs):
+            if args or kwargs or x.dim() != 3:
+                return _inner(x, *args, **kwargs)
+            return tiled_mlp(_inner, x, [p for p in _mlp.parameters() if p.requires_grad], chunk_size=chunk_size)
+
+        mlp.forward = forward
+    return [name for name, _ in mlps]
