@@ -19,6 +19,8 @@ Local only: no collective; every rank reaches the same verdict on the same confi
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -60,10 +62,16 @@ def _dense_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _probe_tokenwise(name: str, mlp: nn.Module) -> None:
     """The chunked forward equals the whole forward row for row on random rows (fp32, no grad)."""
     p = next(mlp.parameters(), None)
-    if p is None or p.device.type == "meta":
-        return  # nothing to probe (a meta-built model is probed by its owner after materializing)
-    hidden = p.shape[-1] if p.dim() == 2 else p.numel()
+    if p is None:
+        raise _refuse(f"{name} ({type(mlp).__name__}) has no parameters", "set schedule.tiled_mlp: false")
     gen = torch.Generator().manual_seed(0)
+    if p.device.type == "meta":      # a meta-built model: probe a CPU copy with random values
+        mlp = copy.deepcopy(mlp).to_empty(device="cpu")
+        with torch.no_grad():
+            for q in mlp.parameters():
+                q.copy_(torch.randn(q.shape, generator=gen) * 0.1)
+        p = next(mlp.parameters())
+    hidden = p.shape[-1] if p.dim() == 2 else p.numel()
     x = torch.randn(1, 6, hidden, generator=gen).to(device=p.device, dtype=p.dtype)
     with torch.no_grad():
         whole = mlp(x)

@@ -110,3 +110,13 @@ def test_install_refuses_what_it_cannot_tile_exactly():
         layer.mlp = CumsumMLP(layer.mlp)
     with pytest.raises(CPConfigError, match="CumsumMLP.*not token-wise"):
         install_tiled_mlp(mixing, 8)
+
+
+def test_install_probes_a_meta_built_model():
+    """A model built on the meta device (the trainer's build) is probed on a CPU copy of each MLP class."""
+    import transformers as T
+
+    with torch.device("meta"):
+        model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    assert install_tiled_mlp(model, 8) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(p.device.type == "meta" for p in model.parameters()), "the model itself stays on meta"
