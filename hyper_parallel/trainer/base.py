@@ -37,6 +37,7 @@ from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_d
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
 from .step import StepProbe, StepResult, run_step
+from .tiled_mlp import install_tiled_mlp
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
 __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
@@ -87,6 +88,9 @@ class BaseTrainer:
         if not self.meta_build:
             model = model.to(self.device)
         self.tiled_head = self.install_loss_head(model)
+        self.tiled_mlp = (install_tiled_mlp(model, self.cfg.schedule.tiled_mlp_chunk_size,
+                                            tp_size=self.cfg.accelerator.tp_size)
+                          if self.cfg.schedule.tiled_mlp else [])
         self.capture_logits = False      # run_step sets it when a probe asks for the logits
         self.model, self.tp_grad_info = self.parallelize(model)
         self.uses_fsdp = _has_fsdp(self.model)
