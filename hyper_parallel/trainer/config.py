@@ -200,6 +200,8 @@ class LoggingConfig:
                         help="Python logging level (ranks other than 0 log warnings only)")
     json_log: str = option("train_log.json", help="per-step JSON records (written under out_dir)")
     plot_file: str = option("loss_curve.png", help="loss curve per optimizer step (written under out_dir)")
+    tensorboard: bool = option(False, help="also write TensorBoard event files (loss, lr, tokens/s, grad norm, peak "
+                                           "memory per step) to <out_dir>/tensorboard on rank 0")
     export_hf: bool = option(False, help="after training, write the model in Hugging Face format (+ data.tokenizer's "
                                          "files) to <out_dir>/hf (hf_checkpoint.save_hf)")
 
@@ -430,6 +432,7 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
     CPConfigError naming the field:
 
     * ``accelerator.device_type``: the device exists on this machine (cuda on a CPU-only machine);
+    * ``logging.tensorboard``: the ``tensorboard`` package is installed;
     * ``model.attn_implementation``: one transformers knows (``eager`` or a registered attention);
     * the HF model config (``model.config`` over ``config_file``, or ``model.path``'s config.json)
       builds, its activation is one transformers has, heads divide (``hidden_size`` by
@@ -440,6 +443,12 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
       ``cp_size: 1`` skips (:func:`resolve_plan_targets`).
     """
     _check_device(cfg.accelerator.device_type)
+    if cfg.logging.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs the package
+        except ImportError:
+            raise CPConfigError("logging.tensorboard", "is true but the tensorboard package is not installed",
+                                fix="pip install tensorboard (pinned in constraints.txt), or set it to false") from None
     _check_attn_implementation(cfg.model.attn_implementation)
     _check_model_config(cfg)
     resolve_plan_targets(cfg.plan_overrides, cfg.source)

@@ -18,7 +18,9 @@ class RunLog:
     """Collects step records; rank 0 writes ``<out_dir>/<json_log>`` and the loss curve."""
 
     def __init__(self, out_dir: str | Path, *, json_name: str = "train_log.json",
-                 plot_name: str = "loss_curve.png", is_main: bool = True, meta: dict | None = None):
+                 plot_name: str = "loss_curve.png", is_main: bool = True, meta: dict | None = None,
+                 tensorboard_dir: str | Path | None = None):
+        self.tensorboard = TensorBoardLog(tensorboard_dir) if is_main and tensorboard_dir is not None else None
         self.out_dir = Path(out_dir)
         self.json_path = self.out_dir / json_name
         self.jsonl_path = jsonl_path_for(self.json_path)
@@ -62,6 +64,8 @@ class RunLog:
                 self._open([])
             self._stream.write(json.dumps(record) + "\n")
             self._stream.flush()
+            if self.tensorboard is not None:
+                self.tensorboard.add(record)
 
     def write(self, plot: bool = True) -> None:
         """Rank 0: rebuild the JSON summary (and with ``plot`` the PNG) from the JSONL stream."""
@@ -80,6 +84,36 @@ class RunLog:
         os.replace(tmp, self.json_path)
         if plot and self.records:
             plot_loss_curve(self.records, self.plot_path, title=self.meta.get("title", "training loss"))
+
+
+class TensorBoardLog:
+    """``logging.tensorboard``: rank 0 writes TensorBoard event files under ``log_dir``
+    (``torch.utils.tensorboard.SummaryWriter``, the ``tensorboard`` package), one point per optimizer
+    step for each of :data:`TENSORBOARD_SCALARS` present in the step record, flushed every step
+    (a crash keeps what was logged). Open it with ``tensorboard --logdir <out_dir>/tensorboard``."""
+
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def add(self, record: dict) -> None:
+        step = int(record["step"])
+        for key, tag in TENSORBOARD_SCALARS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(tag, float(value), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+#: step-record key -> TensorBoard tag (peak_mem_gb is the largest rank's peak)
+TENSORBOARD_SCALARS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
+                       "grad_norm": "train/grad_norm", "peak_mem_gb": "train/peak_mem_gb",
+                       "router_loss": "train/router_loss"}
 
 
 def _writable_dir(field: str, d: Path) -> None:

@@ -321,3 +321,27 @@ def test_cli_unknown_plot_format_exit_2_before_training(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [logging.plot_file] "), p.stderr
     assert "Traceback" not in p.stderr and "step 1/" not in p.stdout
     assert not (out / "train_log.jsonl").exists()
+
+
+def test_tensorboard_event_files_hold_every_step(ranks, tmp_path):
+    """logging.tensorboard: rank 0 writes loss, lr, tokens/s, grad norm and peak memory per step under
+    <out_dir>/tensorboard; read back with TensorBoard's own reader they equal the JSONL step records."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hyper_parallel.trainer.metrics import TENSORBOARD_SCALARS, read_jsonl
+
+    out = tmp_path / "run"
+    ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(out), logging__tensorboard=True, **{**KW, "steps": 3}))
+    _, steps = read_jsonl(out / "train_log.jsonl")
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/grad_norm", "train/peak_mem_gb"} <= tags, tags
+    for key, tag in TENSORBOARD_SCALARS.items():
+        if tag not in tags:
+            continue
+        points = [(e.step, e.value) for e in acc.Scalars(tag)]
+        assert [p[0] for p in points] == [1, 2, 3], (tag, points)
+        for (step, value), rec in zip(points, steps):
+            assert abs(value - rec[key]) <= 1e-6 * max(1.0, abs(rec[key])), (tag, step, value, rec[key])
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1   # rank 0 only
