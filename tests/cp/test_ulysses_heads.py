@@ -59,6 +59,22 @@ def test_layout_refusals_name_the_numbers():
         ulysses_head_layout(6, 4, 2)
 
 
+def test_head_exchange_checks_heads_before_any_collective():
+    """``heads=`` must give every rank of the group a non-empty set of valid heads; the output
+    split must be disjoint and cover every head (checked locally, before any collective)."""
+    from hyper_parallel.distributed.context_parallel.collectives import (CPCollectiveError, ulysses_head_to_seq,
+                                                                        ulysses_seq_to_head)
+
+    x = torch.zeros(1, 2, 4, 3)
+    with pytest.raises(CPCollectiveError, match=r"heads=\[\(0,\), \(1,\)\] must give each of the 1 ranks"):
+        ulysses_seq_to_head(x, None, heads=[(0,), (1,)])
+    with pytest.raises(CPCollectiveError, match=r"in \[0, 2\)"):
+        ulysses_seq_to_head(x, None, heads=[(0, 2)])
+    with pytest.raises(CPCollectiveError, match="disjoint and covering every head"):
+        ulysses_head_to_seq(x, None, heads=[(0, 0)])
+    assert ulysses_seq_to_head(x, None, heads=[(0, 1)]) is x        # size-1 group: identity
+
+
 # ---------------------------------------------------------------------------- model parity (ranks)
 WRAPPERS = {"ulysses": "sdpa_hf_ulysses", "flex": "flex_hf_ulysses",
             "hybrid": {"_target_": "hyper_parallel.distributed.context_parallel.wrappers.sdpa_hf_hybrid_cp_wrapper",
@@ -160,7 +176,6 @@ def check(results) -> None:
 BOTH = ("padding", "packed")
 CP2 = [  # degree 2
     ("ulysses", "qwen3", 4, 1, BOTH, 27),      # MQA
-    ("ulysses", "qwen3", 4, 1, ("packed",), 32),   # MQA, S divisible by the degree (no CP padding)
     ("ulysses", "qwen3", 9, 3, BOTH, 27),      # Hq, Hk not divisible by 2: 5/4 query heads, a KV group split
     ("flex", "qwen3", 3, 1, BOTH, 32),         # flex Ulysses wrapper: MQA and uneven (2/1)
     ("ulysses", "gpt_oss", 3, 1, ("padding",), 27),   # sinks follow their (uneven) query heads
