@@ -35,7 +35,7 @@ from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
+from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize, tokenizer_vocab
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
@@ -71,7 +71,10 @@ class BaseTrainer:
         torch.manual_seed(cfg.schedule.seed)
         if model is None:  # agreed: a bad model config on one rank fails every rank here
             # built on the meta device: parallelize() shards it, then each rank materializes its shards
-            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model, meta=True), what="model build")
+            # (a vocabulary smaller than data.tokenizer's is resized up to it)
+            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model, meta=True,
+                                                                      vocab_size=tokenizer_vocab(cfg)),
+                                   what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size

@@ -144,13 +144,23 @@ def _resize_vocab_config(hf_cfg, vocab: int) -> None:
     have = getattr(text, "vocab_size", None)
     if have is None:
         raise CPConfigError("model.vocab_size", f"{type(hf_cfg).__name__} has no vocab_size to resize")
-    if vocab < have:
-        raise CPConfigError("model.vocab_size", f"{vocab} is smaller than the model's vocabulary ({have}): "
-                            "shrinking would drop trained rows", fix="use a tokenizer of at least the model's size")
+    if vocab <= have:       # never shrink: a (padded) vocabulary at least the tokenizer's is kept as it is
+        return
     text.vocab_size = vocab
     if text is not hf_cfg and hasattr(hf_cfg, "vocab_size"):
         hf_cfg.vocab_size = vocab
     hf_cfg.__dict__["_hp_checkpoint_vocab"] = have
+
+
+def tokenizer_vocab(cfg) -> int | None:
+    """The row count the model's vocabulary must reach for ``data.tokenizer`` (``len(tokenizer)``,
+    added tokens included), or None without a tokenizer. The model is resized only upwards."""
+    data = getattr(cfg, "data", None)
+    if data is None or not getattr(data, "tokenizer", None):
+        return None
+    from .data_sources import load_tokenizer
+
+    return len(load_tokenizer(data.tokenizer))
 
 
 def _unit_seed(seed: int, fqn: str) -> int:

@@ -95,3 +95,74 @@ def meta_build_report(cfg: dict) -> dict:
     # the trained path still works: one step
     out["loss"] = trainer.train_step(trainer.data.next_micro_batches(1)).loss
     return out
+
+
+# ---------------------------------------------------------------------- HF checkpoints (test_hf_checkpoint.py)
+def _probe_ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def train_then_export(cfg: dict, out_dir: str, tokenizer_dir=None, steps: int = 2) -> dict:
+    """Train ``steps`` steps, export with save_hf; return the trained model's logits on a probe
+    (full parameters gathered into the ordinary build, for the comparison only) and, on rank 0,
+    those of plain ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``."""
+    import transformers
+
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.hf_checkpoint import save_hf
+    from hyper_parallel.trainer.model import HyperAutoModel
+    from hyper_parallel.trainer.text import TextTrainer
+
+    c = TrainerConfig.from_dict(cfg)
+    trainer = TextTrainer(c)
+    losses = [r.loss for r in trainer.train(steps)]
+    full = trainer.named_full("param")          # test-side reference only (collective)
+    save_hf(trainer, out_dir, tokenizer_dir=tokenizer_dir)
+    import torch.distributed as dist
+
+    out = {"losses": losses}
+    if dist.get_rank() == 0:
+        ref = HyperAutoModel.from_config(c.model)
+        missing = ref.load_state_dict(full, strict=False)
+        assert not missing.missing_keys or set(missing.missing_keys) <= {"lm_head.weight"}, missing
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
+        ids = _probe_ids(ref.config.vocab_size)
+        with torch.no_grad():
+            a = ref.eval()(input_ids=ids).logits
+            b = loaded.eval()(input_ids=ids).logits
+        import os
+
+        out.update(max_abs=float((a - b).abs().max()), scale=float(a.abs().max()),
+                   files=sorted(os.listdir(out_dir)), loaded_class=type(loaded).__name__,
+                   use_cache=loaded.config.use_cache)
+        if tokenizer_dir is not None:
+            tok = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+            out["tokenizer_len"] = len(tok)
+    return out
+
+
+def load_report(cfg: dict, ckpt_dir: str) -> dict:
+    """TextTrainer with model.path = ckpt_dir: its full parameters vs plain transformers' load of the
+    same directory cast to the trainer's dtype (rank 0 compares); shard sizes of the decoder layers."""
+    import transformers
+
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.text import TextTrainer
+
+    trainer = TextTrainer(TrainerConfig.from_dict(cfg))
+    local = {n: (tuple(p.shape), tuple(p._local_tensor.shape) if hasattr(p, "_local_tensor") else tuple(p.shape))
+             for n, p in trainer.model.named_parameters()}
+    full = trainer.named_full("param")
+    loss = trainer.train_step(trainer.data.next_micro_batches(1)).loss
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt_dir, local_files_only=True, dtype=torch.float32)
+    hf_params = dict(hf.named_parameters())
+    diffs = {}
+    for n, t in full.items():
+        ref = hf_params[n].detach().float()
+        if ref.shape != t.shape:          # resized vocabulary: the checkpoint's rows
+            diffs[n] = float((t[: ref.shape[0]] - ref).abs().max())
+            diffs[n + "[new rows std]"] = float(t[ref.shape[0]:].std())
+        else:
+            diffs[n] = float((t - ref).abs().max())
+    return {"diffs": diffs, "local": local, "loss": loss, "vocab": trainer.model.config.vocab_size,
+            "tied": trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight}
