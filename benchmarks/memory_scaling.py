@@ -9,6 +9,12 @@ Colossal CP (``sdpa_hf``) for CP > 1.
     python benchmarks/memory_scaling.py                       # CP 1/2/4, 4k..32k, both models
     python benchmarks/memory_scaling.py --cps 2 --seqs 131072 --steps 1 --ac   # one long run
     python benchmarks/memory_scaling.py --search --budget-gb 24   # longest sequence within the budget
+    python benchmarks/memory_scaling.py --host-malloc fixed glibc --seqs 32768   # the allocator policy's cost
+
+``--tiled-mlp 0 2048``: each point without and with ``schedule.tiled_mlp`` (chunk 2048 tokens).
+``--host-malloc``: ``fixed`` is the trainer's default on CPU (glibc's mmap threshold fixed at 128 KiB,
+hyper_parallel/platform/host_memory.py), ``glibc`` runs with glibc's dynamic threshold
+(``HYPER_PARALLEL_MMAP_THRESHOLD=0``); both at each point, interleaved, to compare peak and step time.
 
 Writes ``benchmarks/results/memory_scaling.json`` (+ ``.png``): per point the peak per rank, the
 per-token memory and the CP=C / CP=1 ratio per rank at the same sequence.
@@ -47,7 +53,7 @@ def _corpus(path: str, n_bytes: int) -> str:
 
 
 def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, out_dir: str,
-            method: str = "sdpa_hf") -> dict:
+            method: str = "sdpa_hf", tiled_mlp: int = 0) -> dict:
     corpus = _corpus(os.path.join(os.path.dirname(out_dir), "corpus.txt"), seq * (steps + 2))
     cfg = {
         "model": {"architecture": "llama", "config": dict(MODELS[model], max_position_embeddings=max(seq, 4096)),
@@ -55,7 +61,8 @@ def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, ou
         "data": {"path": corpus, "seq_len": seq,
                  "micro_batch_size": 1, "seed": 0},
         "optimizer": {"name": "adamw", "lr": 1e-3},
-        "schedule": {"steps": steps, "warmup_steps": 0, "activation_checkpointing": ac},
+        "schedule": {"steps": steps, "warmup_steps": 0, "activation_checkpointing": ac,
+                     "tiled_mlp": bool(tiled_mlp), "tiled_mlp_chunk_size": tiled_mlp or 2048},
         "accelerator": {"cp_size": cp},
         "plan_overrides": [],
         "logging": {"out_dir": out_dir, "log_every": 1, "progress": False, "plot": False},
@@ -69,15 +76,17 @@ def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, ou
 
 
 def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: bool, timeout: float,
-              method: str = "sdpa_hf") -> dict:
+              method: str = "sdpa_hf", host_malloc: str = "fixed", tiled_mlp: int = 0) -> dict:
     """One trainer run; returns peak memory per rank (GB) or the failure."""
     with tempfile.TemporaryDirectory(prefix="hp_mem_") as tmp:
         path = os.path.join(tmp, "cfg.yaml")
         with open(path, "w") as fh:
-            yaml.safe_dump(_config(model, cp, seq, steps, ac, tiled, os.path.join(tmp, "run"), method), fh)
+            yaml.safe_dump(_config(model, cp, seq, steps, ac, tiled, os.path.join(tmp, "run"), method, tiled_mlp), fh)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
                "-m", "hyper_parallel.trainer.cli", path]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // cp)))
+        if host_malloc == "glibc":
+            env["HYPER_PARALLEL_MMAP_THRESHOLD"] = "0"
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -92,6 +101,7 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
             steps_log = json.load(fh)["steps"]
     peaks = [max(vals) for vals in zip(*[r["peak_mem_gb_per_rank"] for r in steps_log])]
     return {"model": model, "cp": cp, "seq": seq, "method": method if cp > 1 else None, "ac": ac, "ok": True,
+            "host_malloc": host_malloc, "tiled_mlp": tiled_mlp,
             "step_time_s": [r["time_s"] for r in steps_log], "peak_gb_per_rank": peaks,
             "peak_gb_max_rank": max(peaks), "mb_per_token_max_rank": max(peaks) * 1024 / seq,
             "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"]}
@@ -134,6 +144,10 @@ def main(argv=None) -> int:
                     "Colossal, sdpa_hf_ulysses) or a _target_ path (hyper_parallel.distributed.context_parallel."
                     "wrappers.sdpa_hf_load_balance_cp_wrapper = Head-Tail)")
     ap.add_argument("--untiled", action="store_true", help="the untiled loss (full [S, vocab] logits)")
+    ap.add_argument("--host-malloc", nargs="+", default=["fixed"], choices=["fixed", "glibc"],
+                    help="CPU allocator policy per point: fixed mmap threshold (default) and/or glibc's dynamic one")
+    ap.add_argument("--tiled-mlp", type=int, nargs="+", default=[0], metavar="CHUNK",
+                    help="schedule.tiled_mlp chunk sizes to run at each point (0 = off)")
     ap.add_argument("--search", action="store_true", help="longest sequence within --budget-gb per CP size")
     ap.add_argument("--budget-gb", type=float, default=24.0, help="all ranks of one machine together")
     ap.add_argument("--timeout", type=float, default=3600.0)
@@ -156,24 +170,32 @@ def main(argv=None) -> int:
         for model in args.models:
             for seq in args.seqs:
                 for cp in args.cps:
-                    p = run_point(model, cp, seq, steps=args.steps, ac=args.ac, tiled=tiled, timeout=args.timeout,
-                                  method=args.method)
-                    result["points"].append(p)
-                    msg = (f"peak/rank {p['peak_gb_max_rank']:.2f} GB ({p['mb_per_token_max_rank']:.3f} MB/token), "
-                           f"all ranks {p['total_gb_all_ranks']:.2f} GB, {p['wall_s']:.0f}s") if p["ok"] else \
-                        f"FAILED: {p['error'][-300:]}"
-                    print(f"{model:12} seq={seq:>6} cp={cp}: {msg}", flush=True)
-        base = {(p["model"], p["seq"]): p for p in result["points"] if p["ok"] and p["cp"] == 1}
+                    for policy, tmlp in [(p, t) for p in args.host_malloc for t in args.tiled_mlp]:
+                        p = run_point(model, cp, seq, steps=args.steps, ac=args.ac, tiled=tiled,
+                                      timeout=args.timeout, method=args.method, host_malloc=policy, tiled_mlp=tmlp)
+                        result["points"].append(p)
+                        msg = (f"peak/rank {p['peak_gb_max_rank']:.2f} GB ({p['mb_per_token_max_rank']:.3f} MB/token), "
+                               f"all ranks {p['total_gb_all_ranks']:.2f} GB, step s "
+                               f"{'/'.join(f'{t:.1f}' for t in p['step_time_s'])}, {p['wall_s']:.0f}s") \
+                            if p["ok"] else f"FAILED: {p['error'][-300:]}"
+                        print(f"{model:12} seq={seq:>6} cp={cp} malloc={policy} tiled_mlp={tmlp}: {msg}", flush=True)
+        def key(p):
+            return p["model"], p["seq"], p.get("host_malloc"), p.get("tiled_mlp")
+
+        base = {key(p): p for p in result["points"] if p["ok"] and p["cp"] == 1}
         for p in result["points"]:
-            ref = base.get((p["model"], p["seq"]))
+            ref = base.get(key(p))
             if p["ok"] and ref:
                 p["ratio_per_rank_vs_cp1"] = p["peak_gb_max_rank"] / ref["peak_gb_max_rank"]
-        print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'peak GB/rank':>13} {'MB/token':>9} {'vs CP=1':>8}")
+        print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'malloc':>6} {'t.mlp':>5} {'peak GB/rank':>13} {'MB/token':>9} "
+              f"{'vs CP=1':>8} {'last step s':>11}")
         for p in result["points"]:
             if p["ok"]:
                 ratio = p.get("ratio_per_rank_vs_cp1")
-                print(f"{p['model']:12} {p['seq']:>6} {p['cp']:>3} {p['peak_gb_max_rank']:13.2f} "
-                      f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'}")
+                print(f"{p['model']:12} {p['seq']:>6} {p['cp']:>3} {p['host_malloc']:>6} {p['tiled_mlp']:>5} "
+                      f"{p['peak_gb_max_rank']:13.2f} "
+                      f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'} "
+                      f"{p['step_time_s'][-1]:11.1f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
@@ -187,8 +209,13 @@ def main(argv=None) -> int:
         fig, axes = plt.subplots(1, len(args.models), figsize=(5.5 * len(args.models), 4), squeeze=False)
         for ax, model in zip(axes[0], args.models):
             for cp in args.cps:
-                pts = [p for p in result["points"] if p["ok"] and p["model"] == model and p["cp"] == cp]
-                ax.plot([p["seq"] for p in pts], [p["peak_gb_max_rank"] for p in pts], marker="o", label=f"CP={cp}")
+                for policy, tmlp in [(p, t) for p in args.host_malloc for t in args.tiled_mlp]:
+                    pts = [p for p in result["points"] if p["ok"] and p["model"] == model and p["cp"] == cp
+                           and p["host_malloc"] == policy and p["tiled_mlp"] == tmlp]
+                    ax.plot([p["seq"] for p in pts], [p["peak_gb_max_rank"] for p in pts], marker="o",
+                            linestyle="-" if policy == "fixed" else "--", alpha=1.0 if not tmlp else 0.6,
+                            label=f"CP={cp}" + (f" ({policy} malloc)" if len(args.host_malloc) > 1 else "")
+                            + (f" tiled MLP {tmlp}" if tmlp else ""))
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel("peak memory per rank (GB)")
