@@ -146,7 +146,7 @@ def replica_grads() -> dict:
     x [1, 1, L, 2] (this rank's chunk of the one head, heads=[(0,), (0,)]); each rank receives the
     whole sequence; rank j backpropagates dout_j = (j + 1) * ones. The owner's gradient must be
     the sum over receivers (1 + 2 = 3), not their mean (1.5) nor one copy."""
-    from hyper_parallel.distributed.context_parallel.collectives import ulysses_seq_to_head
+    from hyper_parallel.distributed.context_parallel.collectives import ulysses_head_to_seq, ulysses_seq_to_head
 
     ctx = W.mesh_ctx(2)
     r = ctx.cp_rank
@@ -154,12 +154,15 @@ def replica_grads() -> dict:
     y = ulysses_seq_to_head(x, ctx.cp_mesh, heads=[(0,), (0,)])
     y.backward(torch.full_like(y, float(r + 1)))
     full = torch.cat([torch.arange(8, dtype=torch.float32).reshape(1, 1, 4, 2).add(100 * s) for s in range(2)], 2)
-    return {"fwd": torch.equal(y.detach(), full), "grad": x.grad.unique().tolist()}
+    # the explicit adjoint (what a hand-written backward calls): each rank's chunk back from both copies, summed
+    back = ulysses_head_to_seq(y.detach(), ctx.cp_mesh, heads=[(0,), (0,)], num_heads=1)
+    return {"fwd": torch.equal(y.detach(), full), "grad": x.grad.unique().tolist(),
+            "adjoint": torch.equal(back, 2 * x.detach())}
 
 
 def test_replicated_kv_gradients_are_summed(ranks):
     for r, res in enumerate(ranks(2).run(replica_grads)):
-        assert res == {"fwd": True, "grad": [3.0]}, (r, res)
+        assert res == {"fwd": True, "grad": [3.0], "adjoint": True}, (r, res)
 
 
 def check(results) -> None:

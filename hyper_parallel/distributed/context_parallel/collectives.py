@@ -389,20 +389,24 @@ def ulysses_seq_to_head(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: i
 
 
 def ulysses_head_to_seq(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: int = 1,
-                        tag: str = "cp.ulysses_h2s", heads=None) -> torch.Tensor:
+                        tag: str = "cp.ulysses_h2s", heads=None, num_heads=None) -> torch.Tensor:
     """Head shard -> sequence shard on ``group`` (inverse of :func:`ulysses_seq_to_head`).
 
     ``[B, H/W, S, D]`` -> ``[B, H, S/W, D]``. Backward: :func:`ulysses_seq_to_head`. Requires S % W == 0.
     ``heads``: the query split of :func:`ulysses_seq_to_head` (disjoint, covering every head,
     possibly uneven): rank i holds heads ``heads[i]``; the result has all ``H`` heads in order.
+    With ``num_heads`` given, ``heads`` may overlap (the replicated KV split): the pieces of a
+    head that several ranks hold are **summed** — the adjoint of the replicating
+    :func:`ulysses_seq_to_head`, i.e. what a hand-written backward of the K/V exchange (the
+    async wrappers) returns as dK/dV.
     """
     fn = "ulysses_head_to_seq"
     group = resolve_group(group)
     sd, hd = _check_dim(x, seq_dim, "x", fn), _check_dim(x, head_dim, "x", fn)
     world = P.group_size(group)
     if heads is not None:
-        num = sum(len(h) for h in heads)
-        heads = _check_heads(heads, world, num, fn, group, cover=True)
+        num = sum(len(h) for h in heads) if num_heads is None else int(num_heads)
+        heads = _check_heads(heads, world, num, fn, group, cover=num_heads is None)
         me = P.group_rank(group)
         if x.shape[hd] != len(heads[me]):
             raise CPCollectiveError(f"{fn}: x has {x.shape[hd]} heads (shape {tuple(x.shape)}) but heads[{me}] "

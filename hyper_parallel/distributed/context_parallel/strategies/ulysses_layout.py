@@ -34,6 +34,13 @@ How a Ulysses path uses it (sync strategies here; the async wrappers must do the
     k_h, v_h = lay.local_kv(k_h, i), lay.local_kv(v_h, i)             # GQA map for the engine
     sinks_i = lay.q_slice(sinks, i)
     out = ulysses_head_to_seq(out_h, g, heads=lay.q_heads)            # [B, Hq, S/u, D]
+
+(``heads=None`` when ``lay.even``: the plain all_to_all, as before.) A path that writes its own
+backward for these exchanges (the async wrappers' launch/wait chains) must use the adjoints:
+dQ ``ulysses_head_to_seq(dq_h, g, heads=lay.q_heads)``, dK/dV
+``ulysses_head_to_seq(dk_h, g, heads=lay.kv_heads, num_heads=Hk)`` (sums the copies of a
+replicated KV head), dO ``ulysses_seq_to_head(do, g, heads=lay.q_heads)``; Hybrid's colossal
+AllGather/ReduceScatter then acts on the ``nk_i``-head shard unchanged.
 """
 from __future__ import annotations
 
