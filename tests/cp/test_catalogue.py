@@ -60,9 +60,16 @@ def test_registry_reads_the_catalogue():
 def test_every_entry_point_is_a_catalogue_cell_and_back():
     from hyper_parallel.distributed.context_parallel import wrappers
 
-    defined = {n for n in dir(wrappers) if wrapper_info(getattr(wrappers, n)) is not None}
+    defined = {n for n in dir(wrappers) if wrapper_info(getattr(wrappers, n)) is not None
+               and not wrapper_info(getattr(wrappers, n)).is_async}
     offered = {o.entry for _m, o in _cells()}
     assert defined == offered, (defined ^ offered)
+    # the package's async (handoff-protocol) Targets are the catalogue rows' generic async targets
+    generic_async = {n for n in dir(wrappers) if wrapper_info(getattr(wrappers, n)) is not None
+                     and wrapper_info(getattr(wrappers, n)).is_async}
+    listed = {t.rsplit(".", 1)[1] for m in catalogue.attention_methods() for t in m.async_targets
+              if t.startswith(catalogue.WRAPPERS_MODULE + ".")}
+    assert generic_async == listed and generic_async <= set(wrappers.__all__), generic_async ^ listed
     assert offered <= set(wrappers.__all__)
     for m, o in _cells():
         fn = import_target(o.target)

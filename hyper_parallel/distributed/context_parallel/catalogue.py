@@ -33,6 +33,16 @@ __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE",
 WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 ASYNC_QWEN3_MOE = "hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async"
+# models whose adapter implements the async handoff protocol (models/<arch>/adapter/distributed/)
+ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+
+
+def _async_targets(method: str) -> tuple:
+    """The generic async Target of ``method`` (any attention with the handoff protocol) and each
+    adapter's named one (``<arch>_async_<method>_cp_wrapper``)."""
+    return (f"{WRAPPERS_MODULE}.async_{method}_cp_wrapper",) + tuple(
+        f"hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_{method}_cp_wrapper"
+        for a in ASYNC_ADAPTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +117,8 @@ METHODS: dict = {m.name: m for m in (
         name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
         batch_policy="all_gather", head_rule="gqa", head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
-        async_targets=(f"{ASYNC_QWEN3_MOE}.qwen3_moe_async_colossal_cp_wrapper",),
-        async_reason="Qwen3-MoE adapter",
+        async_targets=_async_targets("colossal"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
         offers=(Offer("hf", "sdpa_hf_cp_wrapper", "sdpa_hf"), Offer("qkv", "sdpa_qkv_cp_wrapper", "sdpa_qkv"),
                 Offer("flex_hf", "flex_hf_cp_wrapper", "flex_hf"),
                 Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
@@ -118,8 +128,8 @@ METHODS: dict = {m.name: m for m in (
         head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
                  "accepted (async: Hq, Hk divisible by cp_size)",
         degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
-        async_targets=(f"{ASYNC_QWEN3_MOE}.qwen3_moe_async_ulysses_cp_wrapper",),
-        async_reason="Qwen3-MoE adapter",
+        async_targets=_async_targets("ulysses"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
         offers=(Offer("hf", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_ulysses"),
                 Offer("qkv", "sdpa_qkv_ulysses_cp_wrapper", "sdpa_qkv_ulysses"),
                 Offer("flex_hf", "flex_hf_ulysses_cp_wrapper", "flex_hf_ulysses"),
@@ -131,8 +141,8 @@ METHODS: dict = {m.name: m for m in (
                  "replicated) accepted (async: Hq, Hk divisible by ulysses_degree)",
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
-        async_targets=(f"{ASYNC_QWEN3_MOE}.qwen3_moe_async_hybrid_cp_wrapper",),
-        async_reason="Qwen3-MoE adapter",
+        async_targets=_async_targets("hybrid"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
         offers=(Offer("hf", "sdpa_hf_hybrid_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid")))),
@@ -140,7 +150,8 @@ METHODS: dict = {m.name: m for m in (
         name="load_balance", title="Head-Tail load balance", aliases=("head_tail",), strategy="HeadTailStrategy",
         batch_policy="load_balance", layout="head_tail", length_factor=2, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
-        async_reason="none: async Head-Tail is not implemented",
+        async_targets=_async_targets("load_balance"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
         offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Head-Tail")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Head-Tail")))),
@@ -315,6 +326,17 @@ def builtin_names(kind: Optional[str] = None) -> dict:
 
 
 # ---------------------------------------------------------------------------- docs
+def _async_cell(m: CPMethod) -> str:
+    """The matrix's async cell: the generic Target, then the adapters' named ones."""
+    names = [t.rsplit(".", 1)[1] for t in m.async_targets]
+    if not names:
+        return m.async_reason
+    generic = [n for n in names if n.startswith("async_")]
+    adapters = [n for n in names if not n.startswith("async_")]
+    return "; ".join(f"`{n}`" for n in generic) + (
+        f" + adapters {', '.join(f'`{n}`' for n in adapters)}" if adapters else "")
+
+
 def support_matrix_markdown() -> str:
     """The support matrix docs/wrappers.md prints (regenerate it with this function)."""
     cols = list(STYLES.values())
@@ -334,7 +356,7 @@ def support_matrix_markdown() -> str:
                 cells.append(f"`{o.registry_name}`" if o.registry_name else f"`{o.entry}`")
         name = m.name + (f" ({', '.join(m.aliases)})" if m.aliases else "")
         policy = f"{m.batch_policy} (S % {m.length_factor}*cp)" if m.length_factor > 1 else m.batch_policy
-        asyn = "; ".join(f"`{t.rsplit('.', 1)[1]}`" for t in m.async_targets) or m.async_reason
+        asyn = _async_cell(m)
         lines.append(f"| {name} | {policy} | {m.head_doc} | {m.degree_doc} | {asyn} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.extend(f"[{i}] {n}" for i, n in enumerate(notes, 1))
