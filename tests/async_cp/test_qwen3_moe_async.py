@@ -171,9 +171,15 @@ def yaml_parity(path, padding):
 
 
 @pytest.mark.parametrize("path,cp", [("examples/cp/async_colossal.yaml", 2), ("examples/cp/async_ulysses.yaml", 2),
-                                     ("examples/cp/async_hybrid.yaml", 4)])
+                                     ("examples/cp/async_hybrid.yaml", 4),
+                                     ("examples/cp/async_llama_colossal.yaml", 2),
+                                     ("examples/cp/async_qwen2_ulysses.yaml", 2),
+                                     ("examples/cp/async_qwen3_hybrid.yaml", 4),
+                                     ("examples/cp/async_mistral_colossal.yaml", 2),
+                                     ("examples/cp/async_qwen3_moe_load_balance.yaml", 2)])
 def test_design_async_yaml_through_planner_and_fsdp(ranks, path, cp):
-    """The design's async snippets, unchanged, through ShardingPlanner + apply_sharding_plan (FSDP2 on)."""
+    """The design's async snippets, unchanged, and one example per adapter, through ShardingPlanner +
+    apply_sharding_plan (FSDP2 on), padded rows, logits and every gradient vs CP=1."""
     for rank, r in enumerate(ranks(cp).run(yaml_parity, path, True)):
         _report(f"{path} rank {rank} logits", r["logits"], r["logits_rel"], YAML_TOL, "abs")
         _report(f"{path} rank {rank} grads", r["grads_abs"], r["grads"], YAML_GRAD_RTOL, "rel")
