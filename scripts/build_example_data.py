@@ -23,6 +23,7 @@ were made with this script; rebuild them with ``--train-tokenizer --write-slice`
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import sys
@@ -58,18 +59,31 @@ def stdlib_documents(max_bytes: int | None = None) -> list[dict]:
     return docs
 
 
+def _replace_if_changed(tmp: Path, path: Path) -> None:
+    """Keep an identical existing file untouched (its mtime keys the trainer's token cache, so an
+    unchanged rebuild does not trigger a new tokenization)."""
+    if path.is_file() and filecmp.cmp(tmp, path, shallow=False):
+        tmp.unlink()
+    else:
+        os.replace(tmp, path)
+
+
 def write_jsonl(docs: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
         for d in docs:
             fh.write(json.dumps(d, ensure_ascii=False) + "\n")
+    _replace_if_changed(tmp, path)
 
 
 def write_parquet(docs: list[dict], path: Path) -> None:
     import datasets
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(docs).to_parquet(str(path))
+    tmp = path.with_name(path.name + ".tmp")
+    datasets.Dataset.from_list(docs).to_parquet(str(tmp))
+    _replace_if_changed(tmp, path)
 
 
 def train_tokenizer(docs: list[dict], out: Path, vocab_size: int) -> None:

@@ -114,3 +114,39 @@ def resume_run(cfg: dict, steps: int, save_at: int | None = None, resume: str | 
 
 def torch_equal_lists(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def train_export_packed(cfg: dict) -> dict:
+    """trainer.train() with ``logging.export_hf``; rank 0 reloads ``<out_dir>/hf`` with plain
+    transformers and compares its logits on a packed row (restarting position_ids) with the trained
+    model's (its full parameters in the ordinary build), and its tokenizer with data.tokenizer's."""
+    import transformers
+    import torch.distributed as dist
+
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.model import HyperAutoModel
+    from hyper_parallel.trainer.text import TextTrainer
+
+    c = TrainerConfig.from_dict(cfg)
+    trainer = TextTrainer(c)
+    losses = [r.loss for r in trainer.train()]
+    full = trainer.named_full("param")
+    batch = trainer.data.batcher.batch(0)
+    out = {"losses": losses}
+    if dist.get_rank() == 0:
+        export = os.path.join(c.logging.out_dir, "hf")
+        ref = HyperAutoModel.from_config(c.model)
+        ref.load_state_dict(full, strict=True)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+        with torch.no_grad():
+            # use_cache=False: with a KV cache transformers ignores the packed-document restarts
+            kw = {"input_ids": batch["input_ids"][:1], "position_ids": batch["position_ids"][:1], "use_cache": False}
+            a, b = ref.eval()(**kw).logits, loaded.eval()(**kw).logits
+        tok_src = transformers.AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
+        tok_out = transformers.AutoTokenizer.from_pretrained(export, local_files_only=True)
+        text = "def f(x):\n    return {'a': x} # packed\n"
+        out.update(max_abs=float((a - b).abs().max()), scale=float(a.abs().max()), files=sorted(os.listdir(export)),
+                   docs_in_row=int((batch["seq_lens"][0] > 0).sum()),
+                   same_ids=tok_src(text)["input_ids"] == tok_out(text)["input_ids"],
+                   eos=(tok_src.eos_token_id, tok_out.eos_token_id))
+    return out
