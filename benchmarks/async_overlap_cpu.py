@@ -1,12 +1,27 @@
-"""Sync vs async CP on one Qwen3-MoE attention layer (2 gloo ranks on CPU).
+"""How much communication each async CP wrapper hides, on a simulated link (2 gloo ranks on CPU).
 
-For each method (Colossal, Ulysses) it times forward and forward+backward of the attention
-layer with the sync wrapper (SDPA interception -> strategy) and with the async Qwen3-MoE
-adapter (launch at the handoff, wait at the consumer), plus the bare collectives the layer
-issues. Prints a table and writes JSON. Overlap shows as async time < sync time; the
-upper bound of the gain is the communication time.
+On loopback gloo a collective is almost free, so overlap cannot show. The platform's simulated
+link (``hyper_parallel/platform/simlink.py``) gives every collective a modelled cost (latency +
+bytes / bandwidth) spent where its handle is waited: on the caller for a sync collective, on the
+communication thread for an async CP collective. For each method, for the sync wrapper
+(``sdpa_hf*``) and the async adapter wrapper of the same model, and for each link, this times
+forward+backward of one attention layer and reports::
 
-    python benchmarks/async_overlap_cpu.py [--seq 4096] [--reps 5] [--out benchmarks/results/async_overlap_cpu.json]
+    exposed comm = step time on the link - step time on a zero-cost link (simulation off)
+    modelled comm = the link time the step's collectives reserved (per rank, per step)
+    hidden = 1 - exposed / modelled
+
+The compute a collective can hide behind is the K/V projection / Q branch of the same layer
+(see docs/async_cp.md), so "compute >= comm" means that branch, not the whole step.
+
+    python benchmarks/async_overlap_cpu.py [--arch llama] [--seq 2048] [--reps 3]
+        [--gbps 0.01,0.05,1,5,25] [--latency-us 20] [--trace benchmarks/results/async_overlap_trace.json]
+
+``--trace`` also records a torch.profiler trace (Chrome trace JSON, opens in Perfetto /
+chrome://tracing) of one async Colossal step on rank 0 on the slowest link: the collectives on
+the ``hp-comm-chain`` thread next to the projections on the main thread. On a GPU/NPU machine
+the same command (``HYPER_PARALLEL_DEVICE=cuda|npu``, ``--gbps 0`` for the real link) records the
+device streams instead (docs/async_cp.md).
 """
 from __future__ import annotations
 
@@ -20,114 +35,149 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CFG = dict(vocab_size=256, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
-           num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-           num_experts=4, num_experts_per_tok=2, max_position_embeddings=65536, use_cache=False)
-ASYNC = "hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async"
+CFG = dict(vocab_size=256, hidden_size=1024, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16,
+           num_key_value_heads=4, head_dim=64, max_position_embeddings=65536, use_cache=False, attention_dropout=0.0)
+ARCH = {"llama": ("LlamaConfig", "transformers.models.llama.modeling_llama", "LlamaAttention", "LlamaRotaryEmbedding"),
+        "qwen3": ("Qwen3Config", "transformers.models.qwen3.modeling_qwen3", "Qwen3Attention", "Qwen3RotaryEmbedding")}
+METHODS = {   # method -> (sync wrapper, async suffix, batch policy)
+    "colossal": ("sdpa_hf_cp_wrapper", "colossal_cp_wrapper"),
+    "ulysses": ("sdpa_hf_ulysses_cp_wrapper", "ulysses_cp_wrapper"),
+    "load_balance": ("sdpa_hf_load_balance_cp_wrapper", "load_balance_cp_wrapper"),
+}
 
 
-def bench_rank(seq: int, reps: int, threads: int):
+def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latency_us: float, trace_path):
+    import importlib
+
     import torch
     import transformers
 
+    from hyper_parallel import platform as P
     from hyper_parallel.distributed.context_parallel import wrappers
-    from hyper_parallel.distributed.context_parallel.meta import CPBatchMeta, cp_batch_context
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.interception import applying
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
     from hyper_parallel.distributed.context_parallel.registry import import_target
     from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
-    from hyper_parallel import platform as P
+    from hyper_parallel.platform import simlink
 
     torch.set_num_threads(threads)
     mesh = MeshContext(MeshSizes(cp=2))
-    cfg = transformers.AutoConfig.for_model("qwen3_moe", **CFG)
+    cfg_cls, modeling, attn_cls, rope_cls = ARCH[arch]
+    cfg = getattr(transformers, cfg_cls)(**CFG)
     cfg._attn_implementation = "sdpa"
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRotaryEmbedding
-
+    M = importlib.import_module(modeling)
     torch.manual_seed(0)
-    base = Qwen3MoeAttention(cfg, 0)
-    rope = Qwen3MoeRotaryEmbedding(cfg)
-    L = seq // 2
-    r = mesh.cp_rank
-    meta = CPBatchMeta(cp_rank=r, cp_size=2, global_seq_len=seq, local_seq_len=L, key_doc=None)
-    h = torch.randn(1, L, CFG["hidden_size"], requires_grad=True)
-    pos = torch.arange(r * L, (r + 1) * L).unsqueeze(0)
-    cos, sin = rope(h, pos)
+    base = getattr(M, attn_cls)(cfg, 0)
+    rope = getattr(M, rope_cls)(cfg)
+    adapter = importlib.import_module(f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async")
     out = {}
 
     def timed(fn):
         ts = []
-        for i in range(reps + 1):
+        for _ in range(reps + 1):
             P.barrier(mesh.cp_group)
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts[1:]) * 1e3  # first rep is warm-up
 
-    for method, sync_name, async_name in (("colossal", "sdpa_hf_cp_wrapper", "qwen3_moe_async_colossal_cp_wrapper"),
-                                          ("ulysses", "sdpa_hf_ulysses_cp_wrapper", "qwen3_moe_async_ulysses_cp_wrapper")):
-        for kind, fn_path in (("sync", f"{wrappers.__name__}.{sync_name}"), ("async", f"{ASYNC}.{async_name}")):
-            mod = Qwen3MoeAttention(cfg, 0)
+    for method, (sync_name, async_suffix) in METHODS.items():
+        local = shard_batch_for_cp({"input_ids": torch.zeros(1, seq, dtype=torch.long)}, mesh.cp_mesh, method)
+        meta = local.meta
+        L = meta.local_seq_len
+        h = torch.randn(1, L, CFG["hidden_size"], generator=torch.Generator().manual_seed(mesh.cp_rank))
+        h.requires_grad_(True)
+        cos, sin = rope(h, local["position_ids"])
+        for kind, fn_path in (("sync", f"{wrappers.__name__}.{sync_name}"),
+                              ("async", f"{adapter.__name__}.{arch}_async_{async_suffix}")):
+            mod = getattr(M, attn_cls)(cfg, 0)
             mod.load_state_dict(base.state_dict())
             wrapper = import_target(fn_path)
-            fwd = wrapper(mod, mesh, None, mesh.cp_mesh, None)
+            with applying("bench.self_attn"):
+                wrapper.__hp_inner_wrapper__.validate(mod, cp_size=2)
+                fwd = wrapper(mod, mesh, None, mesh.cp_mesh, None)
             if fwd is not None:
                 mod.forward = fwd
 
-            def f():
-                with cp_batch_context(meta), torch.no_grad():
-                    mod(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
-
-            def fb():
+            def step():
                 with cp_batch_context(meta):
                     o, _ = mod(hidden_states=h, position_embeddings=(cos, sin), attention_mask=None)
                     o.sum().backward()
+                h.grad = None
+                for p in mod.parameters():
+                    p.grad = None
 
-            out[f"{method}/{kind}/fwd_ms"] = timed(f)
-            out[f"{method}/{kind}/fwd_bwd_ms"] = timed(fb)
-        # the layer's bare collectives (forward): K and V gathers, or Q/K/V + out A2As
-        kv = torch.randn(1, CFG["num_key_value_heads"], L, CFG["head_dim"])
-        q = torch.randn(1, CFG["num_attention_heads"], L, CFG["head_dim"])
-        if method == "colossal":
-            comm = lambda: [P.all_gather(kv, mesh.cp_group, dim=2) for _ in range(2)]
-        else:
-            comm = lambda: [P.all_to_all(x, mesh.cp_group, 1, 2) for x in (q, kv, kv, q)]
-        out[f"{method}/comm_fwd_ms"] = timed(comm)
+            for gbps in [0.0] + links:
+                with simlink.simulated_link(gbps or None, latency_us if gbps else 0.0) as link:
+                    ms = timed(step)
+                    modelled = (link.modelled_s * 1e3 / (reps + 1)) if link is not None else 0.0
+                out[f"{method}/{kind}/{gbps:g}"] = {"step_ms": ms, "modelled_comm_ms": modelled}
+            if trace_path and kind == "async" and method == "colossal":
+                # every rank runs the profiled step (its collectives need the peer); rank 0 writes it
+                from torch.profiler import ProfilerActivity, profile
+
+                with simlink.simulated_link(links[0], latency_us):
+                    step()   # warm
+                    all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+                    with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads) as prof:
+                        step()
+                if mesh.cp_rank == 0:
+                    prof.export_chrome_trace(trace_path)
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq", type=int, default=4096, help="global sequence length")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--arch", default="llama", choices=sorted(ARCH))
+    ap.add_argument("--seq", type=int, default=2048, help="global sequence length")
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--gbps", default="0.01,0.05,1,5,25", help="simulated link bandwidths, GB/s (comma list)")
+    ap.add_argument("--latency-us", type=float, default=20.0, help="simulated latency per collective")
+    ap.add_argument("--trace", default=os.path.join(ROOT, "benchmarks", "results", "async_overlap_trace.json"),
+                    help="Chrome trace of one async Colossal step (rank 0); '' to skip")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_overlap_cpu.json"))
     args = ap.parse_args(argv)
+    links = [float(x) for x in args.gbps.split(",") if x.strip()]
+    from benchmarks._machine import cpu_name
     from hyper_parallel.testing import RankPool
 
     pool = RankPool(2)
     try:
-        res = pool.run(bench_rank, args.seq, args.reps, args.threads, timeout=1800)
+        res = pool.run(bench_rank, args.arch, args.seq, args.reps, args.threads, links, args.latency_us,
+                       args.trace or None, timeout=3000)
     finally:
         pool.shutdown()
     r0 = res[0]
     rows = []
-    print(f"Qwen3-MoE attention, hidden {CFG['hidden_size']}, heads {CFG['num_attention_heads']}/"
+    print(f"{args.arch} attention layer, hidden {CFG['hidden_size']}, heads {CFG['num_attention_heads']}/"
           f"{CFG['num_key_value_heads']}, S_global {args.seq}, 2 gloo ranks, {args.threads} thread(s)/rank, "
-          f"median of {args.reps} (rank 0)")
-    print(f"{'method':10} {'sync fwd':>9} {'async fwd':>10} {'sync f+b':>9} {'async f+b':>10} "
-          f"{'f+b async/sync':>15} {'comm fwd':>9}")
-    for m in ("colossal", "ulysses"):
-        row = {k.split("/", 1)[1]: v for k, v in r0.items() if k.startswith(m + "/")}
-        row["method"] = m
-        row["fwd_bwd_ratio_async_over_sync"] = row["async/fwd_bwd_ms"] / row["sync/fwd_bwd_ms"]
-        row["fwd_ratio_async_over_sync"] = row["async/fwd_ms"] / row["sync/fwd_ms"]
-        rows.append(row)
-        print(f"{m:10} {row['sync/fwd_ms']:9.1f} {row['async/fwd_ms']:10.1f} {row['sync/fwd_bwd_ms']:9.1f} "
-              f"{row['async/fwd_bwd_ms']:10.1f} {row['fwd_bwd_ratio_async_over_sync']:15.3f} {row['comm_fwd_ms']:9.1f}")
+          f"fwd+bwd median of {args.reps} (rank 0), latency {args.latency_us:g} us/collective")
+    print(f"{'method':13} {'GB/s':>6} {'modelled':>9} {'sync step':>10} {'sync exp':>9} {'async step':>11} "
+          f"{'async exp':>10} {'hidden':>7}")
+    for method in METHODS:
+        base = {k: r0[f"{method}/{k}/0"]["step_ms"] for k in ("sync", "async")}
+        for gbps in links:
+            s, a = r0[f"{method}/sync/{gbps:g}"], r0[f"{method}/async/{gbps:g}"]
+            modelled = a["modelled_comm_ms"]
+            row = {"method": method, "gbps": gbps, "modelled_comm_ms": modelled,
+                   "sync_modelled_comm_ms": s["modelled_comm_ms"],
+                   "sync_step_ms": s["step_ms"], "async_step_ms": a["step_ms"],
+                   "sync_zero_cost_ms": base["sync"], "async_zero_cost_ms": base["async"],
+                   "sync_exposed_ms": s["step_ms"] - base["sync"], "async_exposed_ms": a["step_ms"] - base["async"]}
+            row["async_hidden_fraction"] = 1.0 - row["async_exposed_ms"] / modelled if modelled > 0 else None
+            rows.append(row)
+            hid = f"{100 * row['async_hidden_fraction']:6.0f}%" if row["async_hidden_fraction"] is not None else "    -"
+            print(f"{method:13} {gbps:6g} {modelled:9.1f} {s['step_ms']:10.1f} {row['sync_exposed_ms']:9.1f} "
+                  f"{a['step_ms']:11.1f} {row['async_exposed_ms']:10.1f} {hid}")
+        print(f"{method:13} {'0':>6} {'(zero-cost link)':>9} sync {base['sync']:.1f} ms, async {base['async']:.1f} ms")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"config": CFG, "seq": args.seq, "reps": args.reps, "threads": args.threads,
+        json.dump({"cpu": cpu_name(), "cores": os.cpu_count(), "arch": args.arch, "config": CFG, "seq": args.seq, "reps": args.reps,
+                   "threads": args.threads, "latency_us": args.latency_us, "links_gbps": links,
                    "per_rank": res, "rows": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}" + (f" and {args.trace}" if args.trace else ""))
     return 0
 
 

@@ -139,14 +139,15 @@ def _chain(steps, op: str) -> Callable[[torch.Tensor], CommHandle]:
     from ...platform import launch_chain
 
     def run(x: torch.Tensor) -> CommHandle:
-        return launch_chain(x, [_no_grad(s) for s in steps], op=op)
+        return launch_chain(x, [_no_grad(s, op) for s in steps], op=op)
 
     return run
 
 
-def _no_grad(step):
+def _no_grad(step, op: str):
     def run(y):
-        with torch.no_grad():
+        # labelled for torch.profiler traces (profile_all_threads shows the comm thread's spans)
+        with torch.no_grad(), torch.profiler.record_function(f"hp_comm:{op}"):
             return step(y)
     return run
 
