@@ -217,3 +217,19 @@ def test_ulysses_mqa_per_tp_rank(ranks):
           f"grads rel {max(r['grads'] for r in res):.2e}")
     for r in res:
         assert r["logits"] <= LOGIT_TOL and r["grads"] <= GRAD_TOL, r
+
+
+def test_qkv_core_wrappers_replicate_kv(ranks):
+    """The core-module styles at cp 4 on the tiny Llama (4 q / 2 kv heads, KV replicated to 2 ranks
+    each): flex_qkv_ulysses, and sdpa_qkv_ulysses on a core that receives HF's repeat_kv copies
+    (un-repeated to the 2 distinct KV heads before the exchange)."""
+    for wrapper, kind in (("flex_qkv_ulysses", "flex_qkv"), ("sdpa_qkv_ulysses", "qkv_repeat")):
+        res = ranks(4).run(W.cp_parity, "examples/cp/colossal.yaml", ("accelerator.cp_size=4",), model_kind=kind,
+                           plan_overrides=[{"match": "*.self_attn", "when": "cp", "region_dispatch": False,
+                                            "inner_target": "core_attention", "inner_wrapper": wrapper}],
+                           grads=True, padding=True, timeout=600)
+        print(f"{wrapper} ({kind}) cp4 Hq=4 Hk=2: logits max abs {max(r['logits'] for r in res):.2e}, "
+              f"grads rel {max(r['grads'] for r in res):.2e}")
+        for r in res:
+            assert r["logits"] <= LOGIT_TOL and r["grads"] <= GRAD_TOL, (wrapper, r)
+        assert "kv per rank [1, 1, 1, 1] [0; 0; 1; 1]" in res[0]["summary"], res[0]["summary"]
