@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -87,12 +88,13 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // cp)))
         if host_malloc == "glibc":
             env["HYPER_PARALLEL_MMAP_THRESHOLD"] = "0"
-        t0 = time.time()
+        t0, ru0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"model": model, "cp": cp, "seq": seq, "ok": False, "error": f"timeout {timeout}s"}
-        wall = time.time() - t0
+        wall, ru1 = time.time() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = {"cpu_user_s": ru1.ru_utime - ru0.ru_utime, "cpu_sys_s": ru1.ru_stime - ru0.ru_stime}
         log_path = os.path.join(tmp, "run", "train_log.json")
         if proc.returncode != 0 or not os.path.exists(log_path):
             tail = (proc.stderr or proc.stdout)[-1500:]
@@ -104,7 +106,13 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
             "host_malloc": host_malloc, "tiled_mlp": tiled_mlp,
             "step_time_s": [r["time_s"] for r in steps_log], "peak_gb_per_rank": peaks,
             "peak_gb_max_rank": max(peaks), "mb_per_token_max_rank": max(peaks) * 1024 / seq,
-            "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"]}
+            "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"], **cpu}
+
+
+def _save(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
 
 
 def search_longest(model: str, cp: int, budget_gb: float, *, start: int, steps: int, ac: bool, tiled: bool,
@@ -174,8 +182,10 @@ def main(argv=None) -> int:
                         p = run_point(model, cp, seq, steps=args.steps, ac=args.ac, tiled=tiled,
                                       timeout=args.timeout, method=args.method, host_malloc=policy, tiled_mlp=tmlp)
                         result["points"].append(p)
+                        _save(args.out, result)      # after every point: a long run killed midway keeps its points
                         msg = (f"peak/rank {p['peak_gb_max_rank']:.2f} GB ({p['mb_per_token_max_rank']:.3f} MB/token), "
-                               f"all ranks {p['total_gb_all_ranks']:.2f} GB, step s "
+                               f"all ranks {p['total_gb_all_ranks']:.2f} GB, CPU user/sys "
+                               f"{p['cpu_user_s']:.0f}/{p['cpu_sys_s']:.0f} s, step s "
                                f"{'/'.join(f'{t:.1f}' for t in p['step_time_s'])}, {p['wall_s']:.0f}s") \
                             if p["ok"] else f"FAILED: {p['error'][-300:]}"
                         print(f"{model:12} seq={seq:>6} cp={cp} malloc={policy} tiled_mlp={tmlp}: {msg}", flush=True)
@@ -196,9 +206,7 @@ def main(argv=None) -> int:
                       f"{p['peak_gb_max_rank']:13.2f} "
                       f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'} "
                       f"{p['step_time_s'][-1]:11.1f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    _save(args.out, result)
     print(f"wrote {args.out} (CPU: {result['cpu']})")
     if result["points"]:
         import matplotlib
