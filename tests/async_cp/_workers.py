@@ -133,3 +133,40 @@ def trace_run(arch: str, method: str, S: int = 32) -> list:
     with async_trace() as trace:
         cp_forward_backward(model, mesh, plan, batch, valid, seed=0, use_cache=False)
     return [(e, n) for e, n, _t in trace]
+
+
+def custom_adapter_parity(S: int = 16) -> dict:
+    """The docs' worked example (examples/cp/async_custom_adapter_example.py) at cp 2: its attention's
+    output and every gradient (summed over CP) equal the same module on the whole sequence."""
+    import transformers as T
+
+    from examples.cp.async_custom_adapter_example import TinyAttention, tiny_async_colossal_cp_wrapper
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.platform import all_gather, all_reduce
+
+    cfg = T.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ref, attn = TinyAttention(cfg), TinyAttention(cfg)
+    attn.load_state_dict(ref.state_dict())
+    rope = T.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    mesh = mesh_ctx(2)
+    tiny_async_colossal_cp_wrapper.__hp_inner_wrapper__.validate(attn, cp_size=2)
+    attn.forward = tiny_async_colossal_cp_wrapper(attn, mesh, None, mesh.cp_mesh, None)
+    h = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(3))
+    dout = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(S)[None].expand(2, -1)
+    out_ref, _ = ref(h, rope(h, pos), is_causal=True)
+    out_ref.backward(dout)
+    local = shard_batch_for_cp({"input_ids": torch.zeros(2, S, dtype=torch.long)}, mesh.cp_mesh, "all_gather")
+    lo, L = local.meta.cp_rank * local.meta.local_seq_len, local.meta.local_seq_len
+    hl = h[:, lo:lo + L]
+    with cp_batch_context(local.meta):
+        out, _ = attn(hidden_states=hl, position_embeddings=rope(hl, local["position_ids"]))
+        out.backward(dout[:, lo:lo + L])
+    full = all_gather(out.detach(), mesh.cp_group, dim=1)
+    g = {n: all_reduce(p.grad, mesh.cp_group) for n, p in attn.named_parameters()}
+    gref = dict(ref.named_parameters())
+    return {"out": (full - out_ref.detach()).abs().max().item() / out_ref.abs().max().item(),
+            "grads": max((g[n] - gref[n].grad).abs().max().item() / gref[n].grad.abs().max().item() for n in g)}

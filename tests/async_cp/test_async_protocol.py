@@ -186,3 +186,17 @@ def test_head_tail_launch_wait_order(ranks):
         bq = _first(t, "bwd_wait", "q", b)
         qb = _first(t, "bwd_compute", "q_proj", b)
         assert b < bq < qb < _first(t, "bwd_wait", "v", b) < _first(t, "bwd_wait", "k", b), t
+
+
+def _custom():
+    from tests.async_cp._workers import custom_adapter_parity
+
+    return custom_adapter_parity()
+
+
+def test_worked_example_adapter_equals_full_sequence(ranks):
+    """docs/async_cp.md's worked example (a custom attention with the protocol + a thin
+    @inner_wrapper) passes the generic preflight and equals the module on the whole sequence."""
+    for r in ranks(2).run(_custom):
+        print(f"worked example: output rel err {r['out']:.2e}, grads rel err {r['grads']:.2e} (tol 2e-6 / 2e-5)")
+        assert r["out"] < 2e-6 and r["grads"] < 2e-5, r
