@@ -213,9 +213,14 @@ def ulysses_head_layout(num_q_heads: int, num_kv_heads: int, degree: int, *, who
         raise ValueError(
             f"{who}: num_q_heads={hq} < {what}={u} (num_kv_heads={hk}): every Ulysses rank needs at least one "
             f"query head, so a head split over {u} ranks does not exist; use {fix}")
-    counts = _solve(hq, hk, u)
+    return _build(hq, hk, u)
+
+
+@functools.lru_cache(maxsize=256)
+def _build(hq: int, hk: int, u: int) -> UlyssesHeadLayout:
+    """The (valid) layout: contiguous query ranges of :func:`_solve`'s counts, KV heads they use."""
     ranges, a = [], 0
-    for n in counts:
+    for n in _solve(hq, hk, u):
         ranges.append((a, a + n))
         a += n
     g = hq // hk
