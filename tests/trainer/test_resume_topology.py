@@ -5,6 +5,7 @@ the uninterrupted CP=2 loss curve within the fp32 tolerance below. Another TP si
 name before anything is built."""
 from __future__ import annotations
 
+import json
 import math
 
 from . import _workers as W
@@ -108,3 +109,49 @@ def test_another_tp_size_is_refused_by_name(ranks, tmp_path):
     assert "accelerator.tp_size=1 but this run has accelerator.tp_size=2" in msg, msg
     assert "Fix: resume with accelerator.tp_size=1" in msg, msg
     assert not (tmp_path / "b" / "train_log.jsonl").exists()
+
+
+def test_packed_stream_resumes_at_another_dp_size_on_the_same_curve(ranks, tmp_path):
+    """data.source: files (packed documents): a CP=2 run (1 DP rank x 2 rows) stopped at step 2 and
+    resumed at cp 1 x dp_shard 2 (2 DP ranks x 1 row) sees the same global rows (the stream state
+    counts global rows) and continues the uninterrupted CP=2 loss curve within LOSS_RTOL."""
+    from . import _data_workers as D
+
+    docs = D.short_docs_jsonl(str(tmp_path / "docs.jsonl"), n_docs=24, lo=10, hi=150)
+
+    def cfg(name, mbs, **kw):
+        data = D.data_cfg(docs, str(tmp_path / "cache"), seq_len=64, micro_batch_size=mbs)
+        c = D.trainer_cfg(data, method="colossal", steps=4, out_dir=str(tmp_path / name), **kw)
+        c["schedule"]["checkpoint_dir"] = str(tmp_path / "ckpt")
+        return c
+
+    pool = ranks(2)
+    full = pool.run(D.resume_run, cfg("full", 2, cp=2), 4, timeout=300)
+    first = pool.run(D.resume_run, cfg("split", 2, cp=2), 4, 2, timeout=300)
+    rest = pool.run(D.resume_run, cfg("dp2", 1, cp=1, dp_shard=2), 4, None, first[0]["path"], timeout=300)
+    assert first[0]["losses"] == full[0]["losses"][:2]
+    got, want = rest[0]["losses"], full[0]["losses"][2:]
+    err = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+    print(f"cp2 x dp1 -> cp1 x dp2 (packed files): {got} vs uninterrupted {want}: max rel err {err:.2e}")
+    assert len(got) == 2 and err <= LOSS_RTOL
+    assert rest[0]["tokens"] == full[0]["tokens"][2:] and rest[0]["losses"] == rest[1]["losses"]
+    assert rest[0]["state"]["rows_consumed"] == full[0]["state"]["rows_consumed"] == 8
+
+
+def test_cli_resume_at_another_cp_size_and_tp_refusal(tmp_path):
+    """hyper-train under torchrun: a CP=2 checkpoint resumes at cp 1 x dp_shard 2 (exit 0, the reshard
+    logged, step 2 trained after step 1); at tp_size 2 it is refused: exit 2, one line, no traceback."""
+    from .test_checkpoint_failures import _rank_stderr, _torchrun, cli_refusal
+
+    line, _, _ = cli_refusal(tmp_path / "tp", lambda d: None, "accelerator.cp_size=1", "accelerator.tp_size=2")
+    assert "was saved with accelerator.tp_size=1 but this run has accelerator.tp_size=2" in line, line
+    d = tmp_path / "tp" / "run" / "checkpoints" / "step_1"
+    out = tmp_path / "dp2"
+    p = _torchrun(["schedule.steps=2", f"schedule.resume_from={d}", f"logging.out_dir={out}",
+                   "accelerator.cp_size=1", "accelerator.dp_shard_size=2"], tmp_path / "logs")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    err0, err1 = _rank_stderr(tmp_path / "logs", 0), _rank_stderr(tmp_path / "logs", 1)
+    assert "at another topology (cp_size 2 -> 1, dp_shard_size 1 -> 2)" in err0, err0[-3000:]
+    assert "Traceback" not in err0 + err1
+    steps = json.loads((out / "train_log.json").read_text())["steps"]
+    assert [r["step"] for r in steps] == [2]
