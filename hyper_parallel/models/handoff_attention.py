@@ -39,7 +39,8 @@ from ..distributed.context_parallel.registry import inner_wrapper
 from ..distributed.context_parallel.wrappers.async_handoff import (AttnWait, HandoffPoint, install_async,
                                                                     validate_async)
 
-__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "ASYNC_METHOD_NAMES"]
+__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "target_names",
+           "ASYNC_METHOD_NAMES"]
 
 # method -> Target name suffix (``<arch>_async_<suffix>_cp_wrapper``)
 ASYNC_METHOD_NAMES = {"colossal": "colossal", "ulysses": "ulysses", "hybrid": "hybrid",
@@ -140,16 +141,19 @@ def install_protocol(module: nn.Module, spec: HFAttentionSpec) -> Callable:
     return fwd
 
 
+def target_names(arch: str) -> list:
+    """``<arch>_async_<method>_cp_wrapper`` for every async method, in catalogue order."""
+    return [f"{arch}_async_{suffix}_cp_wrapper" for suffix in ASYNC_METHOD_NAMES.values()]
+
+
 def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
-    """The named async Targets of one model: ``{method: fn}``, each an ``@inner_wrapper`` whose
-    public path is ``<module_name>.<arch>_async_<method>_cp_wrapper`` (Hybrid takes
+    """The named async Targets of one model: ``{name: fn}`` (:func:`target_names`), each an
+    ``@inner_wrapper`` whose public path is ``<module_name>.<name>`` (Hybrid takes
     ``ulysses_degree``). Each checks the target is this model's attention, installs the
-    protocol, then runs the generic preflight / installation."""
-    out = {}
-    for method, suffix in ASYNC_METHOD_NAMES.items():
-        name = f"{spec.arch}_async_{suffix}_cp_wrapper"
-        out[method] = _make(spec, method, name, module_name)
-    return out
+    protocol, then runs the generic preflight / installation. An adapter module publishes them
+    with ``globals().update(adapter_wrappers(SPEC, __name__))``."""
+    return {name: _make(spec, method, name, module_name)
+            for method, name in zip(ASYNC_METHOD_NAMES, target_names(spec.arch))}
 
 
 def _make(spec: HFAttentionSpec, method: str, name: str, module_name: str):

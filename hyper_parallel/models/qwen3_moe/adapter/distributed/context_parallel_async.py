@@ -23,17 +23,11 @@ generic ones (:mod:`hyper_parallel.distributed.context_parallel.wrappers.async_h
 """
 from __future__ import annotations
 
-from ....handoff_attention import HFAttentionSpec, adapter_wrappers
+from ....handoff_attention import HFAttentionSpec, adapter_wrappers, target_names
 
 ADAPTER = "qwen3_moe"
 SPEC = HFAttentionSpec(ADAPTER, "Qwen3-MoE", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention",
                        qk_norm=True, window=lambda attn: attn.sliding_window)
-_TARGETS = adapter_wrappers(SPEC, __name__)
-
-qwen3_moe_async_colossal_cp_wrapper = _TARGETS["colossal"]
-qwen3_moe_async_ulysses_cp_wrapper = _TARGETS["ulysses"]
-qwen3_moe_async_hybrid_cp_wrapper = _TARGETS["hybrid"]
-qwen3_moe_async_load_balance_cp_wrapper = _TARGETS["load_balance"]
-
-__all__ = ["qwen3_moe_async_colossal_cp_wrapper", "qwen3_moe_async_ulysses_cp_wrapper",
-           "qwen3_moe_async_hybrid_cp_wrapper", "qwen3_moe_async_load_balance_cp_wrapper", "SPEC"]
+# qwen3_moe_async_{colossal,ulysses,hybrid,load_balance}_cp_wrapper
+globals().update(adapter_wrappers(SPEC, __name__))
+__all__ = ["SPEC", *target_names(ADAPTER)]
