@@ -150,3 +150,26 @@ def train_export_packed(cfg: dict) -> dict:
                    same_ids=tok_src(text)["input_ids"] == tok_out(text)["input_ids"],
                    eos=(tok_src.eos_token_id, tok_out.eos_token_id))
     return out
+
+
+def held_out_loss(cfg: dict, merge_documents: bool = False) -> dict:
+    """A fresh trainer's held-out evaluation (``evaluate.evaluate``) on its held-out stream;
+    ``merge_documents`` (negative control): rows without document boundaries (no seq_lens,
+    positions 0..S-1), so attention and targets cross documents."""
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.evaluate import evaluate
+    from hyper_parallel.trainer.text import TextTrainer
+
+    trainer = TextTrainer(TrainerConfig.from_dict(cfg))
+    if merge_documents:
+        batcher = trainer.eval_data.batcher
+        packed = batcher.batch
+
+        def merged(i):
+            b = packed(i)
+            b.pop("seq_lens")
+            b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"]).contiguous()
+            return b
+
+        batcher.batch = merged
+    return evaluate(trainer, trainer.eval_data)

@@ -106,3 +106,33 @@ def _doc_ends_inside(mb: dict) -> int:
         ends = torch.cumsum(lens, 0)
         n += int(((ends < real) & (lens > 0)).sum())
     return n
+
+
+def test_held_out_loss_equals_cp1(ranks, tmp_path):
+    """The held-out evaluation (no gradients, same batch contract) at CP=2 Head-Tail and at
+    DP=2 equals CP=1 on the same rows: eval loss within 1e-5, the same target count. The model is
+    initialized with std 1 so that its predictions depend on the context: the same rows without
+    document boundaries (negative control) give a loss more than 100x the tolerance away."""
+    docs = D.short_docs_jsonl(str(tmp_path / "docs.jsonl"), n_docs=60, lo=10, hi=150)
+    data = D.data_cfg(docs, str(tmp_path / "cache"), seq_len=SEQ_LEN, micro_batch_size=1, eval_fraction=0.5,
+                      eval_batches=2)
+    one = dict(data, micro_batch_size=2)   # DP=2 x B=1 reads the rows CP=1 x B=2 reads
+    def cfg(d, name, **kw):
+        c = D.trainer_cfg(d, out_dir=str(tmp_path / name), **kw)
+        c["model"]["config"]["initializer_range"] = 1.0
+        return c
+
+    [ref] = ranks(1).run(D.held_out_loss, cfg(one, "r1", cp=1), timeout=300)
+    [merged] = ranks(1).run(D.held_out_loss, cfg(one, "r1", cp=1), True, timeout=300)
+    cp2 = ranks(2).run(D.held_out_loss, cfg(one, "r2", cp=2, method="head_tail"), timeout=300)
+    dp2 = ranks(2).run(D.held_out_loss, cfg(data, "r3", cp=1, dp_shard=2, plan=False), timeout=300)
+    gap = abs(merged["eval_loss"] - ref["eval_loss"])
+    print(f"held-out CP=1 {ref['eval_loss']:.6f}; documents merged (negative control) {merged['eval_loss']:.6f}, "
+          f"gap {gap:.2e}")
+    assert gap > 100 * 1e-5
+    for label, res in (("cp=2 head_tail", cp2), ("dp=2", dp2)):
+        for r in res:
+            err = abs(r["eval_loss"] - ref["eval_loss"])
+            print(f"held-out {label}: loss {r['eval_loss']:.6f} vs CP=1 {ref['eval_loss']:.6f} (abs err {err:.2e}, "
+                  f"tol 1e-5), tokens {r['eval_tokens']} vs {ref['eval_tokens']}")
+            assert r["eval_tokens"] == ref["eval_tokens"] and err <= 1e-5
