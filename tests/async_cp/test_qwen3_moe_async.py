@@ -1,4 +1,5 @@
-"""Async Qwen3-MoE CP wrappers: parity with CP=1, real overlap order, no dangling handles."""
+"""Async Qwen3-MoE CP wrappers: real overlap order of the three design Targets, refusal of another model,
+and the design YAMLs (plus one example per adapter) through planner + FSDP2 vs CP=1."""
 import pytest
 import torch
 
@@ -9,10 +10,8 @@ QWEN3_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_inte
 
 MODULE = "hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async"
 # fp32 vs CP=1. rel = max abs error / max |reference| (per parameter for gradients).
-# Measured (random-weighted objective): wrapper parity logits 2.1e-7 abs, grads 1.5e-6 rel;
-# design YAML logits 2.4e-7 abs, grads 5.5e-7 rel. Tolerances are ~10x those.
-TOL = 2e-6             # logits max abs (wrapper parity)
-GRAD_RTOL = 1e-5       # gradients max rel (wrapper parity)
+# Measured (random-weighted objective): design YAML logits 2.4e-7 abs, grads 5.5e-7 rel
+# (adapter examples up to 7.9e-7 rel). Tolerances are ~10x those.
 YAML_TOL = 2e-6        # logits max abs (design YAML through planner + FSDP2)
 YAML_GRAD_RTOL = 5e-6  # gradients max rel (design YAML through planner + FSDP2)
 
@@ -107,20 +106,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,cp,params", CASES)
-@pytest.mark.parametrize("pad_tail", [0, 5])
-def test_async_parity_with_cp1(ranks, name, cp, params, pad_tail):
-    res = ranks(cp).run(run_async_parity, name, cp, params, 32, pad_tail)
-    for rank, r in enumerate(res):
-        where = f"{name} pad_tail={pad_tail} rank {rank}"
-        _report(f"{where} logits", r["err_logits"], r["err_logits_rel"], TOL, "abs")
-        _report(f"{where} grads", r["err_grad_abs"], r["err_grad_rel"], GRAD_RTOL, "rel")
-        assert r["grad_names"] == r["ref_grad_names"], (
-            f"{where}: parameters with a gradient differ from CP=1: missing "
-            f"{sorted(r['ref_grad_names'] - r['grad_names'])}, extra {sorted(r['grad_names'] - r['ref_grad_names'])}")
-        assert r["err_logits"] < TOL, f"{where}: logits max abs err {r['err_logits']:.3e} (tol {TOL})"
-        assert r["err_grad_rel"] < GRAD_RTOL, f"{where}: grad max rel err {r['err_grad_rel']:.3e} (tol {GRAD_RTOL})"
-        assert r["pending"] == 0, "dangling async handles after forward+backward"
+# Parity of the three wrappers (and Head-Tail) with CP=1 and with the sync wrappers, padded and
+# packed rows: tests/async_cp/test_async_adapters.py (qwen3_moe is one of its adapters).
 
 
 def _first(trace, event, name, start=0):
