@@ -64,10 +64,28 @@ def platform_barrier_times_out():
         P.set_default_timeout(None)
 
 
+def checkpoint_group_uses_config_timeout():
+    """The group DCP's save and load run on (timed_world_group) has the config's timeout, although
+    the default group (the pool's) was created with a longer one before the config was read."""
+    from hyper_parallel.platform.process_group import timed_world_group
+
+    P.set_default_timeout(2)
+    try:
+        group = timed_world_group()
+        t0 = time.monotonic()
+        out = _late_rank_1(lambda: dist.barrier(group=group))
+        took = time.monotonic() - t0
+        # rank 1 is back after 8 s without ever joining: only a 2 s timeout ends the wait before that
+        return out if dist.get_rank() == 1 or took < 7 else f"waited {took:.1f} s, not the 2 s timeout: {out}"
+    finally:
+        P.set_default_timeout(None)
+
+
 @pytest.mark.parametrize("worker,expect", [
     (mesh_subgroup_uses_config_timeout, ("RuntimeError", "DistBackendError")),
     (platform_barrier_times_out, ("CommTimeoutError: collective barrier",)),
-], ids=["mesh_subgroup", "platform_barrier"])
+    (checkpoint_group_uses_config_timeout, ("RuntimeError", "DistBackendError")),
+], ids=["mesh_subgroup", "platform_barrier", "checkpoint_group"])
 def test_late_rank_times_out_instead_of_hanging(ranks, worker, expect):
     pool = ranks(2)
     try:
