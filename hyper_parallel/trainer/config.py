@@ -56,14 +56,14 @@ DATA_FORMATS = (None, "json", "parquet", "text")
 
 
 def _file_list(value, path: str):
-    """``data.files``: one path/glob or a list of them -> a list of strings (None stays None)."""
+    """``data.files``: one path/glob or a list of them -> a tuple of strings (None stays None)."""
     if value is None:
         return None
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
         raise CPConfigError(path, f"must be a path/glob or a non-empty list of them, got {value!r}",
                             fix="e.g. files: [data/*.jsonl]")
-    return list(items)
+    return tuple(items)
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ class DataConfig:
                               "datasets and tokenized by data.tokenizer")
     path: str | None = option(None, shown_default="examples/data/corpus.txt",
                               help="source bytes: text file; tokens are its UTF-8 bytes (vocab 256)")
-    files: list | None = option(None, parse=_file_list, type_name="path or list of paths/globs",
+    files: tuple | None = option(None, parse=_file_list, type_name="path or list of paths/globs",
                                 help="source files: json/jsonl/parquet/text files (globs allowed)")
     format: str | None = option(None, choices=DATA_FORMATS,
                                 help="source files: json | parquet | text (null: from the file extension; text = one "
