@@ -205,6 +205,14 @@ def _check_rope_unwrapped(model, cp_size: int, installed: _Installed) -> None:
                 module.forward = fwd
 
 
+def _reshard(model) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _prove(model, plan: ShardingPlan, mesh, preflight_proof) -> None:
     from .context_parallel.model_proof import prove_cp_model
 
@@ -286,6 +294,7 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
                 _check_rope_unwrapped(model, plan.cp_size, installed)
                 if preflight_proof:
                     _prove(model, plan, mesh, preflight_proof)
+                    _reshard(model)   # the proof's forward left the FSDP root unsharded (full embedding/head)
     except BaseException:
         installed.rollback()
         raise
