@@ -109,6 +109,30 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
             "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"], **cpu}
 
 
+def linear_fit(points: list[dict], budget_gb: float) -> list[dict]:
+    """Per (model, cp, policy, tiled MLP): peak per rank = fixed + per_token x seq, fitted through
+    the two longest measured points, and the longest sequence whose ``cp`` ranks together stay within
+    ``budget_gb`` by that line — an *estimate* (extrapolated), reported as such beside ``--search``,
+    which measures (and on CPU takes hours per point beyond ~128k tokens: attention is O(S^2))."""
+    groups: dict = {}
+    for p in points:
+        if p["ok"]:
+            groups.setdefault((p["model"], p["cp"], p.get("host_malloc"), p.get("tiled_mlp")), []).append(p)
+    out = []
+    for (model, cp, policy, tmlp), pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        pts = sorted(pts, key=lambda q: q["seq"])[-2:]
+        if len(pts) < 2:
+            continue
+        (s0, m0), (s1, m1) = [(q["seq"], q["peak_gb_max_rank"]) for q in pts]
+        per_token = (m1 - m0) / (s1 - s0)
+        fixed = m0 - per_token * s0
+        longest = int((budget_gb / cp - fixed) / per_token) if per_token > 0 else None
+        out.append({"model": model, "cp": cp, "host_malloc": policy, "tiled_mlp": tmlp, "fit_seqs": [s0, s1],
+                    "fixed_gb_per_rank": fixed, "kb_per_global_token_per_rank": per_token * 1024 ** 2,
+                    "budget_gb": budget_gb, "estimated_longest_seq": longest})
+    return out
+
+
 def _save(path: str, result: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as fh:
@@ -197,6 +221,11 @@ def main(argv=None) -> int:
             ref = base.get(key(p))
             if p["ok"] and ref:
                 p["ratio_per_rank_vs_cp1"] = p["peak_gb_max_rank"] / ref["peak_gb_max_rank"]
+        result["fit"] = linear_fit(result["points"], args.budget_gb)
+        for f in result["fit"]:
+            print(f"fit {f['model']} cp={f['cp']} tiled_mlp={f['tiled_mlp']}: {f['fixed_gb_per_rank']:.2f} GB + "
+                  f"{f['kb_per_global_token_per_rank']:.1f} KB per global token per rank (through {f['fit_seqs']}); "
+                  f"estimated longest within {f['budget_gb']} GB (all ranks): {f['estimated_longest_seq']} tokens")
         print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'malloc':>6} {'t.mlp':>5} {'peak GB/rank':>13} {'MB/token':>9} "
               f"{'vs CP=1':>8} {'last step s':>11}")
         for p in result["points"]:
