@@ -92,9 +92,10 @@ def help_text() -> str:
 
 def load_config(argv: list):
     """The CLI's config path, local (no collective): ``argv[0]`` (the YAML file) + overrides ->
-    :meth:`TrainerConfig.from_yaml` -> :func:`~hyper_parallel.trainer.config.check_run_config`
-    (the cross-field checks). Raises CPConfigError naming the field."""
-    from .config import TrainerConfig, check_run_config
+    :meth:`TrainerConfig.from_yaml` -> :func:`~hyper_parallel.trainer.config_checks.check_run_config`
+    (the cross-field checks, :mod:`.config_checks`). Raises CPConfigError naming the field."""
+    from .config import TrainerConfig
+    from .config_checks import check_run_config
 
     return check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:]))
 

@@ -1,0 +1,179 @@
+"""Cross-field checks of a loaded :class:`~hyper_parallel.trainer.config.TrainerConfig`: what the
+schema of one field cannot see, run by the CLI's config path (``cli.load_config``) on every rank
+before any collective (see :func:`check_run_config`). Separate from ``config.py`` because it reads
+the model config (``model.py``), which itself imports the schema."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+from ..distributed.errors import CPConfigError
+from .config import TrainerConfig
+
+
+def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
+    """What the schema alone cannot see, checked before any rank builds anything (local, no
+    collective; the CLI runs it on every rank inside the config-load agreement). Raises one
+    CPConfigError naming the field:
+
+    * ``accelerator.device_type``: the device exists on this machine (cuda on a CPU-only machine);
+    * ``logging.tensorboard``: the ``tensorboard`` package is installed;
+    * ``model.attn_implementation``: one transformers knows (``eager`` or a registered attention);
+    * the HF model config (``model.config`` over ``config_file``, or ``model.path``'s config.json)
+      builds, its activation is one transformers has, heads divide (``hidden_size`` by
+      ``num_attention_heads`` without an explicit ``head_dim``, ``num_attention_heads`` by
+      ``num_key_value_heads``), a rotary ``head_dim`` is even, and ``max_position_embeddings``
+      covers ``data.seq_len``;
+    * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
+      ``cp_size: 1`` skips (:func:`resolve_plan_targets`).
+    """
+    _check_device(cfg.accelerator.device_type)
+    if cfg.logging.tensorboard:
+        try:
+            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs the package
+        except ImportError:
+            raise CPConfigError("logging.tensorboard", "is true but the tensorboard package is not installed",
+                                fix="pip install tensorboard (pinned in constraints.txt), or set it to false") from None
+    _check_attn_implementation(cfg.model.attn_implementation)
+    _check_model_config(cfg)
+    resolve_plan_targets(cfg.plan_overrides, cfg.source)
+    return cfg
+
+
+def _check_device(device_type: str | None) -> None:
+    if device_type is None:
+        return
+    from ..platform.device import PlatformError, detect_device_type, get_platform
+
+    try:
+        get_platform(device_type)
+    except PlatformError as exc:
+        raise CPConfigError("accelerator.device_type", f"{device_type!r} is not available on this machine ({exc})",
+                            fix=f"use device_type: {detect_device_type()} (or null: auto-detect)") from None
+
+
+def _check_attn_implementation(name: str) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k)]
+    if name not in known:
+        raise CPConfigError("model.attn_implementation", f"unknown attention implementation {name!r}",
+                            fix=f"use one of {known} (the CP wrappers intercept sdpa)")
+
+
+def _check_model_config(cfg: TrainerConfig) -> None:
+    """The HF config of ``cfg.model`` (built, never the model) against the rules of
+    :func:`check_run_config`."""
+    import transformers
+    from transformers.activations import ACT2FN
+
+    from .model import _hf_config_kwargs
+
+    m = cfg.model
+    if m.path:
+        return   # a local checkpoint's config.json is read (and checked by transformers) at the build
+    if not m.architecture:
+        raise CPConfigError("model.architecture", "is required when model.path is not given",
+                            fix="set e.g. architecture: llama with a small config")
+    kwargs = _hf_config_kwargs(m)
+    try:
+        hf = transformers.AutoConfig.for_model(m.architecture, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers' own validators raise several kinds
+        raise CPConfigError(_config_error_field(str(exc), kwargs, m.architecture),
+                            f"the {m.architecture} config does not build: " + " ".join(str(exc).split()),
+                            fix="fix the value in model.config (or model.config_file)") from None
+    text = getattr(hf, "get_text_config", lambda: hf)()
+    where = "model.config" + (f" (over {m.config_file})" if m.config_file else "")
+    for act in ("hidden_act", "hidden_activation"):
+        value = getattr(text, act, None)
+        if isinstance(value, str) and value not in ACT2FN:
+            raise CPConfigError(f"model.config.{act}", f"unknown activation {value!r}",
+                                fix=f"use one of {sorted(ACT2FN)}")
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None)
+    head_dim = getattr(text, "head_dim", None)
+    if isinstance(heads, int) and heads > 0:
+        if isinstance(kv, int) and kv > 0 and heads % kv:
+            given = m.config or {}   # name the one of the two this config's own model.config changed
+            if "num_attention_heads" in given and "num_key_value_heads" not in given:
+                raise CPConfigError("model.config.num_attention_heads", f"{heads} is not a multiple of "
+                                    f"num_key_value_heads={kv} in {where}", fix=f"use a multiple of {kv}")
+            raise CPConfigError("model.config.num_key_value_heads", f"{kv} does not divide num_attention_heads="
+                                f"{heads} in {where}", fix="use a divisor of num_attention_heads")
+        if "head_dim" not in kwargs and isinstance(hidden, int) and hidden % heads:
+            raise CPConfigError("model.config.num_attention_heads", f"{heads} does not divide hidden_size={hidden} "
+                                f"in {where}", fix="use a divisor of hidden_size, or set head_dim explicitly")
+        if head_dim is None and isinstance(hidden, int):
+            head_dim = hidden // heads
+    rotary = getattr(text, "rope_theta", None) is not None or getattr(text, "rope_parameters", None) is not None \
+        or getattr(text, "rope_scaling", None) is not None
+    if rotary and isinstance(head_dim, int) and head_dim % 2:
+        field = "model.config.head_dim" if "head_dim" in kwargs else "model.config.num_attention_heads"
+        raise CPConfigError(field, f"gives an odd head_dim={head_dim} in {where}: rotary embeddings rotate "
+                            "pairs of channels", fix="use an even head_dim (hidden_size / num_attention_heads)")
+    max_pos = getattr(text, "max_position_embeddings", None)
+    seq_len = getattr(cfg.data, "seq_len", None)
+    if isinstance(max_pos, int) and isinstance(seq_len, int) and max_pos < seq_len:
+        raise CPConfigError("model.config.max_position_embeddings", f"{max_pos} is below data.seq_len={seq_len} "
+                            f"in {where}: positions past it have no embedding",
+                            fix=f"set max_position_embeddings >= {seq_len} or shorten data.seq_len")
+
+
+_CONFIG_MESSAGE_FIELDS = (("Unrecognized model", "model.architecture"),
+                          ("hidden size", "num_attention_heads"), ("attention heads", "num_attention_heads"),
+                          ("rotary", "head_dim"))
+
+
+def _config_error_field(message: str, kwargs: dict, architecture: str) -> str:
+    """The field transformers' config validation complains about: a ``model.config`` key named in
+    ``message`` (the first given one), else one its wording points at, else ``model.config``."""
+    named = [k for k in kwargs if re.search(rf"\b{re.escape(str(k))}\b", message)]
+    if named:
+        return f"model.config.{named[0]}"
+    for words, field in _CONFIG_MESSAGE_FIELDS:
+        if words.lower() in message.lower():
+            return field if field.startswith("model.") else f"model.config.{field}"
+    return "model.config"
+
+
+def resolve_plan_targets(specs: Sequence, source: str | Path | None = None) -> None:
+    """Import every ``_target_`` and look up every registry name of ``plan_overrides`` (also in an
+    entry that ``cp_size: 1`` skips), with the checks of the plan resolver (an ``@inner_wrapper``,
+    its named parameters). A ``_target_`` whose module is not importable is looked for next to
+    the config file ``source``: in its directory, then each parent directory, the first directory
+    holding the module's file (``a/b/c.py`` or ``a/b/c/__init__.py`` for ``a.b.c``) is put on
+    ``sys.path`` — so ``examples/cp/custom_wrapper.yaml`` finds ``examples.cp.custom_wrapper_example``
+    from any working directory."""
+    from ..distributed.plan_resolver import PlanOverrideResolver
+
+    resolver = PlanOverrideResolver(specs, cp_size=2)
+    for spec in specs:
+        for ref, field in ((spec.inner_wrapper, "inner_wrapper"), (spec.local_compute_fn, "local_compute_fn")):
+            if ref is None:
+                continue
+            if ref.target is not None and source is not None:
+                _add_module_dir(ref.target, Path(source))
+            if field == "inner_wrapper":
+                resolver._resolve_wrapper(spec, ref, spec.match)
+            elif ref.target is not None:
+                resolver._import(spec.field(field), ref.target, spec.match)
+
+
+def _add_module_dir(target: str, source: Path) -> None:
+    import importlib.util
+    import sys
+
+    parts = target.split(".")
+    try:
+        if importlib.util.find_spec(parts[0]) is not None:
+            return
+    except (ImportError, ValueError):
+        return
+    for base in [source.resolve().parent, *source.resolve().parent.parents]:
+        for cut in range(len(parts) - 1, 0, -1):
+            rel = Path(*parts[:cut])
+            if (base / rel.with_suffix(".py")).is_file() or (base / rel / "__init__.py").is_file():
+                if str(base) not in sys.path:
+                    sys.path.insert(0, str(base))
+                return
