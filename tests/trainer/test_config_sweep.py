@@ -125,7 +125,7 @@ def test_cli_exit_2_one_line_no_traceback(tmp_path, args, field):
 def test_custom_wrapper_example_runs_from_any_folder(tmp_path):
     """examples/cp/custom_wrapper.yaml names ``examples.cp.custom_wrapper_example...``: a ``_target_``
     module that is not importable is looked for beside the config file and in its parent folders
-    (config.resolve_plan_targets), so the example trains 1 step under torchrun started in an
+    (config_checks.resolve_plan_targets), so the example trains 1 step under torchrun started in an
     unrelated folder, with nothing of the repository on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1")
