@@ -133,6 +133,7 @@ class CommHandle:
 
     def wait(self) -> torch.Tensor:
         if not self._done:
+            t_wait = time.monotonic()
             if self._work is not None:
                 try:
                     ok = self._work.wait(timeout=self._timeout)
@@ -146,6 +147,7 @@ class CommHandle:
                     raise peer_error(self.op, self.group, self._t0, self._timeout)
                 _PENDING.discard(self)
             _simlink.settle(self._ready_at)     # on the thread that waits: the comm thread for async CP
+            _simlink.note_wait(time.monotonic() - t_wait)
             self._result = self._finalize()
             self._done = True
         return self._result

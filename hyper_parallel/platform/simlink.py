@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["SimLink", "configure", "active", "reserve", "settle", "simulated_link", "parse_spec"]
+__all__ = ["SimLink", "configure", "active", "reserve", "settle", "note_wait", "simulated_link", "parse_spec"]
 
 ENV = "HYPER_PARALLEL_SIMLINK"
 
@@ -43,6 +43,7 @@ class SimLink:
     busy_until: float = 0.0
     modelled_s: float = 0.0          # total modelled cost reserved so far (for reports)
     count: int = 0
+    main_wait_s: float = 0.0         # time the main thread spent blocked in collective waits
 
     def cost(self, nbytes: int) -> float:
         return self.latency_s + float(nbytes) / self.bandwidth_Bps
@@ -81,7 +82,7 @@ def parse_spec(spec: str) -> Optional[SimLink]:
             fields[key] = float(val)
         except ValueError:
             raise ValueError(f"{ENV}: {key}={val!r} is not a number") from None
-    if "gbps" not in fields or not fields["gbps"] > 0:
+    if "gbps" not in fields or not fields["gbps"] > 0:     # gbps=inf: a zero-cost link that still counts
         raise ValueError(f"{ENV}: gbps must be given and > 0, got {spec!r}")
     if fields.get("latency_us", 0.0) < 0:
         raise ValueError(f"{ENV}: latency_us must be >= 0, got {spec!r}")
@@ -109,6 +110,15 @@ def reserve(nbytes: int) -> Optional[float]:
     """Completion time of a collective moving ``nbytes`` on the active link; None when off."""
     link = active()
     return None if link is None else link.reserve(nbytes)
+
+
+def note_wait(seconds: float) -> None:
+    """Account ``seconds`` a collective wait blocked the calling thread (main thread only): with
+    the link on, this is the communication the main thread did not hide."""
+    link = _LINK
+    if link is not None and threading.current_thread() is threading.main_thread():
+        with _LOCK:
+            link.main_wait_s += seconds
 
 
 def settle(ready_at: Optional[float]) -> None:
