@@ -64,6 +64,7 @@ def timed_world_group():
     timeout = default_timeout()
     key = (dist.get_world_size(), timeout)
     group = _TIMED_GROUPS.get(key)
-    if group is None:
+    # a group of a process group that was destroyed (outside destroy_distributed) is not reused
+    if group is None or group not in dist.distributed_c10d._world.pg_map:
         group = _TIMED_GROUPS[key] = dist.new_group(timeout=timeout)
     return group
