@@ -198,9 +198,44 @@ def _init_owner(pristine: nn.Module, fqn: str):
     return owner
 
 
-def _full_twin(owner, unit: nn.Module, recurse: bool, fqn: str) -> nn.Module:
+class _ConstructedBuffers:
+    """Buffers as the model's constructor (and a parent's ``_init_weights``) computes them, for the
+    rare buffer a unit's own init leaves unset (Falcon-H1's ``mup_vector`` is written by the
+    *model's* init into every layer): built once, on first use, by constructing the model again with
+    every parameter moved to ``meta`` as it is registered — the buffers are real, no parameter
+    memory is touched."""
+
+    def __init__(self, pristine: nn.Module):
+        self.pristine, self._buffers = pristine, None
+
+    def get(self, name: str):
+        if self._buffers is None:
+            import copy
+
+            import transformers
+
+            register = nn.Module.register_parameter
+
+            def to_meta(mod, pname, param):
+                if param is not None and not param.is_meta:
+                    param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                register(mod, pname, param)
+
+            nn.Module.register_parameter = to_meta
+            try:
+                cfg = copy.deepcopy(self.pristine.config)
+                model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+            finally:
+                nn.Module.register_parameter = register
+            self._buffers = dict(model.named_buffers())
+        return self._buffers.get(name)
+
+
+def _full_twin(owner, unit: nn.Module, recurse: bool, fqn: str, constructed: "_ConstructedBuffers | None" = None
+               ) -> nn.Module:
     """A CPU copy of ``unit`` (all of it, or only its own tensors), every float tensor NaN, then
-    initialised by ``owner._init_weights`` children first; a tensor the init leaves NaN raises."""
+    initialised by ``owner._init_weights`` children first; a buffer the init leaves NaN is taken
+    from ``constructed``; any other tensor left NaN raises naming it."""
     import copy
 
     if recurse:
@@ -221,9 +256,14 @@ def _full_twin(owner, unit: nn.Module, recurse: bool, fqn: str) -> nn.Module:
         for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
             t.__dict__.pop("_is_hf_initialized", None) if hasattr(t, "__dict__") else None
         owner._init_weights(sub)
+    buffer_names = {n for n, _ in twin.named_buffers()}
     for name, t in list(twin.named_parameters()) + list(twin.named_buffers()):
         if t.is_floating_point() and bool(torch.isnan(t).any()):
             full = f"{fqn}.{name}" if fqn else name
+            value = constructed.get(full) if constructed is not None and name in buffer_names else None
+            if value is not None and value.shape == t.shape:
+                t.copy_(value)
+                continue
             raise CPConfigError("model", f"{type(owner).__name__}._init_weights leaves {full} "
                                 "uninitialised on a meta-device build", module=full,
                                 fix="give the model a complete _init_weights, or load it from model.path")
@@ -275,6 +315,7 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
     # checkpoint's come from the random init (the checkpoint's rows are read over them)
     resized_rows = text.vocab_size if getattr(cfg, "_hp_checkpoint_vocab", None) else None
     done: set = set()
+    constructed = _ConstructedBuffers(pristine)
     with torch.no_grad():
         for fqn, unit, recurse in _init_units(pristine):
             buffers_only = only_buffers or (src.kind == "hf" and not (
@@ -284,7 +325,7 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
             owner = _init_owner(pristine, fqn)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_unit_seed(src.seed, fqn))
-                twin = _full_twin(owner, unit, recurse, fqn)
+                twin = _full_twin(owner, unit, recurse, fqn, constructed)
             items = list(twin.named_buffers()) if buffers_only else (
                 list(twin.named_parameters(remove_duplicate=False)) + list(twin.named_buffers()))
             for name, full in items:

@@ -52,3 +52,26 @@ def test_meta_build_tied_embeddings_stay_tied(ranks, tmp_path):
     cfg = W.make_cfg("llama", out_dir=str(tmp_path), steps=1, cp=2)
     cfg["model"]["config"] = {"tie_word_embeddings": True}
     _check(ranks(2).run(MW.meta_build_report, cfg, timeout=240), "llama tied cp2")
+
+
+def test_buffers_a_parent_init_writes_come_from_the_constructor():
+    """Falcon-H1's ``mup_vector`` (non-persistent, per layer) is written by the *model's*
+    ``_init_weights``, not the layer's: the meta build takes it from a parameter-less construction
+    and equals transformers' own build; every buffer of the model is checked."""
+    import torch
+    import transformers
+
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.model import HyperAutoModel
+
+    hf = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+              mamba_d_state=8, ssm_in_multiplier=0.5, mlp_multipliers=[1.0, 0.5])
+    ours = HyperAutoModel.from_config(TrainerConfig.from_dict({"model": {"architecture": "falcon_h1",
+                                                                         "config": hf}}).model)
+    ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("falcon_h1", **hf))
+    ref_buffers = dict(ref.named_buffers())
+    assert any("mup_vector" in n for n in ref_buffers)
+    for name, buf in ours.named_buffers():
+        assert torch.equal(buf, ref_buffers[name]), name
+    assert all(bool(torch.isfinite(p).all()) for p in ours.parameters())
