@@ -2,6 +2,13 @@
 
 Nothing is downloaded: ``model.architecture`` + ``model.config`` (or ``config_file``) build a
 randomly initialized model with a fixed seed; ``model.path`` loads a local checkpoint dir.
+
+Every build starts on the ``meta`` device (:func:`build_meta_model`); :func:`materialize` then
+allocates and fills what this rank holds — the whole model (the ordinary build), or, after the
+trainer applied its sharding plan to the empty model, only this rank's shards. Random values come
+from the model's own ``_init_weights`` per unit (a decoder layer, or one other module) under a seed
+derived from ``(model.seed, unit name)``, so they do not depend on the sharding; ``model.path``
+fills the shards from the checkpoint (:mod:`.hf_checkpoint`).
 """
 from __future__ import annotations
 
