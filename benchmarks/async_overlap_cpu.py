@@ -23,10 +23,10 @@ The compute a collective can hide behind is the K/V projection / Q branch of the
         [--gbps 0.01,0.05,1,5,25] [--latency-us 20] [--trace benchmarks/results/async_overlap_trace.json]
 
 ``--trace`` also records a torch.profiler trace (Chrome trace JSON, opens in Perfetto /
-chrome://tracing) of one async Colossal step on rank 0 on the slowest link: the collectives on
-the ``hp-comm-chain`` thread next to the projections on the main thread. On a GPU/NPU machine
-the same command (``HYPER_PARALLEL_DEVICE=cuda|npu``, ``--gbps 0`` for the real link) records the
-device streams instead (docs/async_cp.md).
+chrome://tracing) of one async Colossal step on rank 0 on the first link: the collectives on
+the ``hp-comm-chain`` thread next to the projections on the main thread. On a GPU machine the
+same command with ``HYPER_PARALLEL_DEVICE=cuda --gbps ''`` (no simulated link: the real NCCL link)
+places the layer on the GPU and adds the CUDA activity to the trace (docs/async_cp.md).
 """
 from __future__ import annotations
 
@@ -68,13 +68,15 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
 
     torch.set_num_threads(threads)
     mesh = MeshContext(MeshSizes(cp=2))
+    plat = P.get_platform()                      # HYPER_PARALLEL_DEVICE=cuda|npu: the device run
+    dev = plat.device(mesh.cp_rank if plat.device_type != "cpu" else 0)
     cfg_cls, modeling, attn_cls, rope_cls = ARCH[arch]
     cfg = getattr(transformers, cfg_cls)(**CFG)
     cfg._attn_implementation = "sdpa"
     M = importlib.import_module(modeling)
     torch.manual_seed(0)
-    base = getattr(M, attn_cls)(cfg, 0)
-    rope = getattr(M, rope_cls)(cfg)
+    base = getattr(M, attn_cls)(cfg, 0).to(dev)
+    rope = getattr(M, rope_cls)(cfg).to(dev)
     adapter = importlib.import_module(f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async")
     out = {}
 
@@ -82,12 +84,12 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
         local = shard_batch_for_cp({"input_ids": torch.zeros(1, seq, dtype=torch.long)}, mesh.cp_mesh, method)
         meta = local.meta
         L = meta.local_seq_len
-        h = torch.randn(1, L, CFG["hidden_size"], generator=torch.Generator().manual_seed(mesh.cp_rank))
+        h = torch.randn(1, L, CFG["hidden_size"], generator=torch.Generator().manual_seed(mesh.cp_rank)).to(dev)
         h.requires_grad_(True)
-        cos, sin = rope(h, local["position_ids"])
+        cos, sin = rope(h, local["position_ids"].to(dev))
         for kind, fn_path in (("sync", f"{wrappers.__name__}.{sync_name}"),
                               ("async", f"{adapter.__name__}.{arch}_async_{async_suffix}")):
-            mod = getattr(M, attn_cls)(cfg, 0)
+            mod = getattr(M, attn_cls)(cfg, 0).to(dev)
             mod.load_state_dict(base.state_dict())
             wrapper = import_target(fn_path)
             with applying("bench.self_attn"):
@@ -126,10 +128,11 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
                 # every rank runs the profiled step (its collectives need the peer); rank 0 writes it
                 from torch.profiler import ProfilerActivity, profile
 
-                with simlink.simulated_link(links[0], latency_us):
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                with simlink.simulated_link(links[0] if links else None, latency_us):
                     step()   # warm
                     all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-                    with profile(activities=[ProfilerActivity.CPU], experimental_config=all_threads) as prof:
+                    with profile(activities=activities, experimental_config=all_threads) as prof:
                         step()
                 if mesh.cp_rank == 0:
                     prof.export_chrome_trace(trace_path)
