@@ -170,3 +170,31 @@ def custom_adapter_parity(S: int = 16) -> dict:
     gref = dict(ref.named_parameters())
     return {"out": (full - out_ref.detach()).abs().max().item() / out_ref.abs().max().item(),
             "grads": max((g[n] - gref[n].grad).abs().max().item() / gref[n].grad.abs().max().item() for n in g)}
+
+
+def validate_mode_catches_wrong_attention(arch: str = "llama") -> str:
+    """mode='validate' with the async consumer's engine output scaled by 1.01: the comparison with
+    the module on the gathered sequence must raise (returns the message)."""
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff as AH
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+
+    cp, suffix, _sync, params = METHODS["colossal"]
+    mesh = mesh_ctx(cp)
+    [model] = build(arch, 1)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": {"_target_": ADAPTERS[arch] + suffix}}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, mode="validate", fsdp=False)
+    batch, _ref, _valid = attention_batch("padding", 32, model.config.vocab_size)
+    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
+    real = AH.engine_attention
+    AH.engine_attention = lambda *a, **k: real(*a, **k) * 1.01
+    try:
+        with cp_batch_context(local.meta):
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        AH.engine_attention = real
+    return "no error"

@@ -200,3 +200,28 @@ def test_worked_example_adapter_equals_full_sequence(ranks):
     for r in ranks(2).run(_custom):
         print(f"worked example: output rel err {r['out']:.2e}, grads rel err {r['grads']:.2e} (tol 2e-6 / 2e-5)")
         assert r["out"] < 2e-6 and r["grads"] < 2e-5, r
+
+
+def _validate_mode(path):
+    from tests.wrappers._workers import validate_vs_production
+
+    return validate_vs_production(path)
+
+
+@pytest.mark.parametrize("path,cp", [("examples/cp/async_llama_colossal.yaml", 2),
+                                     ("examples/cp/async_qwen2_ulysses.yaml", 2)])
+def test_validate_mode_compares_and_matches_production(ranks, path, cp):
+    """mode='validate': the async wrapper's output is compared with the module on the gathered
+    sequence (no CPValidationError on a correct path) and logits/grads equal production bitwise."""
+    assert all(ranks(cp).run(_validate_mode, path))
+
+
+def _catches():
+    from tests.async_cp._workers import validate_mode_catches_wrong_attention
+
+    return validate_mode_catches_wrong_attention()
+
+
+def test_validate_mode_catches_a_wrong_async_attention(ranks):
+    for msg in ranks(2).run(_catches):
+        assert msg.startswith("CPValidationError") and "model.layers.0.self_attn" in msg, msg

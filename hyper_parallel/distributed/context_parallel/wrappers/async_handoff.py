@@ -58,6 +58,7 @@ from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, Ul
 from ..strategies.base import engine_attention
 from .heads import check_heads, module_heads
 from .preflight import check_call, check_features
+from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
 
 __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
            "install_async", "ASYNC_METHODS"]
@@ -406,8 +407,11 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     hooks += [m.register_forward_hook(compute_hook(n)) for n, m in _compute_modules(target_module, handoffs).items()]
 
     ensure_hf_interface_registered()
+    orig_cfg = getattr(target_module, "config", None)
     undo = [install_private_config(target_module)]
     handler = _consumer(plan, target_module, owner)
+    validate_mode = ctx.mode == "validate"
+    ref_group = rank_group(cp_mesh) if validate_mode else None
 
     def cp_forward(*args, **kwargs):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
@@ -416,7 +420,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         state.append(_Call())
         try:
             with intercept_hf_interface(owner, target_module, handler):
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
         finally:
             c = state.pop()
             for coll in c.colls.values():     # an error between launch and wait: never leave a handle behind
@@ -426,6 +430,16 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
                     except Exception:  # noqa: BLE001 - the original error is the one to report
                         pass
                     coll.handle = None
+        if validate_mode:
+            # the same reference as the sync *_hf wrappers: the module's forward on the CP-gathered
+            # sequence with its own attention function and the model's own mask (hooks are inert
+            # outside the CP forward, so the protocol forward computes the plain attention)
+            meta = current_cp_batch_meta()
+            ref = hf_module_reference(original, target_module, "hf_interface", args, kwargs, meta, ref_group,
+                                      owner, orig_cfg)
+            got = out[0] if isinstance(out, tuple) else out
+            compare(got, ref, valid_query_rows(meta, got.shape[0]), 1, ref_group, owner, "module output")
+        return out
 
     cp_forward.__hp_undo__ = undo
     cp_forward.__hp_strategy__ = plan.checker
