@@ -35,7 +35,13 @@ between the first communicated launch and the wait (else it is launch-then-wait:
 refused as pseudo-async). Then the static refusals of the sync wrappers (attention dropout,
 ALiBi) and the method's head/degree rule (:func:`.heads.check_heads`). At every real call the
 same pseudo-async rule is checked again and the local shapes against the CP batch meta before
-the first launch.
+the first launch. In ``validate`` apply mode the output is also compared with the module on the
+CP-gathered sequence (:mod:`.validate_mode`, as the sync ``*_hf`` wrappers).
+
+Head layouts: async Ulysses/Hybrid move heads with the even split of
+:func:`..collectives.ulysses_seq_to_head` and keep :func:`.heads.check_heads`' default even
+rule, so layouts the sync strategies split unevenly (KV heads fewer than the degree, counts not
+divisible) are refused at preflight, naming the sync wrapper.
 """
 from __future__ import annotations
 
