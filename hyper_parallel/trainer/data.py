@@ -33,19 +33,9 @@ import torch
 
 from ..distributed.errors import CPConfigError
 from .config import DataConfig
-from .model import resolve_path
+from .paths import mix_seed, resolve_path
 
 DEFAULT_CORPUS = "examples/data/corpus.txt"
-
-
-def _mix(*parts: int) -> int:
-    """Deterministic 63-bit seed from integers (splitmix64-style)."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x ^= (int(p) + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2)) & 0xFFFFFFFFFFFFFFFF
-        x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
 
 
 class ByteCorpus:
@@ -98,7 +88,7 @@ class TextBatcher:
         input_ids = torch.full((B, S), self.pad_token_id, dtype=torch.int64)
         mask = torch.zeros((B, S), dtype=torch.int64)
         for row in range(B):
-            g = torch.Generator().manual_seed(_mix(self.seed, self.dp_rank, index, row))
+            g = torch.Generator().manual_seed(mix_seed(self.seed, self.dp_rank, index, row))
             if self.min_doc_len is not None:
                 length = int(torch.randint(self.min_doc_len, self.seq_len + 1, (1,), generator=g))
             else:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ..distributed.errors import CPConfigError
-from .model import REPO_ROOT, resolve_path
+from .paths import REPO_ROOT, resolve_path
 
 FORMATS = ("json", "parquet", "text")
 _EXT = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".md": "text",

@@ -23,21 +23,12 @@ import yaml
 
 from ..distributed.errors import CPConfigError
 from .config import ModelConfig
+from .paths import REPO_ROOT, resolve_path  # noqa: F401  (REPO_ROOT: public name of this module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def resolve_path(path: str | Path) -> Path:
-    """``path`` as given if it exists, else relative to the repository root (examples/...)."""
-    p = Path(path)
-    if p.exists() or p.is_absolute():
-        return p
-    alt = REPO_ROOT / p
-    return alt if alt.exists() else p
 
 
 def _hf_config_kwargs(cfg: ModelConfig) -> dict:

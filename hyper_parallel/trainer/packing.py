@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..distributed.errors import CPConfigError
-from .data import _mix
+from .paths import mix_seed
 from .data_sources import TokenStore
 
 
@@ -60,7 +60,7 @@ class DocumentRows:
     def _layout(self, epoch: int):
         if self._epoch != epoch:
             n = len(self.docs)
-            order = (np.random.Generator(np.random.PCG64(_mix(self.seed, epoch))).permutation(n)
+            order = (np.random.Generator(np.random.PCG64(mix_seed(self.seed, epoch))).permutation(n)
                      if self.shuffle else np.arange(n))
             self._order = self.docs[order]
             self._ends = np.cumsum(self.store.lengths[self._order] + 1)
@@ -151,5 +151,5 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[np.nd
     if n_eval >= n_docs:
         raise CPConfigError("data.eval_fraction", f"{eval_fraction} holds out {n_eval} of {n_docs} documents, "
                             "leaving none to train on", fix="lower it or add documents")
-    perm = np.random.Generator(np.random.PCG64(_mix(seed, 0x5EED))).permutation(n_docs)
+    perm = np.random.Generator(np.random.PCG64(mix_seed(seed, 0x5EED))).permutation(n_docs)
     return np.sort(perm[n_eval:]).astype(np.int64), np.sort(perm[:n_eval]).astype(np.int64)

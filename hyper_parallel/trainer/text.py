@@ -35,7 +35,7 @@ class TextTrainer(BaseTrainer):
         from pathlib import Path
 
         from .hf_checkpoint import save_hf
-        from .model import resolve_path
+        from .paths import resolve_path
 
         out = Path(out_dir) if out_dir is not None else Path(self.cfg.logging.out_dir) / "hf"
         tok = self.cfg.data.tokenizer if self.cfg.data.source == "files" else None
