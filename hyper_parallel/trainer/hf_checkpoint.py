@@ -152,7 +152,7 @@ def _load_rows(dst: torch.Tensor, file, name: str, rows: int) -> None:
     local[: hi - lo].copy_(part)
 
 
-def load_hf_into(model: nn.Module, path: str | Path, *, init_seed: int | None = None) -> None:
+def load_hf_into(model: nn.Module, path: str | Path) -> None:
     """Fill ``model``'s parameters and persistent buffers (already materialized, possibly sharded)
     from the HF checkpoint directory ``path``; collective when distributed (see the module doc).
 

@@ -337,7 +337,7 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
         if src.kind == "hf":
             from .hf_checkpoint import load_hf_into
 
-            load_hf_into(model, src.path, init_seed=src.seed)
+            load_hf_into(model, src.path)
     return model
 
 
