@@ -50,7 +50,7 @@ def test_save_hf_after_tp2_cp2_reloads_in_plain_transformers(ranks, tmp_path):
     _export_case(ranks, 4, tmp_path, "TP=2 x CP=2", cp=2, tp=2)
 
 
-def _hf_checkpoint(tmp_path, *, dtype=torch.float32, tie=False, edit=None) -> str:
+def _hf_checkpoint(tmp_path, *, dtype=torch.float32, tie=False, edit=None, max_shard_size=None) -> str:
     """A local HF checkpoint written by plain transformers (random tiny Llama), then edited."""
     import transformers
 
@@ -62,7 +62,7 @@ def _hf_checkpoint(tmp_path, *, dtype=torch.float32, tie=False, edit=None) -> st
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     path = tmp_path / "hf_checkpoint"
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if edit:
         f = str(path / "model.safetensors")
         sd = load_file(f)
@@ -77,9 +77,13 @@ def _path_cfg(tmp_path, ckpt: str, **kw) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("dtype,tie", [(torch.bfloat16, False), (torch.float32, True)], ids=["bf16-ckpt", "tied"])
-def test_model_path_loads_each_ranks_slices(ranks, tmp_path, dtype, tie):
-    ckpt = _hf_checkpoint(tmp_path, dtype=dtype, tie=tie)
+@pytest.mark.parametrize("dtype,tie,shard", [(torch.bfloat16, False, "40KB"), (torch.float32, True, None)],
+                         ids=["bf16-ckpt-sharded-index", "tied-single-file"])
+def test_model_path_loads_each_ranks_slices(ranks, tmp_path, dtype, tie, shard):
+    ckpt = _hf_checkpoint(tmp_path, dtype=dtype, tie=tie, max_shard_size=shard)
+    n_files = len([f for f in os.listdir(ckpt) if f.endswith(".safetensors")])
+    assert (n_files > 1) == (shard is not None) and os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")) \
+        == (shard is not None), os.listdir(ckpt)
     res = ranks(2).run(MW.load_report, _path_cfg(tmp_path, ckpt, cp=2), ckpt, timeout=240)
     for rank, r in enumerate(res):
         worst = max(r["diffs"].values())
@@ -138,3 +142,14 @@ def test_mismatching_checkpoint_fails_before_the_first_step(ranks, tmp_path, edi
         assert "[model.path]" in err[1] and expect in err[1], err
     assert errs[0] == errs[1]
 
+
+
+def test_sharded_checkpoint_with_a_missing_file_fails_naming_it(ranks, tmp_path):
+    ckpt = _hf_checkpoint(tmp_path, max_shard_size="40KB")
+    index = json.loads(open(os.path.join(ckpt, "model.safetensors.index.json")).read())["weight_map"]
+    gone = sorted(set(index.values()))[-1]
+    os.remove(os.path.join(ckpt, gone))
+    errs = ranks(2).run(W.build_error, _path_cfg(tmp_path, ckpt, cp=2), timeout=240)
+    for err in errs:
+        assert err is not None and err[0] == "CPConfigError" and f"to {gone}, which does not exist" in err[1], err
+    assert errs[0] == errs[1]
