@@ -196,6 +196,12 @@ def _init_owner(pristine: nn.Module, fqn: str):
     return owner
 
 
+def _has_nan(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """``isnan(t).any()`` in chunks (no full-size boolean temporary next to a full-size twin)."""
+    flat = t.reshape(-1)
+    return any(bool(torch.isnan(part).any()) for part in flat.split(chunk))
+
+
 class _ConstructedBuffers:
     """Buffers as the model's constructor (and a parent's ``_init_weights``) computes them, for the
     rare buffer a unit's own init leaves unset (Falcon-H1's ``mup_vector`` is written by the
@@ -256,7 +262,7 @@ def _full_twin(owner, unit: nn.Module, recurse: bool, fqn: str, constructed: "_C
         owner._init_weights(sub)
     buffer_names = {n for n, _ in twin.named_buffers()}
     for name, t in list(twin.named_parameters()) + list(twin.named_buffers()):
-        if t.is_floating_point() and bool(torch.isnan(t).any()):
+        if t.is_floating_point() and _has_nan(t):
             full = f"{fqn}.{name}" if fqn else name
             value = constructed.get(full) if constructed is not None and name in buffer_names else None
             if value is not None and value.shape == t.shape:
