@@ -76,9 +76,12 @@ def _probe_tokenwise(name: str, mlp: nn.Module) -> None:
     with torch.no_grad():
         whole = mlp(x)
         parts = torch.cat([mlp(x[:, :2]), mlp(x[:, 2:5]), mlp(x[:, 5:])], dim=1)
-    if not torch.allclose(whole, parts, rtol=1e-5, atol=1e-6):
+    # rounding only (a GEMM over fewer rows may block its sums differently): 1e-4 of the output's
+    # scale; a module that mixes tokens differs at the output's own scale
+    diff = (whole - parts).abs().max().item()
+    if not diff <= 1e-4 * whole.abs().max().item() + 1e-6:
         raise _refuse(f"{name} ({type(mlp).__name__}) is not token-wise: its output for a token depends on "
-                      f"other tokens (max diff {(whole - parts).abs().max().item():.3g})",
+                      f"other tokens (max diff {diff:.3g})",
                       "set schedule.tiled_mlp: false for this model")
 
 
