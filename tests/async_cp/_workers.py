@@ -28,25 +28,32 @@ METHODS = {
 }
 
 
-def config(arch: str):
+def config(arch: str, heads=None):
     """Tiny fp32 config (GQA 4:2, dropout 0): the shared wrapper-test configs (Llama, Qwen2 and
-    Mistral with a sliding window) plus Qwen3 and Qwen3-MoE (QK-norm, Qwen3 with a window)."""
+    Mistral with a sliding window) plus Qwen3 and Qwen3-MoE (QK-norm, Qwen3 with a window).
+    ``heads=(Hq, Hk)`` overrides the head counts (head_dim stays 16: q_proj ``64 -> 16*Hq``)."""
     import transformers as T
 
+    common = dict(_COMMON)
+    if heads is not None:
+        common.update(num_attention_heads=heads[0], num_key_value_heads=heads[1])
     if arch == "qwen3":
         return T.Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                             **_COMMON)
+                             **common)
     if arch == "qwen3_moe":
         return T.Qwen3MoeConfig(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                **_COMMON)
+                                **common)
     cfg, _ = arch_config(arch)
+    if heads is not None:
+        cfg.num_attention_heads, cfg.num_key_value_heads = heads
+        cfg.head_dim = 16
     return cfg
 
 
-def build(arch: str, n: int):
+def build(arch: str, n: int, heads=None):
     import transformers as T
 
-    cfg = config(arch)
+    cfg = config(arch, heads)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     first = T.AutoModelForCausalLM.from_config(cfg).float().train()
@@ -82,15 +89,17 @@ def _grad_err(got: dict, ref: dict) -> float:
 
 
 def async_cases(cases) -> list:
-    """[(arch, method, kind, S)] on this rank -> one result dict per case (see the module doc)."""
+    """[(arch, method, kind, S[, (Hq, Hk)])] on this rank -> one result dict per case (see the module
+    doc); the optional head counts override the config's 4/2 (MQA, uneven query heads)."""
     from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
     from hyper_parallel.platform import pending_handles
 
     out = []
-    for i, (arch, method, kind, S) in enumerate(cases):
+    for i, (arch, method, kind, S, *heads) in enumerate(cases):
+        heads = tuple(heads[0]) if heads else None
         cp, suffix, sync_name, params = METHODS[method]
         mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
-        model_a, model_s, ref = build(arch, 3)
+        model_a, model_s, ref = build(arch, 3, heads)
         model_a, plan_a = _apply(model_a, mesh, cp, ADAPTERS[arch] + suffix, params)
         model_s, plan_s = _apply(model_s, mesh, cp, SYNC + sync_name, params)
         assert plan_a.batch_policy == plan_s.batch_policy
@@ -111,7 +120,7 @@ def async_cases(cases) -> list:
         for ev, name, _t in trace:
             counts[(ev, name)] = counts.get((ev, name), 0) + 1
         out.append({
-            "case": f"{arch}/{method}/{kind}/S={S}",
+            "case": f"{arch}/{method}/{kind}/S={S}" + (f"/heads={heads[0]}:{heads[1]}" if heads else ""),
             "logits_vs_cp1": ((full_a - ref_logits).abs() * vmask).max().item() / rmax,
             "logits_vs_sync": ((full_a - full_s).abs() * vmask).max().item() / rmax,
             "grads_vs_cp1": _grad_err(g_a, g_ref), "grads_vs_sync": _grad_err(g_a, g_s),

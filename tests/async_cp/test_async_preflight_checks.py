@@ -25,18 +25,22 @@ def qwen3_moe_tp_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("wrapper,cp,params", [
-    ("qwen3_moe_async_ulysses_cp_wrapper", 2, {}),
-    ("qwen3_moe_async_hybrid_cp_wrapper", 4, {"ulysses_degree": 2}),
+    ("qwen3_moe_async_ulysses_cp_wrapper", 4, {}),
+    ("qwen3_moe_async_hybrid_cp_wrapper", 8, {"ulysses_degree": 4}),
 ])
 def test_planner_rejects_tp_local_head_split(qwen3_moe_tp_plan, wrapper, cp, params):
-    """heads 4/2 split over degree 2 globally, but per TP rank (tp 2) only 2/1: rejected at plan time."""
+    """heads 4/2 split over degree 4 globally, but per TP rank (tp 2) only 2/1 heads: fewer query
+    heads than the degree (a rank would compute nothing), rejected at plan time. At degree 2 the
+    TP-local 2/1 heads are accepted (even query split, the KV head replicated)."""
     from hyper_parallel.distributed.errors import CPConfigError
     from hyper_parallel.distributed.sharding_planner import ShardingPlanner
 
     model = _model()
     ShardingPlanner(_specs(wrapper, **params)).plan(model, tp_size=1, cp_size=cp)   # fine without TP
-    with pytest.raises(CPConfigError, match=r"num_kv_heads=1 < .*per TP rank, tp_size=2"):
+    with pytest.raises(CPConfigError, match=r"num_q_heads=2 < .*=4 .*per TP rank, tp_size=2"):
         ShardingPlanner(_specs(wrapper, **params)).plan(model, tp_size=2, cp_size=cp)
+    small = {"ulysses_degree": 2} if params else {}
+    ShardingPlanner(_specs(wrapper, **small)).plan(model, tp_size=2, cp_size=cp // 2)   # 2/1 per TP rank, u=2
 
 
 def test_planner_accepts_tp_local_colossal(qwen3_moe_tp_plan):
@@ -52,8 +56,9 @@ def test_validate_hooks_take_tp_size():
     attn = _model().model.layers[0].self_attn
     uly = import_target(f"{MODULE}.qwen3_moe_async_ulysses_cp_wrapper").__hp_inner_wrapper__.validate
     uly(attn, cp_size=2)
-    with pytest.raises(ValueError, match="per TP rank"):
-        uly(attn, cp_size=2, tp_size=2)
+    uly(attn, cp_size=2, tp_size=2)          # 2/1 heads per TP rank over 2: the KV head replicated
+    with pytest.raises(ValueError, match=r"num_q_heads=2 < .*per TP rank"):
+        uly(attn, cp_size=4, tp_size=2)
     with pytest.raises(ValueError, match="not divisible by tp_size=4"):
         uly(attn, cp_size=2, tp_size=4)      # 2 kv heads cannot be split over 4 TP ranks
 

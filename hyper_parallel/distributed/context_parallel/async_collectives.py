@@ -162,28 +162,51 @@ def colossal_kv_plan(group, seq_dim: int = 2) -> tuple:
                    "async_kv_reduce_scatter"))
 
 
-def ulysses_plan(group) -> tuple:
-    """``[B, H, L, D]`` -> seq->head A2A on ``group`` -> ``[B, H/u, u*L, D]``; bwd: the inverse A2A.
+def _exchange_heads(lay, kind: str) -> tuple:
+    """(``heads=`` of the forward seq->head exchange, ``num_heads=`` of its adjoint) for a tensor of
+    ``kind`` ("q" or "kv") under the Ulysses head layout ``lay``: ``(None, None)`` for the even
+    split (plain all_to_all); else ``lay.q_heads`` / ``lay.kv_heads``, the KV adjoint summing the
+    copies of a replicated KV head into it (``num_heads=Hk``)."""
+    if lay is None or lay.even:
+        return None, None
+    if kind == "q":
+        return lay.q_heads, None
+    return lay.kv_heads, lay.num_kv_heads
 
-    Even head split only (``H % u == 0``): :func:`..wrappers.heads.check_heads` (default
-    ``even_heads_only``) refuses other layouts before the first step."""
+
+def ulysses_plan(group, lay=None, kind: str = "q") -> tuple:
+    """``[B, H, L, D]`` -> seq->head A2A on ``group`` -> ``[B, n_i, u*L, D]``; bwd: the adjoint A2A.
+
+    ``lay`` (:class:`.strategies.ulysses_layout.UlyssesHeadLayout` of this group, None: even
+    split) and ``kind`` ("q": query heads ``lay.q_heads``; "kv": KV heads ``lay.kv_heads``,
+    replicated where several ranks' query heads use one) choose the heads rank ``i`` receives
+    (``n_i``), exactly as the sync :func:`.strategies.ulysses.ulysses_group_attention`. Backward:
+    ``ulysses_head_to_seq`` with the same heads; for K/V with ``num_heads=Hk``, so the gradients of
+    a replicated KV head's copies are summed into it on the rank owning the sequence chunk."""
     from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
 
-    return (_chain([lambda y: ulysses_seq_to_head(y, group, tag="async_seq_to_head")], "async_seq_to_head"),
-            _chain([lambda g: ulysses_head_to_seq(g, group, tag="async_head_to_seq")], "async_head_to_seq"))
+    heads, num = _exchange_heads(lay, kind)
+    return (_chain([lambda y: ulysses_seq_to_head(y, group, tag="async_seq_to_head", heads=heads)],
+                   "async_seq_to_head"),
+            _chain([lambda g: ulysses_head_to_seq(g, group, tag="async_head_to_seq", heads=heads, num_heads=num)],
+                   "async_head_to_seq"))
 
 
-def hybrid_kv_plan(colossal_group, ulysses_group) -> tuple:
+def hybrid_kv_plan(colossal_group, ulysses_group, lay=None) -> tuple:
     """K or V: seq->head A2A on the ulysses group chained into AllGather on the colossal group
-    (``[B, Hk, S/C, D]`` -> ``[B, Hk/u, S, D]``); bwd: ReduceScatter(colossal) chained into the
-    inverse A2A(ulysses). Both stages run on the comm thread, forward and backward."""
+    (``[B, Hk, S/C, D]`` -> ``[B, nk_i, S, D]``, ``nk_i`` the KV heads of ``lay.kv_heads[i]``,
+    replicated when fewer than the ulysses degree; ``Hk/u`` for the even split / ``lay`` None);
+    bwd: ReduceScatter(colossal) on that ``nk_i``-head shard chained into the adjoint A2A(ulysses)
+    (``num_heads=Hk``: copies of a replicated KV head summed). Both stages run on the comm thread."""
     from ...platform import reduce_scatter
     from .collectives import all_gather_seq, ulysses_head_to_seq, ulysses_seq_to_head
 
-    fwd = _chain([lambda y: ulysses_seq_to_head(y, ulysses_group, tag="async_seq_to_head"),
+    heads, num = _exchange_heads(lay, "kv")
+    fwd = _chain([lambda y: ulysses_seq_to_head(y, ulysses_group, tag="async_seq_to_head", heads=heads),
                   lambda y: all_gather_seq(y, colossal_group, dim=2, tag="async_kv_gather")], "hybrid_kv_chain")
     bwd = _chain([lambda g: reduce_scatter(g, colossal_group, dim=2, tag="async_kv_reduce_scatter"),
-                  lambda g: ulysses_head_to_seq(g, ulysses_group, tag="async_head_to_seq")], "hybrid_kv_chain_bwd")
+                  lambda g: ulysses_head_to_seq(g, ulysses_group, tag="async_head_to_seq", heads=heads,
+                                                num_heads=num)], "hybrid_kv_chain_bwd")
     return fwd, bwd
 
 

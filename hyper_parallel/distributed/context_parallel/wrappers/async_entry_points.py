@@ -66,7 +66,9 @@ def async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 def async_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Async Pure Ulysses: Q/K/V seq->head A2A launched at their handoffs; the output head->seq A2A
     is sync. Backward: inverse A2A of dQ/dK/dV launched at the wait nodes, waited at the handoffs.
-    Even head splits (Hq, Hk divisible by cp_size); other layouts are refused at preflight."""
+    Every head layout the sync wrapper accepts (``Hq % Hk == 0``, ``Hq >= cp_size``): uneven
+    query blocks and KV heads replicated when fewer than cp_size (the backward sums the copies'
+    gradients), per :func:`..strategies.ulysses_layout.ulysses_head_layout`."""
     return install_async("ulysses", target_module, mesh, cp_mesh, "async_ulysses_cp_wrapper")
 
 
@@ -76,7 +78,9 @@ def async_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 def async_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree):
     """Async Hybrid (full async, not half-async): K/V ulysses-group A2A chained into the
     colossal-group AllGather on the comm thread, Q ulysses A2A; backward ReduceScatter(colossal)
-    chained into the inverse A2A(ulysses). Output head->seq A2A sync."""
+    chained into the inverse A2A(ulysses). Output head->seq A2A sync. Head layouts as the sync
+    Hybrid (``Hq >= ulysses_degree``; uneven / replicated KV on the ulysses sub-group, the
+    colossal AllGather acting on each rank's KV-head shard unchanged)."""
     return install_async("hybrid", target_module, mesh, cp_mesh, "async_hybrid_cp_wrapper",
                          ulysses_degree=ulysses_degree)
 

@@ -38,10 +38,15 @@ same pseudo-async rule is checked again and the local shapes against the CP batc
 the first launch. In ``validate`` apply mode the output is also compared with the module on the
 CP-gathered sequence (:mod:`.validate_mode`, as the sync ``*_hf`` wrappers).
 
-Head layouts: async Ulysses/Hybrid move heads with the even split of
-:func:`..collectives.ulysses_seq_to_head` and keep :func:`.heads.check_heads`' default even
-rule, so layouts the sync strategies split unevenly (KV heads fewer than the degree, counts not
-divisible) are refused at preflight, naming the sync wrapper.
+Head layouts: async Ulysses/Hybrid accept exactly the layouts the sync strategies accept
+(:func:`.heads.check_heads` with ``even_heads_only=False``): every ``Hq % Hk == 0`` with
+``Hq >= degree``. The per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`
+of the real (TP-local) heads, computed at the first launch of a forward: the Q/K/V exchanges take
+``heads=lay.q_heads`` / ``lay.kv_heads`` (KV heads replicated to every rank whose query heads use
+them; ``None`` for the even split), their backward is the adjoint (dK/dV: the copies' gradients
+summed, ``num_heads=Hk``), the consumer applies ``lay.local_kv`` and ``lay.q_slice`` (sinks) as
+:func:`..strategies.ulysses.ulysses_group_attention` does, and the output goes back with the
+query heads.
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ from ..interception import (AttentionCall, CPInterceptionError, current_apply_co
 from ..meta import current_cp_batch_meta
 from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, UlyssesStrategy
 from ..strategies.base import engine_attention
+from ..strategies.ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
 from .heads import check_heads, module_heads
 from .preflight import check_call, check_features
 from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
@@ -228,7 +234,7 @@ def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: 
     """Preflight of a generic async wrapper (no collective); raises ValueError naming ``who``."""
     get_handoffs(target_module, who)
     check_features(target_module, who)
-    check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
+    check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who, even_heads_only=False)
     if probe:
         rec = probe_handoffs(target_module, forward or target_module.forward, who)
         if rec is not None:
@@ -239,11 +245,27 @@ def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: 
 @dataclasses.dataclass
 class _Plan:
     method: str
-    plans: dict              # tensor key -> (forward_comm, backward_comm)
+    plans: Optional[dict]    # tensor key -> (forward_comm, backward_comm); None: per head layout (build)
     checker: object          # the sync strategy of the method on the same groups (local checks only)
     out_group: object = None  # ulysses group of the output head->seq A2A (Ulysses/Hybrid)
     ulysses_degree: Optional[int] = None
     group: object = None     # cp group (Head-Tail combine)
+    build: Optional[Callable] = None    # Ulysses/Hybrid: UlyssesHeadLayout -> plans
+    by_heads: dict = dataclasses.field(default_factory=dict)
+
+    def at_heads(self, num_q_heads: int, num_kv_heads: int, who: str) -> tuple:
+        """``(plans, layout)`` for a forward with these local (TP-local) heads; ``layout`` is the
+        :class:`UlyssesHeadLayout` of the Ulysses group (None for Colossal / Head-Tail). Cached per
+        head counts; raises ValueError (no collective) when no exact split exists."""
+        if self.build is None:
+            return self.plans, None
+        key = (num_q_heads, num_kv_heads)
+        if key not in self.by_heads:
+            u = self.ulysses_degree or self.checker.cp_size
+            lay = ulysses_head_layout(num_q_heads, num_kv_heads, u, who=who,
+                                      what="ulysses_degree" if self.ulysses_degree else "cp_size (ulysses_degree)")
+            self.by_heads[key] = (self.build(lay), lay)
+        return self.by_heads[key]
 
 
 def _group_of(cp_mesh):
@@ -258,15 +280,20 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
         if mesh is None or not hasattr(mesh, "hybrid_groups"):
             raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
         cg, ug = mesh.hybrid_groups(ulysses_degree)
-        kv = hybrid_kv_plan(cg, ug)
-        return _Plan(method, {"k": kv, "v": kv, "q": ulysses_plan(ug)}, HybridStrategy(cg, ug), ug, ulysses_degree)
+
+        def hybrid(lay):
+            kv = hybrid_kv_plan(cg, ug, lay)
+            return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q")}
+        return _Plan(method, None, HybridStrategy(cg, ug), ug, ulysses_degree, build=hybrid)
     group = _group_of(cp_mesh)
     if method == "colossal":
         kv = colossal_kv_plan(group)
         return _Plan(method, {"k": kv, "v": kv}, AllGatherStrategy(group), group=group)
     if method == "ulysses":
-        p = ulysses_plan(group)
-        return _Plan(method, {"q": p, "k": p, "v": p}, UlyssesStrategy(group), group)
+        def ulysses(lay):
+            kv = ulysses_plan(group, lay, "kv")
+            return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv}
+        return _Plan(method, None, UlyssesStrategy(group), group, build=ulysses)
     if method == "load_balance":
         kv = colossal_kv_plan(group)
         return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group)}, HeadTailStrategy(group), group=group)
@@ -279,12 +306,16 @@ class _Call:
     def __init__(self):
         self.colls: dict = {}
         self.tokens: dict = {}
+        self.plans: dict = {}                          # this forward's collectives (per head layout)
+        self.layout: Optional[UlyssesHeadLayout] = None  # Ulysses/Hybrid head split of this forward
         self.computes_since_launch = 0
         self.checked = False
 
 
-def _consumer(plan: _Plan, module: nn.Module, owner: str) -> Callable[[AttentionCall], torch.Tensor]:
-    """The attention call after the wait: engine attention on the communicated tensors."""
+def _consumer(plan: _Plan, module: nn.Module, owner: str,
+              layout: Callable[[], Optional[UlyssesHeadLayout]]) -> Callable[[AttentionCall], torch.Tensor]:
+    """The attention call after the wait: engine attention on the communicated tensors.
+    ``layout()`` is the Ulysses head layout of the forward in progress (Ulysses/Hybrid)."""
     who = f"module '{owner}'"
 
     def handler(call: AttentionCall) -> torch.Tensor:
@@ -313,8 +344,11 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str) -> Callable[[Attention
         # ulysses / hybrid: this rank's head slice over the (group's) whole sequence
         u = plan.ulysses_degree or plan.checker.cp_size
         i = group_rank(plan.out_group)
-        # even head split (check_heads): this rank's query heads are [i*n, (i+1)*n), its sinks follow them
-        sinks_h = None if sinks is None else sinks.narrow(0, i * q.shape[1], q.shape[1])
+        lay = layout()
+        # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas): the engine's
+        # GQA map and the sinks of these query heads, as the sync ulysses_group_attention
+        k, v = lay.local_kv(k, i), lay.local_kv(v, i)
+        sinks_h = lay.q_slice(sinks, i)
         if m == "ulysses":
             q_pos = meta.k_index
         else:
@@ -324,7 +358,8 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str) -> Callable[[Attention
         out = engine_attention(q, k, v, q_pos=q_pos, k_pos=meta.k_index, sinks=sinks_h, **kw)
         # sync: its result feeds o_proj at once. Every comm-thread job of this layer has been waited,
         # so issuing it from this thread keeps the per-group collective order identical on all ranks.
-        return ulysses_head_to_seq(out, plan.out_group, tag="async_out_head_to_seq")
+        return ulysses_head_to_seq(out, plan.out_group, tag="async_out_head_to_seq",
+                                   heads=None if lay.even else lay.q_heads)
 
     return handler
 
@@ -364,6 +399,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         q_shape = (t.shape[0], hk * groups, t.shape[2], t.shape[3])
         plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
                                   cp_rank=plan.checker.cp_rank)
+        c.plans, c.layout = plan.at_heads(hk * groups, hk, f"module '{owner}'")
         if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
             raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "
                              f"2*cp_size={2 * plan.checker.cp_size}; shard the batch with policy='load_balance'")
@@ -376,7 +412,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
             check_first(c, key, out)
             if not c.colls:
                 c.computes_since_launch = 0
-            coll = AsyncCollective(key, *plan.plans[key])
+            coll = AsyncCollective(key, *c.plans[key])
             c.colls[key] = coll
             return coll.launch(out)
         return hook
@@ -415,7 +451,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     ensure_hf_interface_registered()
     orig_cfg = getattr(target_module, "config", None)
     undo = [install_private_config(target_module)]
-    handler = _consumer(plan, target_module, owner)
+    handler = _consumer(plan, target_module, owner, lambda: state[-1].layout)
     validate_mode = ctx.mode == "validate"
     ref_group = rank_group(cp_mesh) if validate_mode else None
 
