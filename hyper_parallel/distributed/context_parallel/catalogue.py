@@ -126,7 +126,7 @@ METHODS: dict = {m.name: m for m in (
         name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", batch_policy="ulysses",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
-                 "accepted (async: Hq, Hk divisible by cp_size)",
+                 "accepted",
         degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
         async_targets=_async_targets("ulysses"),
         async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
@@ -138,7 +138,7 @@ METHODS: dict = {m.name: m for m in (
         name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", batch_policy="hybrid",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
-                 "replicated) accepted (async: Hq, Hk divisible by ulysses_degree)",
+                 "replicated) accepted",
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
         async_targets=_async_targets("hybrid"),

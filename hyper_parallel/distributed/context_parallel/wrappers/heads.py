@@ -71,10 +71,10 @@ def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, 
     For Ulysses/Hybrid, ``even_heads_only=False`` accepts every layout
     :func:`..strategies.ulysses_layout.ulysses_head_layout` splits exactly (uneven counts, KV heads
     replicated when fewer than the degree) — the sync wrappers, whose strategies compute from that
-    layout. The default keeps the even rule (``Hq`` and ``Hk`` divisible by the degree) for
-    callers whose collectives still assume it (the async adapter until it routes its A2As through
-    ``ulysses_seq_to_head(..., heads=layout.q_heads / layout.kv_heads)``), so they refuse before
-    the first step instead of failing in a collective."""
+    layout, and the async wrappers, whose A2As take ``heads=layout.q_heads / layout.kv_heads``.
+    The default keeps the even rule (``Hq`` and ``Hk`` divisible by the degree) for a caller whose
+    collectives assume the plain even all_to_all, so it refuses before the first step instead of
+    failing in a collective."""
     row = catalogue.get_method(method)
     catalogue.check_degree(row, cp_size, ulysses_degree, who)
     hq, hk = module_heads(module, tp_size)
