@@ -138,9 +138,11 @@ def test_degree_rule_is_one_function():
     attn.num_heads, attn.num_key_value_heads = 4, 2
     with pytest.raises(ValueError, match=r"w: Hybrid needs .*ulysses_degree=3, cp_size=4"):
         check_heads("hybrid", attn, 4, 1, 3, "w")
-    with pytest.raises(ValueError, match="num_kv_heads=2 < cp_size \\(ulysses_degree\\)=4"):
-        check_heads("ulysses", attn, 4, who="w")                          # default: the even rule (async)
-    check_heads("ulysses", attn, 4, who="w", even_heads_only=False)      # sync: KV heads replicated
+    check_heads("ulysses", attn, 4, who="w")                              # KV heads replicated, sync and async
+    few = torch.nn.Module()
+    few.num_heads, few.num_key_value_heads = 2, 1
+    with pytest.raises(ValueError, match=r"w: .*2.*4"):
+        check_heads("ulysses", few, 4, who="w")                           # fewer query heads than the degree
     check_heads("colossal", attn, 4)
     check_heads("hybrid", attn, 4, ulysses_degree=2)
 

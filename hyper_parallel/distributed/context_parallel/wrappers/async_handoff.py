@@ -39,7 +39,7 @@ the first launch. In ``validate`` apply mode the output is also compared with th
 CP-gathered sequence (:mod:`.validate_mode`, as the sync ``*_hf`` wrappers).
 
 Head layouts: async Ulysses/Hybrid accept exactly the layouts the sync strategies accept
-(:func:`.heads.check_heads` with ``even_heads_only=False``): every ``Hq % Hk == 0`` with
+(:func:`.heads.check_heads`): every ``Hq % Hk == 0`` with
 ``Hq >= degree``. The per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`
 of the real (TP-local) heads, computed at the first launch of a forward: the Q/K/V exchanges take
 ``heads=lay.q_heads`` / ``lay.kv_heads`` (KV heads replicated to every rank whose query heads use
@@ -234,7 +234,7 @@ def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: 
     """Preflight of a generic async wrapper (no collective); raises ValueError naming ``who``."""
     get_handoffs(target_module, who)
     check_features(target_module, who)
-    check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who, even_heads_only=False)
+    check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
     if probe:
         rec = probe_handoffs(target_module, forward or target_module.forward, who)
         if rec is not None:

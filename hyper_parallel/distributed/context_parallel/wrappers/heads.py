@@ -63,18 +63,15 @@ def module_heads(module: nn.Module, tp_size: int = 1) -> tuple[Optional[int], Op
 
 
 def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, ulysses_degree=None,
-                who: str = "CP wrapper", even_heads_only: bool = True) -> None:
+                who: str = "CP wrapper") -> None:
     """Raise ValueError (prefixed ``who``) when ``module``'s TP-local heads or ``ulysses_degree``
     break ``method``'s rules in the catalogue; heads that cannot be read from the module are left
     to the strategy's check of the real tensors at apply/run time.
 
-    For Ulysses/Hybrid, ``even_heads_only=False`` accepts every layout
-    :func:`..strategies.ulysses_layout.ulysses_head_layout` splits exactly (uneven counts, KV heads
-    replicated when fewer than the degree) — the sync wrappers, whose strategies compute from that
-    layout, and the async wrappers, whose A2As take ``heads=layout.q_heads / layout.kv_heads``.
-    The default keeps the even rule (``Hq`` and ``Hk`` divisible by the degree) for a caller whose
-    collectives assume the plain even all_to_all, so it refuses before the first step instead of
-    failing in a collective."""
+    For Ulysses/Hybrid every layout :func:`..strategies.ulysses_layout.ulysses_head_layout` splits
+    exactly is accepted (uneven counts, KV heads replicated when fewer than the degree): the sync
+    strategies compute from that layout and the async A2As take ``heads=layout.q_heads /
+    layout.kv_heads``. Refused: fewer query heads than the degree, ``Hq % Hk != 0``."""
     row = catalogue.get_method(method)
     catalogue.check_degree(row, cp_size, ulysses_degree, who)
     hq, hk = module_heads(module, tp_size)
@@ -86,14 +83,7 @@ def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, 
         if split is None:
             check_gqa(who, hq, hk)
         else:
-            lay = check_head_split(who, hq, hk, *split, cp_size=cp_size if row.degree == "param" else None)
-            if even_heads_only and not lay.even:
-                deg, label = split
-                what = (f"num_kv_heads={hk} < {label}={deg} (num_q_heads={hq})" if hk < deg else
-                        f"num_q_heads={hq}, num_kv_heads={hk} not both divisible by {label}={deg}")
-                raise ValueError(
-                    f"{who}: {what}: this wrapper needs the even head split (Hq and Hk divisible by the degree); "
-                    f"use the sync {row.name} wrapper, which splits {lay.describe()}, or a degree dividing {hk}")
+            check_head_split(who, hq, hk, *split, cp_size=cp_size if row.degree == "param" else None)
     except ValueError as exc:
         raise ValueError(f"{exc}{tp_note}") from None
 

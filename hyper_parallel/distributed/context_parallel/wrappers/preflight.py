@@ -198,7 +198,7 @@ def make_validate(name: str, method: str, style: str):
         check_features(target_module, who)
         if st.forward == "qkv":
             check_core_features(target_module, who)
-        check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who, even_heads_only=False)
+        check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
         if probe and st.forward == "hf":
             check_probe(primitive, target_module, who)
 
