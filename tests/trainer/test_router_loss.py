@@ -17,7 +17,7 @@ from . import _router_workers as R
 from . import _workers as W
 from .test_cp1_batch_path import _packed_batches
 
-LOSS_ATOL = 1e-5
+LOSS_RTOL = 1e-5     # relative, as the other trainer parity tests: fp32 after two AdamW steps
 ROUTER_ATOL = 1e-5
 GRAD_REL_TOL = 1e-4   # max abs error / the model's largest gradient (fp32, as test_parity.py)
 
@@ -35,7 +35,7 @@ def _check_grads(got: dict, ref: dict, what: str) -> None:
 def _compare(got_steps: list, ref_steps: list, what: str) -> None:
     assert len(got_steps) == len(ref_steps) == 3
     for i, (g, r) in enumerate(zip(got_steps, ref_steps)):
-        assert abs(g["loss"] - r["loss"]) <= LOSS_ATOL, (what, i, g["loss"], r["loss"])
+        assert abs(g["loss"] - r["loss"]) <= LOSS_RTOL * abs(r["loss"]), (what, i, g["loss"], r["loss"])
         assert g["router_loss"] is not None and abs(g["router_loss"] - r["router_loss"]) <= ROUTER_ATOL, \
             (what, i, g["router_loss"], r["router_loss"])
         _check_grads(g["grads"], r["grads"], f"{what} step {i + 1}")
