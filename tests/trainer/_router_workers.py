@@ -45,10 +45,8 @@ def run_moe_steps(cfg: dict, batches: list):
     return {"dp_rank": dp, "cp_rank": trainer.mesh.cp_rank, "steps": out}
 
 
-def hf_reference(cfg: dict, batches: list):
-    """transformers' own objective at CP=1, one process, written by hand: per micro-batch
-    ``model(labels, attention_mask, num_items_in_batch=N, output_router_logits=True).loss`` with its
-    aux term scaled by 1/GA (the trainer's step mean), AdamW, clip_grad_norm_."""
+def _reference_model(cfg: dict):
+    """(config, the trainer's model at its seed in train(), AdamW with the config's settings)."""
     from hyper_parallel.trainer.config import TrainerConfig
     from hyper_parallel.trainer.model import HyperAutoModel
 
@@ -56,8 +54,16 @@ def hf_reference(cfg: dict, batches: list):
     torch.manual_seed(c.schedule.seed)
     model = HyperAutoModel.from_config(c.model).train()
     o = c.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                            weight_decay=o.weight_decay)
+    return c, model, torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                       weight_decay=o.weight_decay)
+
+
+def hf_reference(cfg: dict, batches: list):
+    """transformers' own objective at CP=1, one process, written by hand: per micro-batch
+    ``model(labels, attention_mask, num_items_in_batch=N, output_router_logits=True).loss`` with its
+    aux term scaled by 1/GA (the trainer's step mean), AdamW, clip_grad_norm_."""
+    c, model, opt = _reference_model(cfg)
+    o = c.optimizer
     coef = model.config.router_aux_loss_coef
     res = []
     for mbs in batches[0]:
@@ -85,15 +91,8 @@ def hf_reference_per_dp(cfg: dict, batches: list):
     the router loss and the gradients (before clipping)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from hyper_parallel.trainer.config import TrainerConfig
-    from hyper_parallel.trainer.model import HyperAutoModel
-
-    c = TrainerConfig.from_dict(cfg)
-    torch.manual_seed(c.schedule.seed)
-    model = HyperAutoModel.from_config(c.model).train()
+    c, model, opt = _reference_model(cfg)
     o = c.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                            weight_decay=o.weight_decay)
     cfg_m = model.config
     D = len(batches)
     res = []
