@@ -183,6 +183,11 @@ def _init_units(pristine: nn.Module):
     return units
 
 
+def _unit_tensors(unit: nn.Module, recurse: bool):
+    yield from unit.parameters(recurse=recurse)
+    yield from unit.buffers(recurse=recurse)
+
+
 def _init_owner(pristine: nn.Module, fqn: str):
     """The PreTrainedModel whose ``_init_weights`` covers ``fqn`` (the innermost one on its path,
     as transformers' ``smart_apply`` dispatches)."""
@@ -318,10 +323,21 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
     # model.path with a vocabulary resized above the checkpoint's: the embedding rows past the
     # checkpoint's come from the random init (the checkpoint's rows are read over them)
     resized_rows = text.vocab_size if getattr(cfg, "_hp_checkpoint_vocab", None) else None
-    done: set = set()
     constructed = _ConstructedBuffers(pristine)
+    units = _init_units(pristine)
+    # a tensor shared by several units (tied weights) takes the values of its first unit in the
+    # canonical order, whatever order the units are materialized in
+    owner_of: dict = {}
+    for fqn, unit, recurse in units:
+        for name, t in list(unit.named_parameters(recurse=recurse, remove_duplicate=False)) + list(
+                unit.named_buffers(recurse=recurse)):
+            owner_of.setdefault(id(real[f"{fqn}.{name}" if fqn else name]), fqn)
+    # largest twin first: it is built while few of this rank's shard pages are touched yet, so the
+    # peak is the shards plus a small twin rather than the shards plus the largest one (each unit
+    # draws from its own seed, so the order does not change any value)
+    units = sorted(units, key=lambda u: -sum(t.numel() for t in _unit_tensors(u[1], u[2])))
     with torch.no_grad():
-        for fqn, unit, recurse in _init_units(pristine):
+        for fqn, unit, recurse in units:
             buffers_only = only_buffers or (src.kind == "hf" and not (
                 resized_rows and any(p.dim() and p.shape[0] == resized_rows for p in unit.parameters(recurse=recurse))))
             if buffers_only and not any(True for _ in unit.buffers(recurse=recurse)):
@@ -335,11 +351,10 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
             for name, full in items:
                 key = f"{fqn}.{name}" if fqn else name
                 dst = real[key]
-                if id(dst) in done:      # a tied parameter: its first owner's values
+                if owner_of.get(id(dst), fqn) != fqn:      # a tied parameter: its first owner's values
                     continue
-                done.add(id(dst))
                 copy_into_local(dst, full)
-            del twin
+            full = items = twin = None    # no reference left: the twin's pages go back before the next unit
         if src.kind == "hf":
             from .hf_checkpoint import load_hf_into
 
