@@ -1,6 +1,7 @@
 """Async CP primitives: launch at a handoff, wait at the consumer, mirrored in backward.
 
-An :class:`AsyncCollective` is created per attention invocation and per tensor (Q, K or V).
+An :class:`AsyncCollective` is created per attention invocation and per tensor (K, V, and for
+the pipelined query side of Ulysses / Hybrid / Head-Tail each query chunk and each output chunk).
 It owns two platform collectives: ``forward_comm`` (launched by :meth:`launch` at the safe
 handoff point, right after the tensor's projection/norm/RoPE) and ``backward_comm`` (the
 inverse, launched when the consumer's gradient arrives). Autograd contract::
@@ -192,6 +193,21 @@ def ulysses_plan(group, lay=None, kind: str = "q") -> tuple:
                    "async_head_to_seq"))
 
 
+def ulysses_out_plan(group, lay=None) -> tuple:
+    """Attention output ``[B, n_i, u*L', D]`` (this rank's query heads ``lay.q_heads[i]``, the
+    group's rows) -> head->seq A2A on ``group`` -> ``[B, Hq, L', D]`` (all query heads, this
+    rank's rows); bwd: the seq->head A2A of dO with the same heads (the inverse permutation: the
+    query split is disjoint). ``lay`` None / even: the plain all_to_all. The inverse of
+    :func:`ulysses_plan` ``(group, lay, "q")`` — used per pipelined query chunk (``L' = L/G``)."""
+    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    heads, _num = _exchange_heads(lay, "q")
+    return (_chain([lambda y: ulysses_head_to_seq(y, group, tag="async_out_head_to_seq", heads=heads)],
+                   "async_out_head_to_seq"),
+            _chain([lambda g: ulysses_seq_to_head(g, group, tag="async_out_seq_to_head", heads=heads)],
+                   "async_out_seq_to_head"))
+
+
 def hybrid_kv_plan(colossal_group, ulysses_group, lay=None) -> tuple:
     """K or V: seq->head A2A on the ulysses group chained into AllGather on the colossal group
     (``[B, Hk, S/C, D]`` -> ``[B, nk_i, S, D]``, ``nk_i`` the KV heads of ``lay.kv_heads[i]``,
@@ -218,3 +234,14 @@ def head_tail_q_plan(group) -> tuple:
 
     return (_chain([lambda y: torch.cat(head_tail_dispatch(y, group), dim=2)], "async_head_tail_dispatch"),
             _chain([lambda g: head_tail_combine(*g.chunk(2, dim=2), group)], "async_head_tail_dispatch_bwd"))
+
+
+def head_tail_out_plan(group) -> tuple:
+    """Head-Tail output ``cat(o_head, o_tail)`` along the sequence (rows of sub-chunks r and
+    2C-1-r, ``[B, Hq, 2m, D]``) -> the combine exchange -> ``cat(o_lo, o_hi)`` (the same rows of
+    this rank's sub-chunks 2r, 2r+1); bwd: the dispatch exchange of the gradient. The inverse of
+    :func:`head_tail_q_plan` (forward and backward swapped), used per pipelined query chunk."""
+    from .collectives import head_tail_combine, head_tail_dispatch
+
+    return (_chain([lambda y: head_tail_combine(*y.chunk(2, dim=2), group)], "async_head_tail_combine"),
+            _chain([lambda g: torch.cat(head_tail_dispatch(g, group), dim=2)], "async_head_tail_combine_bwd"))

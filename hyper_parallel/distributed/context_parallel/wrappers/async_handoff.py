@@ -26,6 +26,18 @@ tensors to the attention call, which is routed (private config naming transforme
 Backward mirrors it: the wait node's backward launches the inverse collective, the launch
 node's backward (right before the projection's grad GEMM) waits it.
 
+**Query-side pipeline** (Ulysses, Hybrid, Head-Tail; ``q_chunks``, default
+:data:`DEFAULT_Q_CHUNKS`): the Q handoff launches G sequence chunks of the local query, one
+collective each (``q``, ``q.1``, ...; G = :func:`q_chunk_count`); ``cp_attn_wait`` waits K/V;
+the consumer waits chunk c, runs its attention (explicit global query positions, so masks,
+documents, window, softcap and sinks are exactly those of the unpipelined call) and launches its
+output collective (``out``, ``out.1``, ...: Ulysses/Hybrid head->seq A2A, Head-Tail combine)
+before waiting chunk c+1; the outputs are waited last and concatenated. Each chunk is an
+:class:`~..async_collectives.AsyncCollective`, so backward falls out of the mirror: the output
+wait nodes launch every dO exchange first, each chunk's dQ exchange is launched when its attention
+backward finishes (overlapping the next chunk's backward) and waited by the Q launch nodes,
+before the Q branch's backward. G = 1: one Q collective, the output waited right after it.
+
 **Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
 name), the four modules are distinct and owned by this attention, and a probe forward (train
 mode, 2 tokens) proves each is called exactly once, the three handoffs before the wait and the
@@ -58,9 +70,9 @@ import torch.nn as nn
 
 from ....platform import group_rank
 from .. import catalogue
-from ..async_collectives import (AsyncCollective, colossal_kv_plan, head_tail_q_plan, hybrid_kv_plan,
-                                 trace_event, tracing, ulysses_plan)
-from ..collectives import head_tail_combine, head_tail_sub_chunks, ulysses_head_to_seq
+from ..async_collectives import (AsyncCollective, colossal_kv_plan, head_tail_out_plan, head_tail_q_plan,
+                                 hybrid_kv_plan, trace_event, tracing, ulysses_out_plan, ulysses_plan)
+from ..collectives import head_tail_sub_chunks
 from ..interception import (AttentionCall, CPInterceptionError, current_apply_context,
                             ensure_hf_interface_registered, hf_probe_inputs, install_private_config,
                             intercept_hf_interface)
@@ -73,12 +85,35 @@ from .preflight import check_call, check_features
 from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
 
 __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
-           "install_async", "ASYNC_METHODS"]
+           "install_async", "ASYNC_METHODS", "DEFAULT_Q_CHUNKS", "q_chunk_count", "check_q_chunks"]
 
 HANDOFF_KEYS = ("q", "k", "v", "wait")
 # which tensors each async method communicates at its handoffs
 ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": ("q", "k", "v"),
                  "load_balance": ("k", "v", "q")}
+# query-side pipeline depth G of async Ulysses / Hybrid / Head-Tail when the wrapper names none
+DEFAULT_Q_CHUNKS = 4
+
+
+def check_q_chunks(q_chunks, who: str) -> int:
+    """``q_chunks`` (None: :data:`DEFAULT_Q_CHUNKS`) as an int >= 1; ValueError naming ``who``."""
+    if q_chunks is None:
+        return DEFAULT_Q_CHUNKS
+    if isinstance(q_chunks, bool) or not isinstance(q_chunks, int) or q_chunks < 1:
+        raise ValueError(f"{who}: q_chunks={q_chunks!r} must be an int >= 1 (the number of query sub-chunks "
+                         f"pipelined through the Q / output collectives; 1 = no pipelining, default "
+                         f"{DEFAULT_Q_CHUNKS})")
+    return q_chunks
+
+
+def q_chunk_count(rows: int, q_chunks: int) -> int:
+    """The pipeline depth used for ``rows`` local query rows: the largest divisor of ``rows`` not
+    above ``q_chunks`` (Ulysses/Hybrid: ``rows`` = the local length L; Head-Tail: L/2, the rows of
+    one sub-chunk). Every chunk has the same number of rows, so every rank agrees."""
+    for g in range(min(q_chunks, rows), 0, -1):
+        if rows % g == 0:
+            return g
+    return 1
 
 
 class HandoffPoint(nn.Module):
@@ -245,7 +280,7 @@ def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: 
 @dataclasses.dataclass
 class _Plan:
     method: str
-    plans: Optional[dict]    # tensor key -> (forward_comm, backward_comm); None: per head layout (build)
+    plans: Optional[dict]    # "q"/"k"/"v"/"out" -> (forward_comm, backward_comm); None: per head layout (build)
     checker: object          # the sync strategy of the method on the same groups (local checks only)
     out_group: object = None  # ulysses group of the output head->seq A2A (Ulysses/Hybrid)
     ulysses_degree: Optional[int] = None
@@ -283,7 +318,7 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
 
         def hybrid(lay):
             kv = hybrid_kv_plan(cg, ug, lay)
-            return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q")}
+            return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
         return _Plan(method, None, HybridStrategy(cg, ug), ug, ulysses_degree, build=hybrid)
     group = _group_of(cp_mesh)
     if method == "colossal":
@@ -292,11 +327,12 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
     if method == "ulysses":
         def ulysses(lay):
             kv = ulysses_plan(group, lay, "kv")
-            return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv}
+            return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
         return _Plan(method, None, UlyssesStrategy(group), group, build=ulysses)
     if method == "load_balance":
         kv = colossal_kv_plan(group)
-        return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group)}, HeadTailStrategy(group), group=group)
+        return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group), "out": head_tail_out_plan(group)},
+                     HeadTailStrategy(group), group=group)
     raise ValueError(f"no async plan for CP method {method!r}")
 
 
@@ -304,18 +340,59 @@ class _Call:
     """State of one forward of one attention: its collectives and the compute seen since launch."""
 
     def __init__(self):
+        # every AsyncCollective of this forward by trace name: "k", "v", the query chunks "q", "q.1", ...
+        # and the output chunks "out", "out.1", ... (chunk 0 keeps the tensor's plain name)
         self.colls: dict = {}
-        self.tokens: dict = {}
+        self.q_parts: list = []                        # [(AsyncCollective, token)] per query chunk, in order
         self.plans: dict = {}                          # this forward's collectives (per head layout)
         self.layout: Optional[UlyssesHeadLayout] = None  # Ulysses/Hybrid head split of this forward
         self.computes_since_launch = 0
         self.checked = False
 
+    def launch(self, name: str, plan: tuple, x: torch.Tensor) -> tuple:
+        """A new :class:`AsyncCollective` ``name`` on ``plan`` launched on ``x``: ``(coll, token)``."""
+        coll = AsyncCollective(name, *plan)
+        self.colls[name] = coll
+        return coll, coll.launch(x)
+
+
+def _chunk_name(base: str, i: int) -> str:
+    return base if i == 0 else f"{base}.{i}"
+
+
+def _split_q(method: str, q: torch.Tensor, q_chunks: int) -> list:
+    """The G query chunks launched at the Q handoff (G = :func:`q_chunk_count`), in sequence order.
+
+    Ulysses / Hybrid: rows ``[c*L/G, (c+1)*L/G)`` of the local ``[B, Hq, L, D]``. Head-Tail: the
+    same rows of each of the two local sub-chunks (2r, 2r+1), concatenated ``[B, Hq, 2*L/(2G), D]``,
+    so one dispatch per chunk carries both branches' rows (:func:`..async_collectives.head_tail_q_plan`)."""
+    L = q.shape[2]
+    if method == "load_balance":
+        g = q_chunk_count(L // 2, q_chunks)
+        lo, hi = q.chunk(2, dim=2)
+        return [torch.cat([a, b], dim=2) for a, b in zip(lo.chunk(g, dim=2), hi.chunk(g, dim=2))]
+    return list(q.chunk(q_chunk_count(L, q_chunks), dim=2))
+
+
+def _trace_chunk(q_c: torch.Tensor, ci: int) -> None:
+    """Trace the attention of query chunk ``ci`` (forward now; backward when its dQ exists)."""
+    if tracing():
+        trace_event("compute", f"attention_q{ci}")
+        if q_c.requires_grad:
+            q_c.register_hook(lambda g, ci=ci: trace_event("bwd_compute", f"attention_q{ci}"))
+
 
 def _consumer(plan: _Plan, module: nn.Module, owner: str,
-              layout: Callable[[], Optional[UlyssesHeadLayout]]) -> Callable[[AttentionCall], torch.Tensor]:
+              current: Callable[[], "_Call"]) -> Callable[[AttentionCall], torch.Tensor]:
     """The attention call after the wait: engine attention on the communicated tensors.
-    ``layout()`` is the Ulysses head layout of the forward in progress (Ulysses/Hybrid)."""
+    ``current()`` is the :class:`_Call` of the forward in progress (its query chunks, head layout).
+
+    Ulysses / Hybrid / Head-Tail pipeline the query side over the G chunks launched at the Q
+    handoff: ``wait q_0 -> attention_0 -> launch out_0 -> wait q_1 -> attention_1 -> launch out_1
+    ... -> wait out_0 .. out_{G-1} -> concatenate`` (the later chunks' Q collectives travel while
+    the earlier chunks compute; each output collective travels while the later chunks compute).
+    Every query row sees exactly the keys it sees unpipelined: its global position goes to the
+    engine (``q_pos``), with the batch meta's documents / padding, window, softcap and sinks."""
     who = f"module '{owner}'"
 
     def handler(call: AttentionCall) -> torch.Tensor:
@@ -329,22 +406,31 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         m = plan.method
         if m == "colossal":
             return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
+        c = current()
+        outs = []
         if m == "load_balance":
             C, r = plan.checker.cp_size, plan.checker.cp_rank
             sub = meta.global_seq_len // (2 * C)
-            outs = []
-            # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
-            for q_part, chunk in zip(q.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
-                q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
-                n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
-                trace_event("compute", f"attention_chunk{chunk}")
-                outs.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
-                                             k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks, **kw))
-            return head_tail_combine(outs[0], outs[1], plan.group)
+            rows = sub // len(c.q_parts)
+            for ci, (coll, tok) in enumerate(c.q_parts):
+                q_c = coll.wait(tok)                 # [B, Hq, 2*rows, D]: rows of the head, then the tail branch
+                _trace_chunk(q_c, ci)
+                res = []
+                # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
+                for q_part, chunk in zip(q_c.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
+                    lo = chunk * sub + ci * rows
+                    q_pos = torch.arange(lo, lo + rows, dtype=torch.int64)
+                    n_keys = lo + rows if meta.causal else meta.global_seq_len   # keys past the last query: invisible
+                    trace_event("compute", f"attention_chunk{chunk}")
+                    res.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
+                                                k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks, **kw))
+                outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], torch.cat(res, dim=2)))
+            got = [oc.wait(t) for oc, t in outs]     # each [B, Hq, 2*rows, D]: rows of sub-chunk 2r, then 2r+1
+            return torch.cat([g[:, :, :rows] for g in got] + [g[:, :, rows:] for g in got], dim=2)
         # ulysses / hybrid: this rank's head slice over the (group's) whole sequence
         u = plan.ulysses_degree or plan.checker.cp_size
         i = group_rank(plan.out_group)
-        lay = layout()
+        lay = c.layout
         # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas): the engine's
         # GQA map and the sinks of these query heads, as the sync ulysses_group_attention
         k, v = lay.local_kv(k, i), lay.local_kv(v, i)
@@ -355,20 +441,28 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
             span = meta.local_seq_len * u
             start = (meta.cp_rank // u) * span
             q_pos = torch.arange(start, start + span, dtype=torch.int64)
-        out = engine_attention(q, k, v, q_pos=q_pos, k_pos=meta.k_index, sinks=sinks_h, **kw)
-        # sync: its result feeds o_proj at once. Every comm-thread job of this layer has been waited,
-        # so issuing it from this thread keeps the per-group collective order identical on all ranks.
-        return ulysses_head_to_seq(out, plan.out_group, tag="async_out_head_to_seq",
-                                   heads=None if lay.even else lay.q_heads)
+        # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
+        q_pos = q_pos.view(u, len(c.q_parts), -1)
+        for ci, (coll, tok) in enumerate(c.q_parts):
+            q_c = coll.wait(tok)                     # [B, n_i, u*L/G, D]
+            _trace_chunk(q_c, ci)
+            out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index, sinks=sinks_h,
+                                   **kw)
+            outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], out))
+        return torch.cat([oc.wait(t) for oc, t in outs], dim=2)    # [B, Hq, L, D]
 
     return handler
 
 
 def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str, ulysses_degree=None,
-                  forward: Optional[Callable] = None) -> Callable:
+                  forward: Optional[Callable] = None, q_chunks: Optional[int] = None) -> Callable:
     """Install async ``method`` on an attention implementing the protocol; return the CP forward.
 
-    ``forward`` is the protocol forward to run (default: the module's current forward). Hooks
+    ``forward`` is the protocol forward to run (default: the module's current forward).
+    ``q_chunks`` (Ulysses, Hybrid, Head-Tail; None: :data:`DEFAULT_Q_CHUNKS`): the query side is
+    pipelined in G = :func:`q_chunk_count` sequence chunks of the local query (G = 1: one Q
+    collective, the output collective waited right after the attention); it changes when the
+    collectives run, never the result. Hooks
     are registered on the handoff modules and on the owned compute modules (overlap accounting
     and the trace of :func:`~..async_collectives.async_trace`); they act only inside the returned
     CP forward (elsewhere, e.g. with CP disabled for the preflight proof's reference, they are
@@ -377,6 +471,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     if method not in ASYNC_METHODS:
         raise ValueError(f"{who}: no async variant of method {method!r}")
     catalogue.check_degree(method, None, ulysses_degree, who)
+    q_chunks = check_q_chunks(q_chunks, who)
     ctx = current_apply_context()
     owner = ctx.fqn or type(target_module).__name__
     handoffs = get_handoffs(target_module, who)
@@ -412,9 +507,14 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
             check_first(c, key, out)
             if not c.colls:
                 c.computes_since_launch = 0
-            coll = AsyncCollective(key, *c.plans[key])
-            c.colls[key] = coll
-            return coll.launch(out)
+            if key == "q":
+                # G query chunks, each its own collective (and mirrored backward), all launched now;
+                # the consumer waits them one by one. The handoff output stays the local q (the
+                # consumer reads the chunks' tokens; their gradients reach q through the launches).
+                for ci, part in enumerate(_split_q(plan.method, out, q_chunks)):
+                    c.q_parts.append(c.launch(_chunk_name("q", ci), c.plans["q"], part))
+                return None
+            return c.launch(key, c.plans[key], out)[1]
         return hook
 
     def wait_hook(mod, args, out):
@@ -425,7 +525,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         missing = [k for k in comm_keys if k not in c.colls]
         if missing:
             raise CPInterceptionError(f"module '{owner}': cp_attn_wait ran before the {missing} handoff(s)")
-        res = {k: (c.colls[k].wait(got[k]) if k in c.colls else got[k]) for k in ("q", "k", "v")}
+        # K/V here; the query chunks are waited one by one in the consumer
+        res = {k: (c.colls[k].wait(got[k]) if k in ("k", "v") and k in c.colls else got[k]) for k in ("q", "k", "v")}
         if c.computes_since_launch == 0:
             raise ValueError(f"{who}: module '{owner}' waited its collectives with no compute since the first "
                              "launch (launch-then-wait, pseudo-async); place the handoffs before the remaining "
@@ -451,7 +552,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     ensure_hf_interface_registered()
     orig_cfg = getattr(target_module, "config", None)
     undo = [install_private_config(target_module)]
-    handler = _consumer(plan, target_module, owner, lambda: state[-1].layout)
+    handler = _consumer(plan, target_module, owner, lambda: state[-1])
     validate_mode = ctx.mode == "validate"
     ref_group = rank_group(cp_mesh) if validate_mode else None
 

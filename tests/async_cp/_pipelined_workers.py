@@ -1,0 +1,96 @@
+"""Rank functions of tests/async_cp/test_async_pipelined.py (module-level for the warm gloo pool).
+
+The pipeline depth G of the model adapters' async Ulysses / Hybrid / Head-Tail is the library
+default ``async_handoff.DEFAULT_Q_CHUNKS`` (the adapters' Targets take no ``q_chunks``); each case
+sets it for the wrappers it installs and restores it afterwards (the pool's processes are reused).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tests.async_cp._workers import ADAPTERS, METHODS, SYNC, _apply, _grads, build
+from tests.wrappers._workers import attention_batch, cp_forward_backward, mesh_ctx
+
+
+@contextlib.contextmanager
+def q_chunks(g: int):
+    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff as AH
+
+    prev, AH.DEFAULT_Q_CHUNKS = AH.DEFAULT_Q_CHUNKS, g
+    try:
+        yield
+    finally:
+        AH.DEFAULT_Q_CHUNKS = prev
+
+
+def _err(got: dict, ref: dict) -> tuple:
+    """(max abs error over every gradient, that / the reference's largest |gradient|)."""
+    gmax = max(g.abs().max().item() for g in ref.values())
+    a = max((got[n] - ref[n]).abs().max().item() for n in ref)
+    return a, a / max(gmax, 1e-12)
+
+
+def pipelined_cases(cases) -> list:
+    """[(arch, method, kind, S, G, heads or None)] on this rank -> one dict per case: logits and
+    every gradient (summed over CP) of the async adapter with pipeline depth G vs the sync wrapper
+    and vs CP=1 (max abs and relative to the reference's largest |logit| / |gradient|), the handles
+    left pending after forward+backward, and the per-name trace counts."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+    from hyper_parallel.platform import pending_handles
+
+    out = []
+    for i, (arch, method, kind, S, G, heads) in enumerate(cases):
+        heads = tuple(heads) if heads else None
+        cp, suffix, sync_name, params = METHODS[method]
+        mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
+        model_a, model_s, ref = build(arch, 3, heads)
+        with q_chunks(G):
+            model_a, plan_a = _apply(model_a, mesh, cp, ADAPTERS[arch] + suffix, params)
+        model_s, plan_s = _apply(model_s, mesh, cp, SYNC + sync_name, params)
+        batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
+        with async_trace() as trace:
+            full_a, w, meta = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=i, use_cache=False)
+        pending = pending_handles()
+        full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=i, use_cache=False)
+        ref_logits = ref(**ref_inputs).logits
+        (ref_logits * w).sum().backward()
+        ref_logits = ref_logits.detach()
+        group = mesh.cp_mesh.get_group()
+        g_a, g_s = _grads(model_a, group), _grads(model_s, group)
+        g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
+        vmask = valid[..., None]
+        rmax = (ref_logits.abs() * vmask).max().item()
+        la_cp1 = ((full_a - ref_logits).abs() * vmask).max().item()
+        la_sync = ((full_a - full_s).abs() * vmask).max().item()
+        counts = {}
+        for ev, name, _t in trace:
+            counts[(ev, name)] = counts.get((ev, name), 0) + 1
+        out.append({
+            "case": f"{arch}/{method}/{kind}/S={S}/G={G}" + (f"/heads={heads[0]}:{heads[1]}" if heads else ""),
+            "local_seq_len": meta.local_seq_len,
+            "logits_abs_cp1": la_cp1, "logits_rel_cp1": la_cp1 / rmax,
+            "logits_abs_sync": la_sync, "logits_rel_sync": la_sync / rmax,
+            "grads_cp1": _err(g_a, g_ref), "grads_sync": _err(g_a, g_s), "sync_cp1": _err(g_s, g_ref),
+            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers,
+        })
+    return out
+
+
+def pipelined_trace(arch: str, method: str, G: int, S: int = 64) -> dict:
+    """One forward+backward of the async adapter at depth G on a padded batch: the ``async_trace``
+    ``(event, name)`` list, the handles pending afterwards and the local sequence length."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+    from hyper_parallel.platform import pending_handles
+
+    cp, suffix, _sync, params = METHODS[method]
+    mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
+    [model] = build(arch, 1)
+    with q_chunks(G):
+        model, plan = _apply(model, mesh, cp, ADAPTERS[arch] + suffix, params)
+    batch, _ref, valid = attention_batch("padding", S, model.config.vocab_size)
+    with async_trace() as trace:
+        _full, _w, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed=0, use_cache=False)
+    return {"trace": [(e, n) for e, n, _t in trace], "pending": pending_handles(),
+            "local_seq_len": meta.local_seq_len, "layers": model.config.num_hidden_layers}
