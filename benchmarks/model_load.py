@@ -202,10 +202,18 @@ def main(argv=None) -> int:
     ap.add_argument("--step-layers", type=int, default=4, help="decoder layers of the one-step model")
     ap.add_argument("--budget-gb", type=float, default=24.0 * 1.073741824, help="machine memory (GB) of the estimate")
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "model_load.json"))
+    ap.add_argument("--largest", action="store_true",
+                    help="only the search for the largest model that trains one AdamW step with CP=2 + FSDP2 "
+                         "within --budget-gb (writes model_load_largest.json)")
+    ap.add_argument("--fit-layers", default="4,16", help="decoder layers of the two fitting points of --largest")
+    ap.add_argument("--margin", type=float, default=0.95,
+                    help="--largest confirms at this fraction of the predicted largest size")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    if args.largest:
+        return largest_search(args)
     model_cfg = dict(LLAMA_054B, num_hidden_layers=4) if args.quick else dict(LLAMA_054B)
     step_cfg = dict(LLAMA_054B, num_hidden_layers=args.step_layers)
     rows = []
@@ -240,6 +248,66 @@ def main(argv=None) -> int:
         json.dump(result, fh, indent=2)
     _print_table(result)
     return 0
+
+
+def largest_search(args) -> int:
+    """The largest model (0.54B Llama's layer shape, more or fewer decoder layers) that trains one
+    AdamW step with CP=2 + FSDP2 on this machine within ``--budget-gb`` (sum of both ranks' peaks),
+    found by measurement: two step points (``--fit-layers``) fit ``total peak = a + b * params`` (the
+    fixed part — processes, FSDP's unsharded root, activations — and the bytes per parameter);
+    the fit predicts the largest layer count; that size times ``--margin`` is then run, and
+    the search walks down a layer at a time until a run's measured total is inside the budget.
+    The confirmed point is a measured run, the predicted maximum is stated as a prediction."""
+    fit_layers = [int(x) for x in args.fit_layers.split(",")]
+    rows = []
+    layer_params = _count(dict(LLAMA_054B, num_hidden_layers=1)) - _count(dict(LLAMA_054B, num_hidden_layers=0))
+    base_params = _count(dict(LLAMA_054B, num_hidden_layers=0))
+
+    def step(layers: int, variant: str = "after") -> dict:
+        cfg = dict(LLAMA_054B, num_hidden_layers=layers)
+        with tempfile.TemporaryDirectory(prefix="hp_largest_") as tmp:
+            r = run_point("step", variant, 2, cfg, tmp, None, timeout=3600)
+        r.update(layers=layers, params=_count(cfg))
+        if r.get("ok"):
+            r["total_peak_gb"] = sum(r["peak_gb_per_rank"])
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "error"}) if r["ok"] else r, flush=True)
+        return r
+
+    fit = {}
+    for variant in ("before", "after"):
+        pts = [step(n, variant) for n in fit_layers]
+        if not all(p.get("ok") for p in pts):
+            print("a fitting point failed")
+            return 1
+        (p0, p1) = pts
+        b = (p1["total_peak_gb"] - p0["total_peak_gb"]) / (p1["params"] - p0["params"])    # GB per parameter
+        a = p0["total_peak_gb"] - b * p0["params"]
+        n_max = (args.budget_gb - a) / b
+        fit[variant] = {"fixed_gb": a, "bytes_per_param": b * 1e9, "predicted_largest_params": n_max,
+                        "predicted_largest_layers": int((n_max - base_params) // layer_params)}
+        print(f"{variant}: total peak = {a:.2f} GB + {b * 1e9:.2f} B/param -> predicted largest "
+              f"{n_max / 1e9:.3f}B params", flush=True)
+    confirmed = None
+    layers = int((fit["after"]["predicted_largest_params"] * args.margin - base_params) // layer_params)
+    while layers > max(fit_layers):
+        r = step(layers)
+        if r.get("ok") and r["total_peak_gb"] <= args.budget_gb:
+            confirmed = r
+            break
+        layers -= 1
+    result = {"cpu": cpu_name(), "budget_gb": args.budget_gb, "layer_shape": LLAMA_054B, "fit": fit,
+              "confirmed": confirmed and {k: confirmed[k] for k in ("layers", "params", "total_peak_gb",
+                                                                     "peak_gb_per_rank", "step_s", "build_s")},
+              "points": rows}
+    out = os.path.join(os.path.dirname(args.json), "model_load_largest.json")
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=2)
+    if confirmed:
+        print(f"measured: {confirmed['params'] / 1e9:.3f}B params ({confirmed['layers']} layers) trained one step, "
+              f"both ranks' peaks {confirmed['total_peak_gb']:.2f} GB <= {args.budget_gb:.2f} GB")
+    print(f"wrote {out}")
+    return 0 if confirmed else 1
 
 
 def _summarize(rows: list, params: int, step_params: int, budget_gb: float) -> dict:
