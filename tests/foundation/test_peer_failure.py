@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,12 +288,46 @@ def _the_line(res: dict) -> str:
     return lines[0]
 
 
+# The end-to-end scenarios below are independent torchrun jobs that spend most of their wall time
+# waiting (rank start-up, the 10 s comm timeout, the launcher's teardown), so they run
+# concurrently, each on its own launcher, ports and directories, watched by its own thread; each
+# test reads its scenario's result (an exception inside a scenario is re-raised by its own test).
+FAULTS = {  # scenario -> (HYPER_PARALLEL_FAULT_INJECT, extra CLI overrides)
+    "frozen_step": ("rank=1,step=2,kind=stop,at=step", ()),
+    "frozen_forward": ("rank=1,step=2,kind=stop,at=forward", ()),
+    "dead": ("rank=1,step=2,kind=kill,at=step", ()),
+    "frozen_save": ("rank=1,step=1,kind=stop,at=save", ("schedule.save_every=1",)),
+}
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    jobs = {k: (lambda d, f=f, e=e: _run_with_fault(d, f, extra=e)) for k, (f, e) in FAULTS.items()}
+    jobs["killed_launcher"] = _killed_launcher_run
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        futures = {k: ex.submit(job, tmp_path_factory.mktemp(k)) for k, job in jobs.items()}
+        results = {}
+        for k, fut in futures.items():
+            try:
+                results[k] = (fut.result(), None)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the scenario's own test
+                results[k] = (None, e)
+    return results
+
+
+def _result(fault_runs, scenario: str):
+    res, err = fault_runs[scenario]
+    if err is not None:
+        raise err
+    return res
+
+
 @pytest.mark.parametrize("at,op", [("step", "all_reduce"), ("forward", "all_gather_single")],
                          ids=["platform_collective", "fsdp_collective"])
-def test_frozen_peer_gives_one_line_and_the_survivor_exits(tmp_path, at, op):
+def test_frozen_peer_gives_one_line_and_the_survivor_exits(fault_runs, at, op):
     """at=step: rank 0 waits in hyper_parallel's token-count all-reduce (typed CommTimeoutError);
     at=forward: in FSDP2's own parameter all-gather (raw gloo error, diagnosed at the top)."""
-    res = _run_with_fault(tmp_path, f"rank=1,step=2,kind=stop,at={at}")
+    res = _result(fault_runs, f"frozen_{at}")
     line = _the_line(res)
     m = re.fullmatch(rf"hyper-train: rank 0: collective {op} on group \[0, 1\] \(global ranks\) timed out after "
                      r"(\d+\.\d) s - likely cause: peer rank 1 stopped responding \(frozen/SIGSTOP, hung or "
@@ -303,10 +338,10 @@ def test_frozen_peer_gives_one_line_and_the_survivor_exits(tmp_path, at, op):
     assert _exitcode_of_rank(res["launcher"], 0) == 3, res["launcher"][-3000:]
 
 
-def test_dead_peer_gives_one_line_and_the_survivor_exits(tmp_path):
+def test_dead_peer_gives_one_line_and_the_survivor_exits(fault_runs):
     """rank 1 SIGKILLs itself; rank 0 either sees the closed connection in its next collective
     (exit 3) or is stopped by torchrun's SIGTERM first (exit 143): one line either way."""
-    res = _run_with_fault(tmp_path, "rank=1,step=2,kind=kill,at=step")
+    res = _result(fault_runs, "dead")
     line = _the_line(res)
     code = _exitcode_of_rank(res["launcher"], 0)
     lost = re.fullmatch(r"hyper-train: rank 0: collective all_reduce on group \[0, 1\] \(global ranks\) failed "
@@ -316,11 +351,11 @@ def test_dead_peer_gives_one_line_and_the_survivor_exits(tmp_path):
     assert (lost and code == 3) or (term and code in (143, -15)), (code, line)
 
 
-def test_frozen_peer_during_a_checkpoint_save_honours_comm_timeout(tmp_path):
+def test_frozen_peer_during_a_checkpoint_save_honours_comm_timeout(fault_runs):
     """rank 1 freezes inside the step-1 save, just before DCP writes: rank 0 waits in one of DCP's
     own collectives, which run on the world group created with accelerator.comm_timeout_s (10 s),
     not on the launcher-wide default group (120 s here, 300 s by default): one line, exit 3."""
-    res = _run_with_fault(tmp_path, "rank=1,step=1,kind=stop,at=save", extra=("schedule.save_every=1",))
+    res = _result(fault_runs, "frozen_save")
     line = _the_line(res)
     print(line)
     m = re.fullmatch(r"hyper-train: rank 0: collective (\w+) on group \[0, 1\] \(global ranks\) timed out after "
@@ -337,9 +372,14 @@ def _snapshot(root: Path) -> dict:
     return {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()} if root.exists() else {}
 
 
-def test_killed_launcher_stops_every_rank_which_writes_nothing_more(tmp_path):
+def test_killed_launcher_stops_every_rank_which_writes_nothing_more(fault_runs):
     """torchrun SIGKILLed mid-run: both orphaned ranks notice within a second (parent watch), print
-    one line each and exit 129; nothing under out_dir changes afterwards."""
+    one line each and exit 129; nothing under out_dir changes afterwards (the checks are in
+    :func:`_killed_launcher_run`, run beside the other scenarios)."""
+    assert _result(fault_runs, "killed_launcher") is True
+
+
+def _killed_launcher_run(tmp_path: Path) -> bool:
     logs, out = tmp_path / "logs", tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(logs), "--redirects", "3", "-m", "hyper_parallel.trainer.cli", "examples/train_cp2.yaml",
@@ -393,3 +433,4 @@ def test_killed_launcher_stops_every_rank_which_writes_nothing_more(tmp_path):
             rf"{1 - rank} died.*exiting with code 3 .*", lines[0]), lines[0]
         seen.append(gone in lines[0])
     assert any(seen)
+    return True

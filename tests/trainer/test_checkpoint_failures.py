@@ -110,13 +110,11 @@ def _rank_stderr(logs: Path, rank: int) -> str:
     return "".join(p.read_text() for p in logs.glob(f"*/attempt_0/{rank}/stderr.log"))
 
 
-def cli_refusal(tmp_path: Path, damage, *args: str) -> tuple[str, str, str]:
-    """Save step_1 with hyper-train (2 ranks, CP=2), ``damage(step_dir)``, resume with ``args``;
-    asserts exit 2, no traceback anywhere, no step run; returns (the one line of
-    rank 0, rank 1's stderr, torchrun's output)."""
-    out = tmp_path / "run"
-    p = _torchrun(["schedule.steps=1", "schedule.save_every=1", f"logging.out_dir={out}"], tmp_path / "l0")
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+def cli_refusal(tmp_path: Path, saved_run: Path, damage, *args: str) -> tuple[str, str, str]:
+    """Copy a hyper-train run that saved step_1 (2 ranks, CP=2: the ``cli_saved`` fixture of
+    conftest.py), ``damage(step_dir)``, resume with ``args``; asserts exit 2, no traceback anywhere,
+    no step run; returns (the one line of rank 0, rank 1's stderr, torchrun's output)."""
+    out = _copy(saved_run, tmp_path / "run")
     d = out / "checkpoints" / "step_1"
     damage(d)
     logs = tmp_path / "l1"
@@ -135,9 +133,10 @@ def cli_refusal(tmp_path: Path, damage, *args: str) -> tuple[str, str, str]:
     return lines[0], err1, launcher
 
 
-def test_cli_flipped_bytes_exit_2_one_line_no_traceback(tmp_path):
+def test_cli_flipped_bytes_exit_2_one_line_no_traceback(tmp_path, cli_saved):
     """hyper-train: 64 bytes flipped in the middle of rank 1's shard -> exit 2, one line, no step."""
-    line, _, _ = cli_refusal(tmp_path, lambda d: _flip(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size // 2))
+    line, _, _ = cli_refusal(tmp_path, cli_saved,
+                             lambda d: _flip(d / "__1_0.distcp", (d / "__1_0.distcp").stat().st_size // 2))
     assert f"checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_1'} is damaged: __1_0.distcp fails its checksum" \
         in line, line
 
@@ -182,8 +181,8 @@ def test_optimizer_field_mismatch_without_the_recorded_class(ranks, saved, tmp_p
     assert "does not fit this optimizer: optimizer field param_groups.0.momentum is not in the checkpoint" in msg, msg
 
 
-def test_cli_resume_with_another_hidden_size_exit_2_one_line(tmp_path):
-    line, _, _ = cli_refusal(tmp_path, lambda d: None, "model.config.hidden_size=32")
+def test_cli_resume_with_another_hidden_size_exit_2_one_line(tmp_path, cli_saved):
+    line, _, _ = cli_refusal(tmp_path, cli_saved, lambda d: None, "model.config.hidden_size=32")
     assert "does not fit this model: tensor model.embed_tokens.weight has shape [" in line, line
 
 

@@ -138,17 +138,14 @@ def test_packed_stream_resumes_at_another_dp_size_on_the_same_curve(ranks, tmp_p
     assert rest[0]["state"]["rows_consumed"] == full[0]["state"]["rows_consumed"] == 8
 
 
-def test_cli_resume_at_another_cp_size(tmp_path):
+def test_cli_resume_at_another_cp_size(tmp_path, cli_saved):
     """hyper-train under torchrun: a CP=2 checkpoint resumes at cp 1 x dp_shard 2 (exit 0, the reshard
     logged on rank 0, step 2 trained after step 1, no traceback). The TP refusal is
     test_another_tp_size_is_refused_by_name (the CLI turns any such CPConfigError into exit 2 with
     one line: test_checkpoint_failures.cli_refusal)."""
     from .test_checkpoint_failures import _rank_stderr, _torchrun
 
-    saved = tmp_path / "cp2"
-    p = _torchrun(["schedule.steps=1", "schedule.save_every=1", f"logging.out_dir={saved}"], tmp_path / "l0")
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    d = saved / "checkpoints" / "step_1"
+    d = cli_saved / "checkpoints" / "step_1"      # read only: the resumed run writes to its own out_dir
     out = tmp_path / "dp2"
     p = _torchrun(["schedule.steps=2", f"schedule.resume_from={d}", f"logging.out_dir={out}",
                    "accelerator.cp_size=1", "accelerator.dp_shard_size=2"], tmp_path / "logs")
