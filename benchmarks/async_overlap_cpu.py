@@ -9,9 +9,12 @@ forward+backward of one attention layer and reports::
 
     exposed comm = step time on the link - step time on a zero-cost link (min over reps)
     blocked      = time the main thread spent blocked in collective waits, link - zero-cost link
-                   (median over reps): the part of the modelled communication it did not hide
+                   (median over reps): the part of the modelled communication it did not hide;
+                   also with the min over reps (``blocked_min``): on a loaded machine a descheduled
+                   peer only adds waits, so the min is the least noisy estimate
     modelled comm = the link time the step's collectives booked (per rank, per step)
-    hidden = 1 - blocked / modelled      (async; for sync, blocked ~= modelled: nothing hidden)
+    hidden = 1 - blocked / modelled      (async; for sync, blocked ~= modelled: nothing hidden;
+                                          ``hidden_min`` from ``blocked_min``)
 
 Both exposed measures are printed; ``blocked`` is the direct one (immune to compute-time noise
 on a shared machine), ``exposed`` the step-time definition. Links are interleaved rep by rep.
@@ -21,6 +24,11 @@ The compute a collective can hide behind is the K/V projection / Q branch of the
 
     python benchmarks/async_overlap_cpu.py [--arch llama] [--seq 2048] [--reps 3]
         [--gbps 0.01,0.05,1,5,25] [--latency-us 20] [--trace benchmarks/results/async_overlap_trace.json]
+        [--methods colossal,ulysses,load_balance] [--q-chunks G]
+
+``--q-chunks`` sets the query-side pipeline depth of async Ulysses / Head-Tail (the adapters use
+the library default, ``async_handoff.DEFAULT_Q_CHUNKS``); the JSON records it and the load
+average at the start and the end of the run.
 
 ``--trace`` also records a torch.profiler trace (Chrome trace JSON, opens in Perfetto /
 chrome://tracing) of one async Colossal step on rank 0 on the first link: the collectives on
@@ -51,7 +59,8 @@ METHODS = {   # method -> (sync wrapper, async suffix, batch policy)
 }
 
 
-def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latency_us: float, trace_path):
+def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latency_us: float, trace_path,
+               methods=None, q_chunks=None):
     import importlib
 
     import torch
@@ -64,8 +73,11 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
     from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
     from hyper_parallel.distributed.context_parallel.registry import import_target
     from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
+    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff
     from hyper_parallel.platform import simlink
 
+    if q_chunks is not None:          # the adapters' Targets take the library default
+        async_handoff.DEFAULT_Q_CHUNKS = q_chunks
     torch.set_num_threads(threads)
     mesh = MeshContext(MeshSizes(cp=2))
     plat = P.get_platform()                      # HYPER_PARALLEL_DEVICE=cuda|npu: the device run
@@ -81,6 +93,8 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
     out = {}
 
     for method, (sync_name, async_suffix) in METHODS.items():
+        if methods and method not in methods:
+            continue
         local = shard_batch_for_cp({"input_ids": torch.zeros(1, seq, dtype=torch.long)}, mesh.cp_mesh, method)
         meta = local.meta
         L = meta.local_seq_len
@@ -123,7 +137,8 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
                 out[f"{method}/{kind}/{gbps:g}"] = {
                     "step_ms": min(r[0] for r in rows), "step_ms_median": statistics.median(r[0] for r in rows),
                     "modelled_comm_ms": statistics.median(r[1] for r in rows),
-                    "main_blocked_ms": statistics.median(r[2] for r in rows)}
+                    "main_blocked_ms": statistics.median(r[2] for r in rows),
+                    "main_blocked_ms_min": min(r[2] for r in rows)}
             if trace_path and kind == "async" and method == "colossal":
                 # every rank runs the profiled step (its collectives need the peer); rank 0 writes it
                 from torch.profiler import ProfilerActivity, profile
@@ -149,26 +164,39 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-us", type=float, default=20.0, help="simulated latency per collective")
     ap.add_argument("--trace", default=os.path.join(ROOT, "benchmarks", "results", "async_overlap_trace.json"),
                     help="Chrome trace of one async Colossal step (rank 0); '' to skip")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {list(METHODS)}")
+    ap.add_argument("--q-chunks", type=int, default=None,
+                    help="query-side pipeline depth G of async Ulysses / Head-Tail (default: the library's, "
+                         "hyper_parallel...async_handoff.DEFAULT_Q_CHUNKS)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_overlap_cpu.json"))
     args = ap.parse_args(argv)
     links = [float(x) for x in args.gbps.split(",") if x.strip()]
+    methods = [m for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    from hyper_parallel.distributed.context_parallel.wrappers.async_handoff import DEFAULT_Q_CHUNKS
+    q_chunks = args.q_chunks if args.q_chunks is not None else DEFAULT_Q_CHUNKS
     from benchmarks._machine import cpu_name
     from hyper_parallel.testing import RankPool
 
+    load_start = os.getloadavg()
     pool = RankPool(2)
     try:
         res = pool.run(bench_rank, args.arch, args.seq, args.reps, args.threads, links, args.latency_us,
-                       args.trace or None, timeout=3000)
+                       args.trace if args.trace and "colossal" in methods else None, methods, q_chunks,
+                       timeout=3000)
     finally:
         pool.shutdown()
     r0 = res[0]
     rows = []
     print(f"{args.arch} attention layer, hidden {CFG['hidden_size']}, heads {CFG['num_attention_heads']}/"
           f"{CFG['num_key_value_heads']}, S_global {args.seq}, 2 gloo ranks, {args.threads} thread(s)/rank, "
-          f"fwd+bwd, {args.reps} interleaved reps (rank 0), latency {args.latency_us:g} us/collective")
+          f"fwd+bwd, {args.reps} interleaved reps (rank 0), latency {args.latency_us:g} us/collective, "
+          f"async Ulysses/Head-Tail q_chunks {q_chunks}")
     print(f"{'method':13} {'GB/s':>6} {'modelled':>9} | {'sync: step':>10} {'exposed':>8} {'blocked':>8} | "
-          f"{'async: step':>11} {'exposed':>8} {'blocked':>8} {'hidden':>7}")
-    for method in METHODS:
+          f"{'async: step':>11} {'exposed':>8} {'blocked':>8} {'b(min)':>8} {'hidden':>7} {'h(min)':>7}")
+    for method in methods:
         zero = {k: r0[f"{method}/{k}/0"] for k in ("sync", "async")}
         for gbps in links:
             s, a = r0[f"{method}/sync/{gbps:g}"], r0[f"{method}/async/{gbps:g}"]
@@ -180,18 +208,25 @@ def main(argv=None) -> int:
                 row[f"{k}_zero_cost_step_ms"] = zero[k]["step_ms"]
                 row[f"{k}_exposed_ms"] = r["step_ms"] - zero[k]["step_ms"]                  # step-time definition
                 row[f"{k}_blocked_ms"] = r["main_blocked_ms"] - zero[k]["main_blocked_ms"]  # main thread in waits
-            row["async_hidden_fraction"] = 1.0 - row["async_blocked_ms"] / modelled if modelled > 0 else None
+                # min over reps: a loaded machine only adds waits (a descheduled peer), never removes them
+                row[f"{k}_blocked_min_ms"] = r["main_blocked_ms_min"] - zero[k]["main_blocked_ms_min"]
+            for tag in ("", "_min"):
+                row[f"async_hidden_fraction{tag}"] = (1.0 - row[f"async_blocked{tag}_ms"] / modelled
+                                                      if modelled > 0 else None)
             rows.append(row)
-            hid = f"{100 * row['async_hidden_fraction']:6.1f}%" if row["async_hidden_fraction"] is not None else "     -"
+            hid = " ".join(f"{100 * row[f'async_hidden_fraction{t}']:6.1f}%" if row[f"async_hidden_fraction{t}"]
+                           is not None else "     -" for t in ("", "_min"))
             print(f"{method:13} {gbps:6g} {modelled:9.1f} | {s['step_ms']:10.1f} {row['sync_exposed_ms']:8.1f} "
                   f"{row['sync_blocked_ms']:8.1f} | {a['step_ms']:11.1f} {row['async_exposed_ms']:8.1f} "
-                  f"{row['async_blocked_ms']:8.1f} {hid}")
+                  f"{row['async_blocked_ms']:8.1f} {row['async_blocked_min_ms']:8.1f} {hid}")
         print(f"{method:13} zero-cost link: sync step {zero['sync']['step_ms']:.1f} ms, async step "
               f"{zero['async']['step_ms']:.1f} ms")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"cpu": cpu_name(), "cores": os.cpu_count(), "arch": args.arch, "config": CFG, "seq": args.seq, "reps": args.reps,
                    "threads": args.threads, "latency_us": args.latency_us, "links_gbps": links,
+                   "methods": methods, "q_chunks": q_chunks,
+                   "load_average_start": load_start, "load_average_end": os.getloadavg(),
                    "per_rank": res, "rows": rows}, fh, indent=2)
     print(f"wrote {args.out}" + (f" and {args.trace}" if args.trace else ""))
     return 0
