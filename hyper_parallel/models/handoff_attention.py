@@ -36,8 +36,8 @@ from typing import Callable, Optional
 import torch.nn as nn
 
 from ..distributed.context_parallel.registry import inner_wrapper
-from ..distributed.context_parallel.wrappers.async_handoff import (AttnWait, HandoffPoint, install_async,
-                                                                    validate_async)
+from ..distributed.context_parallel.wrappers.async_handoff import (AttnWait, HandoffPoint, check_kv_chunks,
+                                                                    check_q_chunks, install_async, validate_async)
 
 __all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "target_names",
            "ASYNC_METHOD_NAMES"]
@@ -149,7 +149,9 @@ def target_names(arch: str) -> list:
 def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
     """The named async Targets of one model: ``{name: fn}`` (:func:`target_names`), each an
     ``@inner_wrapper`` whose public path is ``<module_name>.<name>`` (Hybrid takes
-    ``ulysses_degree``). Each checks the target is this model's attention, installs the
+    ``ulysses_degree``; every method its pipeline depth: ``kv_chunks`` for Colossal, ``q_chunks``
+    for Ulysses / Hybrid / Head-Tail, None = the library default, checked before any collective).
+    Each checks the target is this model's attention, installs the
     protocol, then runs the generic preflight / installation. An adapter module publishes them
     with ``globals().update(adapter_wrappers(SPEC, __name__))``."""
     return {name: _make(spec, method, name, module_name)
@@ -162,24 +164,36 @@ def _make(spec: HFAttentionSpec, method: str, name: str, module_name: str):
         return install_protocol(module, spec)
 
     if method == "hybrid":
-        def validate(target_module, *, cp_size, ulysses_degree, tp_size=1, probe=True):
+        def validate(target_module, *, cp_size, ulysses_degree, tp_size=1, probe=True, q_chunks=None):
+            check_q_chunks(q_chunks, name)
             fwd = prepare(target_module)
             validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size,
                            ulysses_degree=ulysses_degree, probe=probe, forward=fwd)
 
-        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree):
+        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree, q_chunks=None):
             fwd = prepare(target_module)
             return install_async(method, target_module, mesh, cp_mesh, name, ulysses_degree=ulysses_degree,
-                                 forward=fwd)
-    else:
-        def validate(target_module, *, cp_size, tp_size=1, probe=True):
+                                 forward=fwd, q_chunks=q_chunks)
+    elif method == "colossal":
+        def validate(target_module, *, cp_size, tp_size=1, probe=True, kv_chunks=None):
+            check_kv_chunks(kv_chunks, name)
             fwd = prepare(target_module)
             validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size, probe=probe,
                            forward=fwd)
 
-        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, kv_chunks=None):
             fwd = prepare(target_module)
-            return install_async(method, target_module, mesh, cp_mesh, name, forward=fwd)
+            return install_async(method, target_module, mesh, cp_mesh, name, forward=fwd, kv_chunks=kv_chunks)
+    else:
+        def validate(target_module, *, cp_size, tp_size=1, probe=True, q_chunks=None):
+            check_q_chunks(q_chunks, name)
+            fwd = prepare(target_module)
+            validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size, probe=probe,
+                           forward=fwd)
+
+        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, q_chunks=None):
+            fwd = prepare(target_module)
+            return install_async(method, target_module, mesh, cp_mesh, name, forward=fwd, q_chunks=q_chunks)
 
     validate.__qualname__ = f"validate[{name}]"
     wrapper.__name__ = wrapper.__qualname__ = name

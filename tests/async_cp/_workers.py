@@ -198,7 +198,11 @@ def validate_mode_catches_wrong_attention(arch: str = "llama") -> str:
     batch, _ref, _valid = attention_batch("padding", 32, model.config.vocab_size)
     local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
     real = AH.engine_attention
-    AH.engine_attention = lambda *a, **k: real(*a, **k) * 1.01
+
+    def wrong(*a, **k):     # (out, lse) of the pipelined Colossal chunks: only out is scaled
+        r = real(*a, **k)
+        return (r[0] * 1.01, r[1]) if isinstance(r, tuple) else r * 1.01
+    AH.engine_attention = wrong
     try:
         with cp_batch_context(local.meta):
             model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)

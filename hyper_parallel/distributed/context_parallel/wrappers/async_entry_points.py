@@ -3,7 +3,9 @@
 Public paths: ``hyper_parallel.distributed.context_parallel.wrappers.<name>``:
 
 =====================================  =====================================================
-``async_colossal_cp_wrapper``          K/V AllGather launched at the K/V handoffs; ReduceScatter in backward
+``async_colossal_cp_wrapper``          K/V AllGather launched at the K/V handoffs in ``kv_chunks`` sequence chunks,
+                                       pipelined through the attention (LSE merge); ReduceScatter per chunk
+                                       in backward
 ``async_ulysses_cp_wrapper``           K/V seq->head A2A launched at their handoffs, Q in ``q_chunks`` pipelined
                                        sequence chunks; each chunk's output head->seq A2A launched after its
                                        attention; inverse A2As in backward
@@ -19,6 +21,13 @@ side is pipelined in G sequence chunks of the local query, G the largest divisor
 length (Head-Tail: of half of it) not above ``q_chunks``; 1 = no pipelining. The method and the
 result do not change, only when the Q / output collectives run (docs/async_cp.md).
 
+``kv_chunks`` (optional YAML parameter of the Colossal Target, default
+:data:`.async_handoff.DEFAULT_KV_CHUNKS` = 4): the K/V AllGathers are split in G sequence chunks
+of the local K/V (G the largest divisor of the local length not above ``kv_chunks``; 1 = one
+gather per tensor, no pipelining); the consumer attends chunk by chunk as they arrive and merges
+the partial results by their log-sum-exp (exact up to fp rounding). The model adapters' Targets
+take the same parameters (``q_chunks`` on Ulysses / Hybrid / Head-Tail, ``kv_chunks`` on Colossal).
+
 Each works on an attention whose ``get_async_cp_handoffs()`` returns its four handoff modules
 (:mod:`.async_handoff`); an attention without it is refused by name at preflight. The model
 adapters (``hyper_parallel.models.<model_type>.adapter.distributed.context_parallel_async``) give
@@ -31,7 +40,7 @@ register a thin ``@inner_wrapper(is_async=True, model_adapter=...)`` that calls
 from __future__ import annotations
 
 from ..registry import inner_wrapper
-from .async_handoff import check_q_chunks, install_async, validate_async
+from .async_handoff import check_kv_chunks, check_q_chunks, install_async, validate_async
 
 __all__ = ["async_colossal_cp_wrapper", "async_ulysses_cp_wrapper", "async_hybrid_cp_wrapper",
            "async_load_balance_cp_wrapper", "HANDOFF_ADAPTERS"]
@@ -48,7 +57,8 @@ def _validator(method: str, who: str, degree: bool):
             validate_async(target_module, method, who, cp_size=cp_size, tp_size=tp_size,
                            ulysses_degree=ulysses_degree, probe=probe)
     elif method == "colossal":
-        def validate(target_module, *, cp_size, tp_size=1, probe=True):
+        def validate(target_module, *, cp_size, tp_size=1, probe=True, kv_chunks=None):
+            check_kv_chunks(kv_chunks, who)
             validate_async(target_module, method, who, cp_size=cp_size, tp_size=tp_size, probe=probe)
     else:
         def validate(target_module, *, cp_size, tp_size=1, probe=True, q_chunks=None):
@@ -66,11 +76,28 @@ def _public(fn):
 @inner_wrapper(method="colossal", style="model", is_async=True, model_adapter=HANDOFF_ADAPTERS,
                validate=_validator("colossal", "async_colossal_cp_wrapper", False))
 @_public
-def async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
+def async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, kv_chunks=None):
     """Async Colossal: K and V AllGather launched at ``cp_k_handoff`` / ``cp_v_handoff`` (on the comm
-    thread) and waited at ``cp_attn_wait``; Q stays local. Backward: the wait nodes launch the
-    ReduceScatter of dK/dV, the launch nodes wait it right before the K/V projection backward."""
-    return install_async("colossal", target_module, mesh, cp_mesh, "async_colossal_cp_wrapper")
+    thread); Q stays local. The local K/V ``[B, Hk, L, D]`` travel in G = ``kv_chunks`` (default 4,
+    reduced to a divisor of L; 1 = one gather per tensor, waited at ``cp_attn_wait``) sequence
+    chunks of L/G rows, one AllGather each, launched ``K_0`` (K handoff), ``V_0, K_1, V_1, ...``
+    (V handoff).
+
+    Forward, in this order::
+
+        launch K_0                      (cp_k_handoff)    \\ overlap v_proj and the whole
+        launch V_0, K_1, V_1, ...       (cp_v_handoff)    / Q branch (q_proj, norm, RoPE)
+        for c in 0..G-1:  wait K_c, V_c  (gathered [B, Hk, C*L/G, D], global rows j*L + c*L/G + t)
+                          (out_c, lse_c) = engine(q local, K_c, V_c; sinks in chunk 0 only)
+                          merge into the running (out, lse)       (overlaps chunks c+1.. in flight)
+
+    Backward (autograd, reverse creation order): merge / attention backward of chunk G-1, its
+    wait nodes launch the dK/dV ReduceScatter of chunk G-1, then chunk G-2's attention backward
+    (overlapping it), ... chunk 0; the Q branch backward (RoPE, norm, q_proj grad GEMM) while
+    the last ReduceScatters travel; the launch nodes wait them at the V/K projection backward.
+    (``tests/async_cp/test_async_colossal_pipelined.py`` checks this order on the trace.)"""
+    return install_async("colossal", target_module, mesh, cp_mesh, "async_colossal_cp_wrapper",
+                         kv_chunks=kv_chunks)
 
 
 @inner_wrapper(method="ulysses", style="model", is_async=True, model_adapter=HANDOFF_ADAPTERS,

@@ -38,6 +38,22 @@ wait nodes launch every dO exchange first, each chunk's dQ exchange is launched 
 backward finishes (overlapping the next chunk's backward) and waited by the Q launch nodes,
 before the Q branch's backward. G = 1: one Q collective, the output waited right after it.
 
+**K/V pipeline** (Colossal; ``kv_chunks``, default :data:`DEFAULT_KV_CHUNKS`): the K and V
+handoffs split the local ``[B, Hk, L, D]`` into G sequence chunks of L/G rows (G =
+:func:`q_chunk_count` of L), each its own AllGather on the cp group (``k``, ``k.1``, ...; ``v``,
+``v.1``, ...), launched in the order ``K_0`` (K handoff), ``V_0, K_1, V_1, ...`` (V handoff), so
+chunk 0's keys and values leave first on the FIFO comm thread. Gathered chunk c ``[B, Hk, C*L/G,
+D]`` holds the global positions ``j*L + c*L/G + t`` (``j < C``, ``t < L/G``). The consumer waits
+chunk c, runs the engine with ``return_lse`` on it (the local query positions, chunk c's key
+positions, the batch meta's documents / padding, window and softcap; sinks in chunk 0 only) and
+merges it into the running result with :func:`hyper_parallel.ops.merge.merge_partial_attention`
+before waiting chunk c+1. Every query sees exactly the keys it sees unpipelined; only the fp
+rounding of the softmax normalisation changes. Backward falls out of autograd: the chunks'
+attention backwards run last chunk first and each chunk's wait node launches its dK/dV
+ReduceScatter as soon as that chunk's gradient is complete (overlapping the earlier chunks'
+backward); the launch nodes wait them at the K/V projections' backward. G = 1: one gather per
+tensor, waited at ``cp_attn_wait`` (the unpipelined order).
+
 **Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
 name), the four modules are distinct and owned by this attention, and a probe forward (train
 mode, 2 tokens) proves each is called exactly once, the three handoffs before the wait and the
@@ -79,13 +95,15 @@ from ..interception import (AttentionCall, CPInterceptionError, current_apply_co
 from ..meta import current_cp_batch_meta
 from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, UlyssesStrategy
 from ..strategies.base import engine_attention
+from ....ops.merge import merge_partial_attention
 from ..strategies.ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
 from .heads import check_heads, module_heads
 from .preflight import check_call, check_features
 from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
 
 __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
-           "install_async", "ASYNC_METHODS", "DEFAULT_Q_CHUNKS", "q_chunk_count", "check_q_chunks"]
+           "install_async", "ASYNC_METHODS", "DEFAULT_Q_CHUNKS", "DEFAULT_KV_CHUNKS", "q_chunk_count",
+           "check_q_chunks", "check_kv_chunks"]
 
 HANDOFF_KEYS = ("q", "k", "v", "wait")
 # which tensors each async method communicates at its handoffs
@@ -93,6 +111,8 @@ ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": (
                  "load_balance": ("k", "v", "q")}
 # query-side pipeline depth G of async Ulysses / Hybrid / Head-Tail when the wrapper names none
 DEFAULT_Q_CHUNKS = 4
+# K/V pipeline depth G of async Colossal when the wrapper names none
+DEFAULT_KV_CHUNKS = 4
 
 
 def check_q_chunks(q_chunks, who: str) -> int:
@@ -104,6 +124,17 @@ def check_q_chunks(q_chunks, who: str) -> int:
                          f"pipelined through the Q / output collectives; 1 = no pipelining, default "
                          f"{DEFAULT_Q_CHUNKS})")
     return q_chunks
+
+
+def check_kv_chunks(kv_chunks, who: str) -> int:
+    """``kv_chunks`` (None: :data:`DEFAULT_KV_CHUNKS`) as an int >= 1; ValueError naming ``who``."""
+    if kv_chunks is None:
+        return DEFAULT_KV_CHUNKS
+    if isinstance(kv_chunks, bool) or not isinstance(kv_chunks, int) or kv_chunks < 1:
+        raise ValueError(f"{who}: kv_chunks={kv_chunks!r} must be an int >= 1 (the number of K/V sequence "
+                         f"sub-chunks gathered separately and pipelined through the attention with an LSE "
+                         f"merge; 1 = no pipelining, default {DEFAULT_KV_CHUNKS})")
+    return kv_chunks
 
 
 def q_chunk_count(rows: int, q_chunks: int) -> int:
@@ -344,6 +375,9 @@ class _Call:
         # and the output chunks "out", "out.1", ... (chunk 0 keeps the tensor's plain name)
         self.colls: dict = {}
         self.q_parts: list = []                        # [(AsyncCollective, token)] per query chunk, in order
+        # Colossal K/V pipeline: "k"/"v" -> [(AsyncCollective, token)] per sequence chunk, in order;
+        # "k_rest"/"v_rest": the chunks 1.. of the first handoff, launched interleaved at the second
+        self.kv_parts: dict = {}
         self.plans: dict = {}                          # this forward's collectives (per head layout)
         self.layout: Optional[UlyssesHeadLayout] = None  # Ulysses/Hybrid head split of this forward
         self.computes_since_launch = 0
@@ -372,6 +406,44 @@ def _split_q(method: str, q: torch.Tensor, q_chunks: int) -> list:
         lo, hi = q.chunk(2, dim=2)
         return [torch.cat([a, b], dim=2) for a, b in zip(lo.chunk(g, dim=2), hi.chunk(g, dim=2))]
     return list(q.chunk(q_chunk_count(L, q_chunks), dim=2))
+
+
+def _kv_chunk_names(key: str, g: int) -> list:
+    return [_chunk_name(key, i) for i in range(g)]
+
+
+def _launch_kv_chunk(c: "_Call", plan_kv: tuple, key: str, x: torch.Tensor, kv_chunks: int) -> None:
+    """K/V pipeline (Colossal): split ``x`` ``[B, Hk, L, D]`` into G sequence chunks; launch chunk 0
+    now; at the second of the two handoffs, also launch the remaining chunks interleaved
+    (first tensor's chunk c, then the second's), so the FIFO comm thread sends K_0, V_0, K_1, V_1, ..."""
+    parts = list(x.chunk(q_chunk_count(x.shape[2], kv_chunks), dim=2))
+    c.kv_parts[key] = [c.launch(key, plan_kv, parts[0])]
+    other = "v" if key == "k" else "k"
+    if other not in c.kv_parts:            # first of the two: keep chunks 1.. for the second handoff
+        c.kv_parts[key + "_rest"] = parts[1:]
+        return
+    first_rest = c.kv_parts.pop(other + "_rest")
+    if len(first_rest) != len(parts) - 1:
+        raise ValueError(f"K and V local lengths give different chunk counts ({len(first_rest) + 1} vs {len(parts)})")
+    for ci, (a, b) in enumerate(zip(first_rest, parts[1:]), start=1):
+        c.kv_parts[other].append(c.launch(_chunk_name(other, ci), plan_kv, a))
+        c.kv_parts[key].append(c.launch(_chunk_name(key, ci), plan_kv, b))
+
+
+def _trace_kv_chunk(k_c: torch.Tensor, v_c: torch.Tensor, ci: int) -> None:
+    """Trace the attention of gathered K/V chunk ``ci`` (forward now; backward once, when the first of
+    its dK / dV is consumed, i.e. right after the chunk's attention backward)."""
+    if tracing():
+        trace_event("compute", f"attention_kv{ci}")
+        seen = []
+
+        def once(g, ci=ci):
+            if not seen:
+                seen.append(True)
+                trace_event("bwd_compute", f"attention_kv{ci}")
+        for t in (k_c, v_c):
+            if t.requires_grad:
+                t.register_hook(once)
 
 
 def _trace_chunk(q_c: torch.Tensor, ci: int) -> None:
@@ -404,9 +476,11 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         if sinks is not None and sinks.dtype != q.dtype:
             sinks = sinks.to(q.dtype)
         m = plan.method
-        if m == "colossal":
-            return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
         c = current()
+        if m == "colossal":
+            if not c.kv_parts:         # G = 1: K/V waited whole at cp_attn_wait
+                return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
+            return _colossal_pipelined(c, plan, q, meta, sinks, kw)
         outs = []
         if m == "load_balance":
             C, r = plan.checker.cp_size, plan.checker.cp_rank
@@ -454,15 +528,43 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
     return handler
 
 
+def _colossal_pipelined(c: _Call, plan: _Plan, q: torch.Tensor, meta, sinks, kw: dict) -> torch.Tensor:
+    """Colossal consumer over the G gathered K/V chunks: per chunk c, wait K_c and V_c, the engine
+    with ``return_lse`` (local queries at ``meta.q_index``; keys at chunk c's global positions
+    ``j*L + c*L/G + t``; sinks in chunk 0 only, so they count once) and the LSE merge into the running
+    result (kept in fp32 or wider; rows seeing no key of a chunk: out 0, lse -inf). Returns
+    ``[B, Hq, L, Dv]`` in q's dtype. Differentiable: backward runs the chunks' attention backwards
+    last chunk first, each chunk's wait nodes launching its dK/dV ReduceScatter."""
+    ks, vs = c.kv_parts["k"], c.kv_parts["v"]
+    g, C = len(ks), plan.checker.cp_size
+    k_pos = meta.k_index.view(C, g, -1)          # rank-major: rank j's rows of chunk ci
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = lse = None
+    for ci, ((ck, tk), (cv, tv)) in enumerate(zip(ks, vs)):
+        k_c, v_c = ck.wait(tk), cv.wait(tv)      # [B, Hk, C*L/G, D]
+        _trace_kv_chunk(k_c, v_c, ci)
+        o, l = engine_attention(q, k_c, v_c, q_pos=meta.q_index, k_pos=k_pos[:, ci].reshape(-1),
+                                sinks=sinks if ci == 0 else None, return_lse=True, **kw)
+        if out is None:
+            out, lse = o.to(acc_dtype), l
+        else:
+            out, lse = merge_partial_attention(out, lse, o, l)
+    return out.to(q.dtype)
+
+
 def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str, ulysses_degree=None,
-                  forward: Optional[Callable] = None, q_chunks: Optional[int] = None) -> Callable:
+                  forward: Optional[Callable] = None, q_chunks: Optional[int] = None,
+                  kv_chunks: Optional[int] = None) -> Callable:
     """Install async ``method`` on an attention implementing the protocol; return the CP forward.
 
     ``forward`` is the protocol forward to run (default: the module's current forward).
     ``q_chunks`` (Ulysses, Hybrid, Head-Tail; None: :data:`DEFAULT_Q_CHUNKS`): the query side is
     pipelined in G = :func:`q_chunk_count` sequence chunks of the local query (G = 1: one Q
     collective, the output collective waited right after the attention); it changes when the
-    collectives run, never the result. Hooks
+    collectives run, never the result. ``kv_chunks`` (Colossal; None: :data:`DEFAULT_KV_CHUNKS`):
+    the K/V AllGathers are split in G = :func:`q_chunk_count` sequence chunks of the local K/V,
+    pipelined through the attention with an LSE merge (G = 1: one gather per tensor, waited at
+    ``cp_attn_wait``); exact up to fp rounding of the merge. Hooks
     are registered on the handoff modules and on the owned compute modules (overlap accounting
     and the trace of :func:`~..async_collectives.async_trace`); they act only inside the returned
     CP forward (elsewhere, e.g. with CP disabled for the preflight proof's reference, they are
@@ -472,6 +574,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         raise ValueError(f"{who}: no async variant of method {method!r}")
     catalogue.check_degree(method, None, ulysses_degree, who)
     q_chunks = check_q_chunks(q_chunks, who)
+    kv_chunks = check_kv_chunks(kv_chunks, who)
     ctx = current_apply_context()
     owner = ctx.fqn or type(target_module).__name__
     handoffs = get_handoffs(target_module, who)
@@ -514,6 +617,11 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
                 for ci, part in enumerate(_split_q(plan.method, out, q_chunks)):
                     c.q_parts.append(c.launch(_chunk_name("q", ci), c.plans["q"], part))
                 return None
+            if plan.method == "colossal" and q_chunk_count(out.shape[2], kv_chunks) > 1:
+                # G K (V) chunks, each its own gather; waited one by one in the consumer. The handoff
+                # output stays the local tensor (the chunks' gradients reach it through the launches).
+                _launch_kv_chunk(c, c.plans[key], key, out, kv_chunks)
+                return None
             return c.launch(key, c.plans[key], out)[1]
         return hook
 
@@ -525,8 +633,10 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         missing = [k for k in comm_keys if k not in c.colls]
         if missing:
             raise CPInterceptionError(f"module '{owner}': cp_attn_wait ran before the {missing} handoff(s)")
-        # K/V here; the query chunks are waited one by one in the consumer
-        res = {k: (c.colls[k].wait(got[k]) if k in ("k", "v") and k in c.colls else got[k]) for k in ("q", "k", "v")}
+        # K/V here (unless pipelined: Colossal's K/V chunks and the query chunks are waited one by one
+        # in the consumer)
+        res = {k: (c.colls[k].wait(got[k]) if k in ("k", "v") and k in c.colls and not c.kv_parts else got[k])
+               for k in ("q", "k", "v")}
         if c.computes_since_launch == 0:
             raise ValueError(f"{who}: module '{owner}' waited its collectives with no compute since the first "
                              "launch (launch-then-wait, pseudo-async); place the handoffs before the remaining "
