@@ -24,11 +24,13 @@ The compute a collective can hide behind is the K/V projection / Q branch of the
 
     python benchmarks/async_overlap_cpu.py [--arch llama] [--seq 2048] [--reps 3]
         [--gbps 0.01,0.05,1,5,25] [--latency-us 20] [--trace benchmarks/results/async_overlap_trace.json]
-        [--methods colossal,ulysses,load_balance] [--q-chunks G]
+        [--methods colossal,ulysses,load_balance] [--q-chunks G] [--kv-chunks G]
 
-``--q-chunks`` sets the query-side pipeline depth of async Ulysses / Head-Tail (the adapters use
-the library default, ``async_handoff.DEFAULT_Q_CHUNKS``); the JSON records it and the load
-average at the start and the end of the run.
+``--q-chunks`` sets the query-side pipeline depth of async Ulysses / Head-Tail, ``--kv-chunks`` the
+K/V pipeline depth of async Colossal (the adapters' Targets get them as their ``q_chunks`` /
+``kv_chunks`` parameters; unset: the library defaults ``async_handoff.DEFAULT_Q_CHUNKS`` /
+``DEFAULT_KV_CHUNKS``); the JSON records both and the load average at the start and the end of
+the run.
 
 ``--trace`` also records a torch.profiler trace (Chrome trace JSON, opens in Perfetto /
 chrome://tracing) of one async Colossal step on rank 0 on the first link: the collectives on
@@ -60,7 +62,7 @@ METHODS = {   # method -> (sync wrapper, async suffix, batch policy)
 
 
 def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latency_us: float, trace_path,
-               methods=None, q_chunks=None):
+               methods=None, q_chunks=None, kv_chunks=None):
     import importlib
 
     import torch
@@ -78,6 +80,8 @@ def bench_rank(arch: str, seq: int, reps: int, threads: int, links: list, latenc
 
     if q_chunks is not None:          # the adapters' Targets take the library default
         async_handoff.DEFAULT_Q_CHUNKS = q_chunks
+    if kv_chunks is not None:
+        async_handoff.DEFAULT_KV_CHUNKS = kv_chunks
     torch.set_num_threads(threads)
     mesh = MeshContext(MeshSizes(cp=2))
     plat = P.get_platform()                      # HYPER_PARALLEL_DEVICE=cuda|npu: the device run
@@ -168,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--q-chunks", type=int, default=None,
                     help="query-side pipeline depth G of async Ulysses / Head-Tail (default: the library's, "
                          "hyper_parallel...async_handoff.DEFAULT_Q_CHUNKS)")
+    ap.add_argument("--kv-chunks", type=int, default=None,
+                    help="K/V pipeline depth G of async Colossal (default: the library's, "
+                         "hyper_parallel...async_handoff.DEFAULT_KV_CHUNKS; 1 = unpipelined)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "async_overlap_cpu.json"))
     args = ap.parse_args(argv)
     links = [float(x) for x in args.gbps.split(",") if x.strip()]
@@ -175,8 +182,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         ap.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    from hyper_parallel.distributed.context_parallel.wrappers.async_handoff import DEFAULT_Q_CHUNKS
+    from hyper_parallel.distributed.context_parallel.wrappers.async_handoff import DEFAULT_KV_CHUNKS, DEFAULT_Q_CHUNKS
     q_chunks = args.q_chunks if args.q_chunks is not None else DEFAULT_Q_CHUNKS
+    kv_chunks = args.kv_chunks if args.kv_chunks is not None else DEFAULT_KV_CHUNKS
     from benchmarks._machine import cpu_name
     from hyper_parallel.testing import RankPool
 
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
     try:
         res = pool.run(bench_rank, args.arch, args.seq, args.reps, args.threads, links, args.latency_us,
                        args.trace if args.trace and "colossal" in methods else None, methods, q_chunks,
-                       timeout=3000)
+                       kv_chunks, timeout=3000)
     finally:
         pool.shutdown()
     r0 = res[0]
@@ -193,7 +201,7 @@ def main(argv=None) -> int:
     print(f"{args.arch} attention layer, hidden {CFG['hidden_size']}, heads {CFG['num_attention_heads']}/"
           f"{CFG['num_key_value_heads']}, S_global {args.seq}, 2 gloo ranks, {args.threads} thread(s)/rank, "
           f"fwd+bwd, {args.reps} interleaved reps (rank 0), latency {args.latency_us:g} us/collective, "
-          f"async Ulysses/Head-Tail q_chunks {q_chunks}")
+          f"async Ulysses/Head-Tail q_chunks {q_chunks}, async Colossal kv_chunks {kv_chunks}")
     print(f"{'method':13} {'GB/s':>6} {'modelled':>9} | {'sync: step':>10} {'exposed':>8} {'blocked':>8} | "
           f"{'async: step':>11} {'exposed':>8} {'blocked':>8} {'b(min)':>8} {'hidden':>7} {'h(min)':>7}")
     for method in methods:
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as fh:
         json.dump({"cpu": cpu_name(), "cores": os.cpu_count(), "arch": args.arch, "config": CFG, "seq": args.seq, "reps": args.reps,
                    "threads": args.threads, "latency_us": args.latency_us, "links_gbps": links,
-                   "methods": methods, "q_chunks": q_chunks,
+                   "methods": methods, "q_chunks": q_chunks, "kv_chunks": kv_chunks,
                    "load_average_start": load_start, "load_average_end": os.getloadavg(),
                    "per_rank": res, "rows": rows}, fh, indent=2)
     print(f"wrote {args.out}" + (f" and {args.trace}" if args.trace else ""))
