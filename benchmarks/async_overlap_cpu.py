@@ -19,6 +19,13 @@ forward+backward of one attention layer and reports::
 Both exposed measures are printed; ``blocked`` is the direct one (immune to compute-time noise
 on a shared machine), ``exposed`` the step-time definition. Links are interleaved rep by rep.
 
+Per rank, each row also records the *raw* main-thread blocked time on the link (no zero-cost
+subtraction; ``{sync,async}_raw_blocked_ms`` median over reps, ``..._min_ms`` min over reps, one
+entry per rank) and ``async_raw_hidden_fraction`` = 1 - raw / modelled per rank. The raw time
+also counts waits for a slower peer, so it is an upper bound of the unhidden link time; on the
+rank with the most attention compute (rank C-1 of causal Colossal: its peers never make it wait,
+its zero-cost blocked time is ~0) it is the link alone, without the noise of a subtraction.
+
 The compute a collective can hide behind is the K/V projection / Q branch of the same layer
 (see docs/async_cp.md), so "compute >= comm" means that branch, not the whole step.
 
@@ -221,12 +228,24 @@ def main(argv=None) -> int:
             for tag in ("", "_min"):
                 row[f"async_hidden_fraction{tag}"] = (1.0 - row[f"async_blocked{tag}_ms"] / modelled
                                                       if modelled > 0 else None)
+            for k in ("sync", "async"):
+                rk = [rr[f"{method}/{k}/{gbps:g}"] for rr in res]
+                row[f"{k}_raw_blocked_ms"] = [r["main_blocked_ms"] for r in rk]
+                row[f"{k}_raw_blocked_min_ms"] = [r["main_blocked_ms_min"] for r in rk]
+                row[f"{k}_zero_cost_raw_blocked_min_ms"] = [rr[f"{method}/{k}/0"]["main_blocked_ms_min"] for rr in res]
+            row["async_raw_hidden_fraction"] = [1.0 - b / r[f"{method}/async/{gbps:g}"]["modelled_comm_ms"]
+                                                if r[f"{method}/async/{gbps:g}"]["modelled_comm_ms"] > 0 else None
+                                                for b, r in zip(row["async_raw_blocked_ms"], res)]
             rows.append(row)
             hid = " ".join(f"{100 * row[f'async_hidden_fraction{t}']:6.1f}%" if row[f"async_hidden_fraction{t}"]
                            is not None else "     -" for t in ("", "_min"))
             print(f"{method:13} {gbps:6g} {modelled:9.1f} | {s['step_ms']:10.1f} {row['sync_exposed_ms']:8.1f} "
                   f"{row['sync_blocked_ms']:8.1f} | {a['step_ms']:11.1f} {row['async_exposed_ms']:8.1f} "
                   f"{row['async_blocked_ms']:8.1f} {row['async_blocked_min_ms']:8.1f} {hid}")
+            print(f"{'':13} {'':6} raw blocked per rank (no subtraction), median over reps: sync "
+                  + " / ".join(f"{b:.1f}" for b in row["sync_raw_blocked_ms"]) + " ms, async "
+                  + " / ".join(f"{b:.1f}" for b in row["async_raw_blocked_ms"]) + " ms, async hidden "
+                  + " / ".join(f"{100 * h:.0f}%" if h is not None else "-" for h in row["async_raw_hidden_fraction"]))
         print(f"{method:13} zero-cost link: sync step {zero['sync']['step_ms']:.1f} ms, async step "
               f"{zero['async']['step_ms']:.1f} ms")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
