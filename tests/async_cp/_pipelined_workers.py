@@ -1,8 +1,9 @@
 """Rank functions of tests/async_cp/test_async_pipelined.py (module-level for the warm gloo pool).
 
-The pipeline depth G of the model adapters' async Ulysses / Hybrid / Head-Tail is the library
-default ``async_handoff.DEFAULT_Q_CHUNKS`` (the adapters' Targets take no ``q_chunks``); each case
-sets it for the wrappers it installs and restores it afterwards (the pool's processes are reused).
+The cases install the model adapters' async Ulysses / Hybrid / Head-Tail without a ``q_chunks``
+argument, so their pipeline depth G is the library default ``async_handoff.DEFAULT_Q_CHUNKS``; each
+case sets that default for the wrappers it installs and restores it afterwards (the pool's processes
+are reused). The adapters' Targets also take ``q_chunks`` explicitly (test_async_colossal_pipelined).
 """
 from __future__ import annotations
 
