@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tests.async_cp._pipelined_workers import _err
+from tests.async_cp._pipelined_workers import _err, compare_async
 from tests.async_cp._workers import ADAPTERS, SYNC, _apply, _grads, build
 from tests.wrappers._workers import attention_batch, cp_forward_backward, mesh_ctx
 
@@ -19,40 +19,14 @@ def colossal_cases(cases) -> list:
     (summed over CP) of the async Colossal adapter with ``kv_chunks=G`` vs the sync
     ``sdpa_hf_cp_wrapper`` and vs CP=1 (max abs and relative to the reference's largest |logit| /
     |gradient|), the handles pending after forward+backward and the per-name trace counts."""
-    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
-    from hyper_parallel.platform import pending_handles
-
     out = []
     for i, (arch, kind, S, G, cp) in enumerate(cases):
         mesh = mesh_ctx(cp)
         model_a, model_s, ref = build(arch, 3)
         model_a, plan_a = _apply(model_a, mesh, cp, ADAPTERS[arch] + "colossal_cp_wrapper", {"kv_chunks": G})
         model_s, plan_s = _apply(model_s, mesh, cp, SYNC + "sdpa_hf_cp_wrapper", {})
-        batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
-        with async_trace() as trace:
-            full_a, w, meta = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=i, use_cache=False)
-        pending = pending_handles()
-        full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=i, use_cache=False)
-        ref_logits = ref(**ref_inputs).logits
-        (ref_logits * w).sum().backward()
-        ref_logits = ref_logits.detach()
-        group = mesh.cp_mesh.get_group()
-        g_a, g_s = _grads(model_a, group), _grads(model_s, group)
-        g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
-        vmask = valid[..., None]
-        rmax = (ref_logits.abs() * vmask).max().item()
-        la_cp1 = ((full_a - ref_logits).abs() * vmask).max().item()
-        la_sync = ((full_a - full_s).abs() * vmask).max().item()
-        counts = {}
-        for ev, name, _t in trace:
-            counts[(ev, name)] = counts.get((ev, name), 0) + 1
-        out.append({
-            "case": f"{arch}/colossal/{kind}/S={S}/G={G}/cp={cp}", "local_seq_len": meta.local_seq_len,
-            "logits_abs_cp1": la_cp1, "logits_rel_cp1": la_cp1 / rmax,
-            "logits_abs_sync": la_sync, "logits_rel_sync": la_sync / rmax,
-            "grads_cp1": _err(g_a, g_ref), "grads_sync": _err(g_a, g_s), "sync_cp1": _err(g_s, g_ref),
-            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers,
-        })
+        out.append({"case": f"{arch}/colossal/{kind}/S={S}/G={G}/cp={cp}",
+                    **compare_async(model_a, plan_a, model_s, plan_s, ref, mesh, kind, S, seed=i)})
     return out
 
 
