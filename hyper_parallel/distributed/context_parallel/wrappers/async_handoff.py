@@ -115,26 +115,27 @@ DEFAULT_Q_CHUNKS = 4
 DEFAULT_KV_CHUNKS = 4
 
 
+def _check_chunks(value, field: str, default: int, what: str, who: str) -> int:
+    """A pipeline depth field (None: ``default``) as an int >= 1; ValueError naming ``who`` and ``field``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{who}: {field}={value!r} must be an int >= 1 (the number of {what}; 1 = no "
+                         f"pipelining, default {default})")
+    return value
+
+
 def check_q_chunks(q_chunks, who: str) -> int:
     """``q_chunks`` (None: :data:`DEFAULT_Q_CHUNKS`) as an int >= 1; ValueError naming ``who``."""
-    if q_chunks is None:
-        return DEFAULT_Q_CHUNKS
-    if isinstance(q_chunks, bool) or not isinstance(q_chunks, int) or q_chunks < 1:
-        raise ValueError(f"{who}: q_chunks={q_chunks!r} must be an int >= 1 (the number of query sub-chunks "
-                         f"pipelined through the Q / output collectives; 1 = no pipelining, default "
-                         f"{DEFAULT_Q_CHUNKS})")
-    return q_chunks
+    return _check_chunks(q_chunks, "q_chunks", DEFAULT_Q_CHUNKS,
+                         "query sub-chunks pipelined through the Q / output collectives", who)
 
 
 def check_kv_chunks(kv_chunks, who: str) -> int:
     """``kv_chunks`` (None: :data:`DEFAULT_KV_CHUNKS`) as an int >= 1; ValueError naming ``who``."""
-    if kv_chunks is None:
-        return DEFAULT_KV_CHUNKS
-    if isinstance(kv_chunks, bool) or not isinstance(kv_chunks, int) or kv_chunks < 1:
-        raise ValueError(f"{who}: kv_chunks={kv_chunks!r} must be an int >= 1 (the number of K/V sequence "
-                         f"sub-chunks gathered separately and pipelined through the attention with an LSE "
-                         f"merge; 1 = no pipelining, default {DEFAULT_KV_CHUNKS})")
-    return kv_chunks
+    return _check_chunks(kv_chunks, "kv_chunks", DEFAULT_KV_CHUNKS,
+                         "K/V sequence sub-chunks gathered separately and pipelined through the attention "
+                         "with an LSE merge", who)
 
 
 def q_chunk_count(rows: int, q_chunks: int) -> int:
