@@ -39,27 +39,34 @@ def _chunks(method: str, local_len: int, G: int) -> int:
     return q_chunk_count(local_len // 2 if method == "load_balance" else local_len, G)
 
 
+def check_case(r: dict, where: str, names: list, G: int, g: int) -> None:
+    """One case's result of a pipelined parity worker (``_pipelined_workers.compare_async`` fields):
+    logits and gradients vs CP=1 and vs the sync wrapper within the tolerances, no pending handle,
+    and each collective of ``names`` launched, waited, launched and waited in backward once per
+    layer, none other launched (G asked, g chunks used)."""
+    (ga, gr), (sa, sr), (_xa, xr) = r["grads_cp1"], r["grads_sync"], r["sync_cp1"]
+    print(f"{where}: logits vs CP=1 max abs {r['logits_abs_cp1']:.2e} rel {r['logits_rel_cp1']:.2e}, "
+          f"vs sync abs {r['logits_abs_sync']:.2e} rel {r['logits_rel_sync']:.2e}; grads vs CP=1 max abs "
+          f"{ga:.2e} rel {gr:.2e}, vs sync abs {sa:.2e} rel {sr:.2e} (tol rel {LOGITS_RTOL:g} / {GRADS_RTOL:g})")
+    assert r["logits_rel_cp1"] < LOGITS_RTOL and r["logits_rel_sync"] < LOGITS_RTOL, where
+    assert gr < GRADS_RTOL and sr < GRADS_RTOL, where
+    assert xr < GRADS_RTOL, f"{where}: the sync counterpart itself differs from CP=1"
+    assert r["pending"] == 0, f"{where}: {r['pending']} async handles left pending"
+    for name in names:
+        for ev in ("launch", "wait", "bwd_launch", "bwd_wait"):
+            n = r["counts"].get((ev, name), 0)
+            assert n == r["layers"], f"{where}: {ev} of {name} happened {n} times for {r['layers']} layers"
+    extra = [n for (ev, n) in r["counts"] if ev == "launch" and n not in names]
+    assert not extra, f"{where}: unexpected collectives {extra} (G={G} -> {g} chunks)"
+
+
 def _check(results, cases):
     for rank, res in enumerate(results):
         for case, r in zip(cases, res):
             method, G = case[1], case[4]
-            where = f"{r['case']} rank {rank}"
-            (ga, gr), (sa, sr), (_xa, xr) = r["grads_cp1"], r["grads_sync"], r["sync_cp1"]
-            print(f"{where}: logits vs CP=1 max abs {r['logits_abs_cp1']:.2e} rel {r['logits_rel_cp1']:.2e}, "
-                  f"vs sync abs {r['logits_abs_sync']:.2e} rel {r['logits_rel_sync']:.2e}; grads vs CP=1 max abs "
-                  f"{ga:.2e} rel {gr:.2e}, vs sync abs {sa:.2e} rel {sr:.2e} (tol rel {LOGITS_RTOL:g} / {GRADS_RTOL:g})")
-            assert r["logits_rel_cp1"] < LOGITS_RTOL and r["logits_rel_sync"] < LOGITS_RTOL, where
-            assert gr < GRADS_RTOL and sr < GRADS_RTOL, where
-            assert xr < GRADS_RTOL, f"{where}: the sync counterpart itself differs from CP=1"
-            assert r["pending"] == 0, f"{where}: {r['pending']} async handles left pending"
             g = _chunks(method, r["local_seq_len"], G)
             names = ["k", "v"] + [b if c == 0 else f"{b}.{c}" for b in ("q", "out") for c in range(g)]
-            for name in names:
-                for ev in ("launch", "wait", "bwd_launch", "bwd_wait"):
-                    n = r["counts"].get((ev, name), 0)
-                    assert n == r["layers"], f"{where}: {ev} of {name} happened {n} times for {r['layers']} layers"
-            extra = [n for (ev, n) in r["counts"] if ev == "launch" and n not in names]
-            assert not extra, f"{where}: unexpected collectives {extra} (G={G} -> {g} chunks)"
+            check_case(r, f"{r['case']} rank {rank}", names, G, g)
 
 
 def test_q_chunks_parameter_and_reduction():
