@@ -102,11 +102,15 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
         with open(log_path) as fh:
             steps_log = json.load(fh)["steps"]
     peaks = [max(vals) for vals in zip(*[r["peak_mem_gb_per_rank"] for r in steps_log])]
+    tensor = [r.get("peak_tensor_gb_per_rank") for r in steps_log]
+    tensor_peaks = None if None in tensor else [max(vals) for vals in zip(*tensor)]
     return {"model": model, "cp": cp, "seq": seq, "method": method if cp > 1 else None, "ac": ac, "ok": True,
             "host_malloc": host_malloc, "tiled_mlp": tiled_mlp,
             "step_time_s": [r["time_s"] for r in steps_log], "peak_gb_per_rank": peaks,
             "peak_gb_max_rank": max(peaks), "mb_per_token_max_rank": max(peaks) * 1024 / seq,
-            "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"], **cpu}
+            "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"],
+            **({} if tensor_peaks is None else {"tensor_peak_gb_per_rank": tensor_peaks,
+                                                "tensor_peak_gb_max_rank": max(tensor_peaks)}), **cpu}
 
 
 def linear_fit(points: list[dict], budget_gb: float) -> list[dict]:

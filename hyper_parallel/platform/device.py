@@ -74,6 +74,19 @@ class Platform:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(rss) if sys.platform == "darwin" else int(rss) * 1024     # Linux reports KiB
 
+    def peak_tensor_bytes(self) -> int | None:
+        """Peak bytes of tensor storage so far: the device allocator's peak on CUDA/NPU (the same as
+        :meth:`peak_memory_bytes`), on CPU the counting allocator's peak
+        (:func:`~hyper_parallel.platform.host_memory.track_host_tensors`), None where it is not
+        installed. Excludes the process, its libraries and free heap pages, as a device's does."""
+        mod = self.device_module()
+        if mod is not None:
+            return int(mod.max_memory_allocated())
+        from .host_memory import host_tensor_bytes
+
+        counted = host_tensor_bytes()
+        return None if counted is None else counted[1]
+
 
 def _npu_available() -> bool:
     try:

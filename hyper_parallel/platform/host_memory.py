@@ -16,6 +16,13 @@ back to the OS when it is freed: the peak resident set follows the live tensors.
 Applied on CPU ranks only (device allocators have their own caches), on glibc only. Environment:
 ``HYPER_PARALLEL_MMAP_THRESHOLD`` = bytes (default 131072), ``0`` leaves glibc's dynamic policy;
 a ``MALLOC_MMAP_THRESHOLD_`` set by the user is glibc's own switch and is left alone.
+
+**Tensor accounting.** The resident set also holds the Python process, its libraries and free heap
+pages, which a CUDA/NPU allocator's ``max_memory_allocated`` never counts. :func:`track_host_tensors`
+installs the C++ counting CPU allocator (``csrc/memory/host_tensor_accounting.cpp``): it forwards every
+CPU tensor allocation to the default allocator and keeps the live and peak bytes of tensor storage,
+so a CPU rank can report the figure a device allocator would. Environment:
+``HYPER_PARALLEL_TENSOR_ACCOUNTING=0`` leaves the default allocator alone.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ import ctypes.util
 import os
 import platform as _platform
 
-__all__ = ["DEFAULT_MMAP_THRESHOLD", "configure_host_allocator"]
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "configure_host_allocator", "track_host_tensors", "host_tensor_bytes",
+           "reset_host_tensor_peak"]
 
 DEFAULT_MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3          # glibc <malloc.h>
@@ -59,3 +67,45 @@ def configure_host_allocator(device_type: str) -> int | None:
         return None     # glibc refuses values above its maximum (32 MiB): keep its policy
     _applied = threshold
     return threshold
+
+
+_ACCOUNTING_ENV = "HYPER_PARALLEL_TENSOR_ACCOUNTING"
+
+
+def _ops():
+    try:
+        from hyper_parallel import _C  # noqa: F401  (registers torch.ops.hyper_parallel.*)
+    except ImportError:
+        return None
+    import torch
+
+    return torch.ops.hyper_parallel
+
+
+def track_host_tensors(device_type: str) -> bool:
+    """Install the counting CPU allocator on a CPU rank (before the model is built, so its weights
+    count); returns whether it is in force. Not CPU, ``HYPER_PARALLEL_TENSOR_ACCOUNTING=0``, no C++
+    extension, or another allocator without a raw deleter in place: nothing changes, False.
+    Idempotent; local to this process, no collective. Blocks allocated before the call are never
+    counted."""
+    if device_type != "cpu" or os.environ.get(_ACCOUNTING_ENV, "1").strip() == "0":
+        return False
+    ops = _ops()
+    return bool(ops is not None and ops.host_tensor_accounting(True))
+
+
+def host_tensor_bytes() -> tuple[int, int] | None:
+    """(live, peak) bytes of CPU tensor storage allocated since :func:`track_host_tensors`, or None
+    when the accounting is not in force."""
+    ops = _ops()
+    if ops is None or not ops.host_tensor_accounting_enabled():
+        return None
+    live, peak = ops.host_tensor_bytes()
+    return int(live), int(peak)
+
+
+def reset_host_tensor_peak() -> None:
+    """Lower the recorded peak to the live bytes now (a no-op without the accounting)."""
+    ops = _ops()
+    if ops is not None:
+        ops.host_tensor_reset_peak()

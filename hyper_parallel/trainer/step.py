@@ -45,6 +45,7 @@ class StepResult:
     time_s: float
     tokens_per_s: float
     peak_mem_gb_per_rank: list | None = None   # every rank's peak memory so far (platform.peak_memory_bytes)
+    peak_tensor_gb_per_rank: list | None = None  # every rank's peak tensor storage (platform.peak_tensor_bytes)
     router_loss: float | None = None   # MoE: the step's router aux loss (mean over micro-batches; before coef)
     expert_load: dict | None = None    # MoE: tokens per expert of the domain (summed over layers, micro-batches)
     logits: list | None = None
@@ -57,6 +58,8 @@ class StepResult:
                 "tokens_per_s": round(self.tokens_per_s, 1),
                 "peak_mem_gb": None if not self.peak_mem_gb_per_rank else max(self.peak_mem_gb_per_rank),
                 "peak_mem_gb_per_rank": self.peak_mem_gb_per_rank,
+                **({} if self.peak_tensor_gb_per_rank is None else
+                   {"peak_tensor_gb_per_rank": self.peak_tensor_gb_per_rank}),
                 **({} if self.router_loss is None else {"router_loss": self.router_loss,
                                                         "expert_load": self.expert_load})}
 
@@ -129,9 +132,14 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     full_params = trainer.named_full("param") if probe and probe.params else None
     dt = time.perf_counter() - t0
     n = int(n_global)
-    # every rank's peak memory: one float64 per rank in one all-gather over the world
-    peak = torch.tensor([float(trainer.platform.peak_memory_bytes())], dtype=torch.float64, device=trainer.device)
+    # every rank's peak memory and peak tensor storage (-1: not counted): one all-gather over the world
+    tensor_peak = trainer.platform.peak_tensor_bytes()
+    peak = torch.tensor([float(trainer.platform.peak_memory_bytes()), float(-1 if tensor_peak is None else tensor_peak)],
+                        dtype=torch.float64, device=trainer.device)
     world = dist.group.WORLD if dist.is_initialized() else None
-    peaks = [round(b / 2**30, 4) for b in all_gather(peak, world, tag="trainer.peak_memory").tolist()]
+    gathered = all_gather(peak, world, tag="trainer.peak_memory").reshape(-1, 2).tolist()
+    peaks = [round(m / 2**30, 4) for m, _ in gathered]
+    tensor_peaks = None if any(t < 0 for _, t in gathered) else [round(t / 2**30, 4) for _, t in gathered]
     return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
+                      tensor_peaks,
                       router_value, expert_load, logits_out, grads, full_params)

@@ -105,7 +105,7 @@ def _losses_tiled_vs_untiled(cfg: dict) -> dict:
 ])
 def test_trainer_tiled_loss_equals_untiled(ranks, tmp_path, world, kw):
     """The trainer's losses with loss.tiled (default) equal the untiled loss step for step; every
-    step record carries every rank's peak memory."""
+    step record carries every rank's peak memory and peak tensor storage."""
     from tests.trainer import _workers as TW
 
     cfg = TW.make_cfg("llama", steps=3, out_dir=str(tmp_path / "run"), **kw)
@@ -117,6 +117,9 @@ def test_trainer_tiled_loss_equals_untiled(ranks, tmp_path, world, kw):
             assert abs(a - b) <= 1e-5 * abs(b), (r[True], r[False])
         peaks = r["record"]["peak_mem_gb_per_rank"]
         assert len(peaks) == world and all(p > 0.05 for p in peaks) and r["record"]["peak_mem_gb"] == max(peaks)
+        # CPU: the counting allocator's tensor peak is there too, positive and inside the resident set
+        tensor = r["record"]["peak_tensor_gb_per_rank"]
+        assert len(tensor) == world and all(0 < t < p for t, p in zip(tensor, peaks)), (tensor, peaks)
 
 
 # ---------------------------------------------------------------------------- the tiled MLP in the trainer
