@@ -139,3 +139,80 @@ def test_collective_errors_name_dim_and_group(ranks):
         assert "no dim 5" in msgs["bad_dim"]
         assert "must be even" in msgs["ht_odd"] and "load_balance" in msgs["ht_odd"]
         assert "1-D DeviceMesh" in msgs["mesh_2d"]
+
+
+def colossal_regathers_kv(cp):
+    """Sync Colossal keeps only the local K/V between forward and backward and gathers them again
+    in backward: the gathered K/V tensors are freed when the forward returns (weak references),
+    live tensor bytes after forward fall by exactly their size, backward issues the regather
+    exchange, and every value is bitwise the one of the run that keeps the gathered K/V.
+
+    Live bytes count every CPU tensor of the process; gloo may release a finished collective's
+    buffer a moment after wait() returns, so each mode is measured 3 times and the least taken."""
+    import gc
+    import weakref
+
+    from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy
+    from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
+    from hyper_parallel.platform.host_memory import host_tensor_bytes, track_host_tensors
+    from tests.cp.common import scenario_batch, shard_batch_for_cp  # noqa: F401 (re-exported there)
+
+    assert track_host_tensors("cpu")
+    ctx = mesh_ctx(cp)
+    B, Hq, Hk, S, D = 2, 4, 2, 64 * cp, 16
+    strategy = AllGatherStrategy(ctx.cp_mesh)
+    meta = shard_batch_for_cp(scenario_batch("causal", B, S), ctx.cp_mesh, strategy).meta
+    L, r = meta.local_seq_len, ctx.cp_rank
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(B, h, S, D, generator=g) for h in (Hq, Hk, Hk, Hq))
+    seen = []
+    engine = AG.engine_attention
+
+    def spy(q_, k_, v_, **kw):
+        seen[:] = [weakref.ref(k_), weakref.ref(v_)]
+        return engine(q_, k_, v_, **kw)
+
+    out = {}
+    AG.engine_attention = spy
+    try:
+        for keep in (True, False) * 4:              # the first pair warms up one-time caches
+            AllGatherStrategy.keep_gathered_kv = keep
+            ql, kl, vl = (t[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) for t in (q, k, v))
+            gc.collect()       # earlier tests' cyclic garbage must not be freed inside the measurement
+            gc.disable()
+            try:
+                before = host_tensor_bytes()[0]
+                o = strategy.attention(ql, kl, vl, meta=meta)
+                held = host_tensor_bytes()[0] - before
+            finally:
+                gc.enable()
+            alive = [ref() is not None for ref in seen]
+            with P.comm_counter() as bwd:
+                o.backward(dout[:, :, r * L:(r + 1) * L])
+            rec = out.setdefault(keep, {"held": [], "alive": []})
+            rec["held"].append(held)
+            rec["alive"].append(alive)
+            rec.update(tags=sorted({c.tag for c in bwd}), values=[o.detach().clone()] + [t.grad.clone()
+                                                                                    for t in (ql, kl, vl)])
+            del o, ql, kl, vl
+    finally:
+        AG.engine_attention = engine
+        AllGatherStrategy.keep_gathered_kv = False
+    return {"saved_bytes": min(out[True]["held"][1:]) - min(out[False]["held"][1:]),
+            "expect_bytes": 2 * B * Hk * S * D * 4,       # the gathered K and V (the local shards are held anyway)
+            "alive_keep": out[True]["alive"], "alive_regather": out[False]["alive"],
+            "tags_keep": out[True]["tags"], "tags_regather": out[False]["tags"],
+            "same": all(torch.equal(a, b) for a, b in zip(out[True]["values"], out[False]["values"]))}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_colossal_regathers_kv_in_backward(ranks, cp):
+    for r, res in enumerate(ranks(cp).run(colossal_regathers_kv, cp)):
+        print(f"cp {cp} rank {r}: held {res['saved_bytes']} bytes less after forward (the gathered K/V: "
+              f"{res['expect_bytes']})")
+        assert res["saved_bytes"] == res["expect_bytes"], res
+        assert all(a == [True, True] for a in res["alive_keep"]), res
+        assert all(a == [False, False] for a in res["alive_regather"]), res
+        assert res["same"], f"rank {r}: regathered K/V changed a value"
+        assert "cp.allgather.regather_k" in res["tags_regather"] and "cp.allgather.regather_v" in res["tags_regather"]
+        assert not any("regather" in t for t in res["tags_keep"]), res["tags_keep"]

@@ -120,7 +120,9 @@ def window_case(cp, scenario, window, Hq, Hk, S):
                       "bit_equal_full": bool(torch.equal(a, f))}
     return {"rank": r, "L": L, "causal": meta.causal, "errs": errs, "seen": seen,
             "visible": visible_chunks(r, cp, L, window, meta.causal),
-            "trim": _counts(fwd) + _counts(bwd), "full": _counts(ffwd) + _counts(fbwd),
+            "trim": _counts(fwd) + _counts([c for c in bwd if "regather" not in c.tag]),
+            "regather": _counts([c for c in bwd if "regather" in c.tag]),     # the forward exchange, again
+            "full": _counts(ffwd) + _counts(fbwd),
             "elem": B * Hk * L * D * 4}
 
 
@@ -184,6 +186,9 @@ def test_colossal_window_parity_and_trimming(ranks, cp):
                 assert call["k_pos"] == list(range(vis[0] * L, (vis[-1] + 1) * L)), (case, r, call)
             else:
                 assert call["k_pos"] == list(range(cp * L)), (case, r)
+            # backward gathers the K/V again (the strategy keeps only the local shards): the same
+            # exchange as the forward, byte for byte
+            assert p["regather"] == p["trim"][:2], (case, r, p["regather"], p["trim"])
             tot_trim += sum(p["trim"])
             tot_full += sum(p["full"])
             if trimmed and p["causal"]:

@@ -16,6 +16,8 @@ of a CP group is group-rank order: rank ``i`` holds the ``i``-th contiguous sequ
   flex_cp_window_gather(k, v, cp_dim, cp_mesh, ranges)
       fwd: rank r receives only chunks lo_r..hi_r  [.., S/C, ..] -> [.., (hi_r-lo_r+1)*S/C, ..]
       bwd: each received chunk's gradient goes back to its owner and is summed there
+  regather_saved_kv(local, gathered, run)   (context manager around the attention)
+      the attention saves the gathered K/V as the local shards; backward re-runs the exchange
   ulysses_seq_to_head(x, group)   [B, H, S/C, D] -> [B, H/C, S, D]   bwd: head_to_seq
   ulysses_head_to_seq(x, group)   [B, H/C, S, D] -> [B, H, S/C, D]   bwd: seq_to_head
       heads=[per-rank head indices]: uneven / replicated head split (one uneven all_to_all;
@@ -43,7 +45,7 @@ __all__ = [
     "resolve_group", "group_desc", "flex_cp_allgather", "all_gather_seq", "ulysses_seq_to_head",
     "ulysses_head_to_seq", "hybrid_kv_allgather", "head_tail_dispatch", "head_tail_combine",
     "head_tail_sub_chunks", "CPCollectiveError", "window_chunk_ranges", "flex_cp_window_gather",
-    "all_reduce_sum_replicated",
+    "all_reduce_sum_replicated", "regather_saved_kv", "regather_allgather", "regather_window_gather",
 ]
 
 
@@ -115,11 +117,15 @@ class _KVAllGather(torch.autograd.Function):
     """fwd: AllGather K and V (both launched before either is waited); bwd: two ReduceScatters."""
 
     @staticmethod
+    def gather(k, v, group, dim, tag="cp.allgather"):
+        hk = P.all_gather(k, group, dim=dim, async_op=True, tag=tag + "_k")
+        hv = P.all_gather(v, group, dim=dim, async_op=True, tag=tag + "_v")
+        return hk.wait(), hv.wait()
+
+    @staticmethod
     def forward(ctx, k, v, group, dim):
         ctx.group, ctx.dim = group, dim
-        hk = P.all_gather(k, group, dim=dim, async_op=True, tag="cp.allgather_k")
-        hv = P.all_gather(v, group, dim=dim, async_op=True, tag="cp.allgather_v")
-        return hk.wait(), hv.wait()
+        return _KVAllGather.gather(k, v, group, dim)
 
     @staticmethod
     def backward(ctx, gk, gv):
@@ -175,6 +181,78 @@ def _check_kv_pair(k: torch.Tensor, v: torch.Tensor, cp_dim: int, fn: str) -> in
     return dk
 
 
+class _Regather:
+    """What the attention's autograd node keeps instead of a gathered K or V (see
+    :func:`regather_saved_kv`): this rank's local K and V, their versions, and the no-grad
+    re-run of the exchange that produced the gathered pair."""
+
+    __slots__ = ("local", "versions", "run", "pending")
+
+    def __init__(self, local, run):
+        self.local, self.run = local, run
+        self.versions = tuple(t._version for t in local)
+        self.pending: list | None = None
+
+    def get(self, which: int) -> torch.Tensor:
+        if self.pending is None:         # the first of K / V unpacked: one exchange brings both
+            if tuple(t._version for t in self.local) != self.versions:
+                raise RuntimeError(
+                    "regathered K/V: the local key or value shard was modified in place after the "
+                    "attention's forward, so re-gathering it in backward would use other values; do not "
+                    "write into key/value states after attention (or use activation checkpointing)")
+            with torch.no_grad():
+                self.pending = list(self.run(*self.local))
+        out, self.pending[which] = self.pending[which], None
+        if all(x is None for x in self.pending):
+            self.pending = None
+        return out
+
+
+def regather_saved_kv(local: tuple, gathered: tuple, run):
+    """Context manager: autograd saves the gathered ``(k_all, v_all)`` as the local ``(k, v)`` and
+    ``run(k, v)`` (a no-grad re-run of the exchange, bitwise the same result) brings them back
+    when backward reads them — the saved gathered K/V cost nothing between forward and backward
+    (1/C of them, the local shards, stay alive anyway). Backward issues one more exchange (tags
+    ``*.regather_k`` / ``*.regather_v``), in the same order on every rank (autograd's).
+
+    Active only where it can act: with grad enabled and no other saved-tensor hooks in force
+    (activation checkpointing and offloading install their own and already drop these tensors;
+    nested hooks would override theirs for the whole attention). Tensors other than the two
+    gathered ones are saved as usual; a backend that saves a copy instead of the gathered tensor
+    itself simply keeps that copy (same numbers, no saving).
+    """
+    import contextlib
+
+    if (not torch.is_grad_enabled() or gathered[0] is local[0]
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+        return contextlib.nullcontext()
+    keys = {(g.data_ptr(), tuple(g.shape), g.stride()): i for i, g in enumerate(gathered)}
+    state = _Regather(tuple(local), run)
+
+    def pack(t):
+        i = keys.get((t.data_ptr(), tuple(t.shape), t.stride()))
+        return t if i is None else (state, i)
+
+    def unpack(x):
+        return x[0].get(x[1]) if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], _Regather) else x
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def regather_allgather(cp_dim: int, cp_mesh):
+    """The no-grad re-run of :func:`flex_cp_allgather` for :func:`regather_saved_kv`."""
+    group = resolve_group(cp_mesh)
+    return lambda k, v: _KVAllGather.gather(k, v, group, cp_dim % k.dim(), tag="cp.allgather.regather")
+
+
+def regather_window_gather(cp_dim: int, cp_mesh, ranges: Sequence[tuple[int, int]]):
+    """The no-grad re-run of :func:`flex_cp_window_gather` (same ranges) for :func:`regather_saved_kv`."""
+    group = resolve_group(cp_mesh)
+    send, recv = _window_counts([tuple(int(x) for x in rg) for rg in ranges], P.group_rank(group))
+    return lambda k, v: _KVWindowGather.gather(k, v, group, cp_dim % k.dim(), send, recv,
+                                               tag="cp.window_gather.regather")
+
+
 def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     """Gather the local K/V sequence shards of the CP group into the global sequence.
 
@@ -224,14 +302,18 @@ class _KVWindowGather(torch.autograd.Function):
     came back (one per receiver, itself included) are summed."""
 
     @staticmethod
-    def forward(ctx, k, v, group, dim, send, recv):
-        ctx.group, ctx.dim, ctx.send, ctx.recv = group, dim, send, recv
+    def gather(k, v, group, dim, send, recv, tag="cp.window_gather"):
         n = sum(send)
         hk = P.all_to_all_uneven(torch.cat([k] * n, dim=dim), group, send, recv, dim, async_op=True,
-                                 tag="cp.window_gather_k")
+                                 tag=tag + "_k")
         hv = P.all_to_all_uneven(torch.cat([v] * n, dim=dim), group, send, recv, dim, async_op=True,
-                                 tag="cp.window_gather_v")
+                                 tag=tag + "_v")
         return hk.wait(), hv.wait()
+
+    @staticmethod
+    def forward(ctx, k, v, group, dim, send, recv):
+        ctx.group, ctx.dim, ctx.send, ctx.recv = group, dim, send, recv
+        return _KVWindowGather.gather(k, v, group, dim, send, recv)
 
     @staticmethod
     def backward(ctx, gk, gv):

@@ -7,6 +7,13 @@ Layout (C ranks, rank r, L = S/C):
 Backward: dQ local; dK/dV ReduceScatter(sum) back to chunk r. Any Hq/Hk with Hq % Hk == 0
 (GQA/MQA) works; no head needs to be divisible by C.
 
+Memory: the attention does not keep the gathered K/V for backward; it keeps the local shards
+and backward gathers them again (:func:`~..collectives.regather_saved_kv`, one more exchange
+per layer), so what a rank holds between forward and backward falls as 1/C like everything
+else (storing them would cost ``2 * Hk * D * S`` elements per layer per rank, whatever C).
+Under activation checkpointing the checkpoint already drops them and this is not applied.
+``AllGatherStrategy.keep_gathered_kv = True`` keeps them instead (no second exchange).
+
 Sliding window ``w``: a query of chunk r sees keys no earlier than ``r*L - w + 1``, i.e. at
 most ``n = ceil((w-1)/L)`` previous chunks. When ``n < C-1`` (the same on every rank: it
 depends only on L and w) rank r receives only chunks ``max(0, r-n) .. r`` (``.. C-1`` when
@@ -17,11 +24,13 @@ math as the full gather. ``w = 1`` moves nothing. ``n >= C-1`` or no window: the
 """
 from __future__ import annotations
 
+import contextlib
 from numbers import Integral
 
 import torch
 
-from ..collectives import flex_cp_allgather, flex_cp_window_gather, window_chunk_ranges
+from ..collectives import (flex_cp_allgather, flex_cp_window_gather, regather_allgather, regather_saved_kv,
+                           regather_window_gather, window_chunk_ranges)
 from ..meta import CPBatchMeta
 from .base import CPGroupStrategy, check_sinks, engine_attention
 
@@ -50,6 +59,8 @@ class AllGatherStrategy(CPGroupStrategy):
 
     name = "all_gather"
     method = "colossal"
+    #: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
+    keep_gathered_kv = False
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None, window: int | None = None, softcap: float | None = None,
@@ -65,9 +76,12 @@ class AllGatherStrategy(CPGroupStrategy):
         if ranges is None:
             k_all, v_all = flex_cp_allgather(k, v, 2, self.group)
             k_pos = meta.k_index
+            run = regather_allgather(2, self.group)
         else:
             lo, hi = ranges[self.cp_rank]
             k_all, v_all = flex_cp_window_gather(k, v, 2, self.group, ranges)
             k_pos = meta.k_index[lo * meta.local_seq_len:(hi + 1) * meta.local_seq_len]
-        return engine_attention(q, k_all, v_all, q_pos=meta.q_index, k_pos=k_pos, meta=meta,
-                                scale=scale, window=window, softcap=softcap, sinks=sinks)
+            run = regather_window_gather(2, self.group, ranges)
+        with contextlib.nullcontext() if self.keep_gathered_kv else regather_saved_kv((k, v), (k_all, v_all), run):
+            return engine_attention(q, k_all, v_all, q_pos=meta.q_index, k_pos=k_pos, meta=meta,
+                                    scale=scale, window=window, softcap=softcap, sinks=sinks)
