@@ -12,8 +12,15 @@ chunk_size, logit_scale=None, logit_divisor=None, softcap=None) -> loss [N] floa
   the transformers heads, so the value equals the untiled ``F.cross_entropy(post(lm_head(h)).float(),
   reduction="none")`` up to fp32 summation order;
 * memory: at most one chunk of logits (``chunk_size x V`` in the logits' dtype plus its fp32 softmax)
-  is alive at a time, in forward and in backward; autograd saves only ``hidden``, ``weight``,
-  ``bias`` and ``targets`` (no ``[N, V]`` tensor, no fp32 copy of the logits);
+  is alive at a time, in forward and in backward; the logsumexp (forward), the softmax and the
+  post-processing's derivative (backward) run in place (one fp32 ``[chunk, V]`` buffer, plus the
+  chunk's logits in a low-precision dtype and the tanh of a softcap)
+  and accumulates ``d weight`` with ``addmm_`` (no ``[V, H]`` temporary when the dtypes agree);
+  autograd saves only ``hidden``, ``weight``, ``bias`` and ``targets`` (no ``[N, V]`` tensor, no
+  fp32 copy of the logits);
+* autocast: backward recomputes and multiplies under the forward's autocast state (also when the
+  training loop calls ``backward()`` outside the autocast region), so the logits of the recompute
+  are the forward's;
 * backward recomputes each chunk's logits and returns ``d hidden`` (``[N, H]``, hidden's dtype),
   ``d weight`` / ``d bias`` (accumulated over chunks in fp32, returned in the weight's dtype):
   ``d z = (softmax(z) - onehot(target)) * d loss[t]`` through ``post``'s derivative.
@@ -40,6 +47,19 @@ def apply_head_post(logits: torch.Tensor, scale=None, divisor=None, softcap=None
     return logits
 
 
+def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(z, -1)`` of a ``[n, V]`` fp32 buffer **that it overwrites** (with ``exp(z - max)``):
+    no ``[n, V]`` temporary, unlike ``torch.logsumexp``."""
+    m = z.amax(dim=-1, keepdim=True)
+    return (m + z.sub_(m).exp_().sum(dim=-1, keepdim=True).log_()).squeeze(1)
+
+
+def _softmax_(z: torch.Tensor) -> torch.Tensor:
+    """``softmax(z, -1)`` of a ``[n, V]`` fp32 buffer, computed in place (max-shifted) and returned."""
+    z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
+    return z.div_(z.sum(dim=-1, keepdim=True))
+
+
 class _TiledLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, ignore_index, chunk, scale, divisor, softcap):
@@ -50,16 +70,26 @@ class _TiledLMLoss(torch.autograd.Function):
             z = apply_head_post(F.linear(hidden[s:s + chunk], weight, bias), scale, divisor, softcap).float()
             valid = tgt != ignore_index
             safe = torch.where(valid, tgt, torch.zeros_like(tgt))
-            tok = torch.logsumexp(z, dim=-1) - z.gather(1, safe[:, None]).squeeze(1)
+            z_t = z.gather(1, safe[:, None]).squeeze(1)
+            tok = _logsumexp_(z) - z_t
             out[s:s + chunk] = torch.where(valid, tok, torch.zeros_like(tok))
             del z
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.cfg = (ignore_index, chunk, scale, divisor, softcap)
+        dev = hidden.device.type
+        # the forward's autocast state: the backward's recompute and matmuls run under the same one
+        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets = ctx.saved_tensors
+        dev, amp_on, amp_dtype = ctx.amp
+        with torch.autocast(dev, dtype=amp_dtype, enabled=amp_on):
+            return _TiledLMLoss._backward(ctx, grad_out, hidden, weight, bias, targets)
+
+    @staticmethod
+    def _backward(ctx, grad_out, hidden, weight, bias, targets):
         ignore_index, chunk, scale, divisor, softcap = ctx.cfg
         N = hidden.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
@@ -70,36 +100,47 @@ class _TiledLMLoss(torch.autograd.Function):
         for s in range(0, N, chunk):
             h = hidden[s:s + chunk]
             tgt = targets[s:s + chunk]
-            logits = F.linear(h, weight, bias)
-            x = logits
+            x = F.linear(h, weight, bias)               # a fresh buffer: the post-processing runs in place
+            dtype = x.dtype
             if scale is not None:
-                x = x * scale
+                x.mul_(scale)
             if divisor is not None:
-                x = x / divisor
+                x.div_(divisor)
             th = None
             if softcap is not None:
-                th = torch.tanh(x / softcap)
+                th = x.div_(softcap).tanh_()
                 x = th * softcap
-            z = x.float()
+            z = x.float()                               # fp32 logits: x itself
+            del x
             valid = tgt != ignore_index
-            dz = torch.softmax(z, dim=-1)
+            # softmax(z) in place: one [chunk, V] buffer besides the tanh of a softcap
+            dz = _softmax_(z)
+            del z
             safe = torch.where(valid, tgt, torch.zeros_like(tgt))
             dz.scatter_add_(1, safe[:, None], torch.full_like(dz[:, :1], -1.0))
             dz.mul_((grad_out[s:s + chunk].float() * valid.float())[:, None])
-            dx = dz.to(logits.dtype)                    # autograd casts the fp32 grad back to the logits dtype
-            del z, dz
+            dx = dz.to(dtype)                           # autograd casts the fp32 grad back to the logits dtype
+            del dz
             if softcap is not None:
-                dx = dx * (1 - th * th)
+                dx.mul_(th.mul_(th).neg_().add_(1))     # d(c tanh(x/c))/dx = 1 - tanh^2
+                del th
             if divisor is not None:
-                dx = dx / divisor
+                dx.div_(divisor)
             if scale is not None:
-                dx = dx * scale
+                dx.mul_(scale)
             if need_h:
-                gh[s:s + chunk] = dx @ weight
+                if dx.dtype == weight.dtype == gh.dtype:
+                    torch.matmul(dx, weight, out=gh[s:s + chunk])
+                else:
+                    gh[s:s + chunk] = dx @ weight
             if need_w:
-                gw.add_((dx.t() @ h).float())
+                if dx.dtype == gw.dtype:
+                    gw.addmm_(dx.t(), h)                # no [V, H] temporary
+                else:
+                    gw.add_((dx.t() @ h).float())
             if need_b:
                 gb.add_(dx.sum(0).float())
+            del dx
         return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
                 None, None, None, None, None, None)
 

@@ -92,3 +92,72 @@ def test_tiled_loss_rejects_bad_shapes():
         tiled_lm_loss(h, torch.randn(10, 7), None, torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="chunk_size"):
         tiled_lm_loss(h, w, None, torch.zeros(4, dtype=torch.long), chunk_size=0)
+
+
+@pytest.mark.parametrize("post", [dict(), dict(softcap=3.0)])
+def test_tiled_loss_under_bf16_autocast(post):
+    """fp32 hidden and weight under ``torch.autocast("cpu", bfloat16)`` (the mixed-precision trainer):
+    the head matmul runs in bf16 in forward *and* in the tiled backward's recompute, and the loss and
+    every gradient match the untiled path under the same autocast (bf16 tolerance), in fp32."""
+    g = torch.Generator().manual_seed(11)
+    N, H, V = 203, 32, 311
+    h0, w0 = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / H ** 0.5
+    b0 = torch.randn(V, generator=g) * 0.1
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::7] = IGN
+    gout = torch.rand(N, generator=g)
+    res = {}
+    for name in ("tiled", "ref"):
+        h, w, b = (x.clone().requires_grad_() for x in (h0, w0, b0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (tiled_lm_loss(h, w, b, t, ignore_index=IGN, chunk_size=50, softcap=post.get("softcap"))
+                    if name == "tiled" else _untiled(h, w, b, t, None, None, post.get("softcap")))
+        (loss * gout).sum().backward()          # outside the autocast region, as in a training loop
+        res[name] = (loss.detach(), h.grad, w.grad, b.grad)
+    exact = {}
+    h, w, b = (x.clone().requires_grad_() for x in (h0, w0, b0))      # fp32 without autocast
+    (_untiled(h, w, b, t, None, None, post.get("softcap")) * gout).sum().backward()
+    exact = (h.grad, w.grad, b.grad)
+    for i, what in enumerate(("loss", "d hidden", "d weight", "d bias")):
+        a, r = res["tiled"][i], res["ref"][i]
+        assert a.dtype == r.dtype == torch.float32, (what, a.dtype, r.dtype)
+        err = _rel(a, r)
+        print(f"autocast bf16 {post} {what}: max abs {(a - r).abs().max().item():.2e} rel {err:.2e} (tol 2e-2)")
+        assert err <= 2e-2, (what, err)
+    # the recompute really runs in bf16: the tiled grads differ from fp32 math by bf16 rounding, as the untiled do
+    for i, what in enumerate(("d hidden", "d weight", "d bias")):
+        assert _rel(res["tiled"][i + 1], exact[i]) > 1e-4, (what, "backward recomputed in fp32, not under autocast")
+
+
+def test_tiled_loss_holds_one_logits_chunk():
+    """Counted by the C++ tensor accounting: the forward holds at most one fp32 ``[chunk, V]`` buffer
+    beyond its output (the logsumexp runs in place), the backward at most one such buffer beyond the
+    gradients it returns (softmax in place, ``d weight`` accumulated with ``addmm_``)."""
+    from hyper_parallel.platform.host_memory import host_tensor_bytes, reset_host_tensor_peak, track_host_tensors
+
+    N, H, V, chunk = 1024, 64, 16384, 128
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(N, H, generator=g).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / 8).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    gout = torch.rand(N, generator=g)
+    buf, grads = chunk * V * 4, (V * H + N * H) * 4
+    slack = buf // 16                                       # per-row vectors, the targets' masks
+    was_on = bool(torch.ops.hyper_parallel.host_tensor_accounting_enabled())
+    assert track_host_tensors("cpu")
+    try:
+        reset_host_tensor_peak()
+        before = host_tensor_bytes()[0]
+        loss = tiled_lm_loss(h, w, None, t, chunk_size=chunk)
+        fwd = host_tensor_bytes()[1] - before
+        reset_host_tensor_peak()
+        before = host_tensor_bytes()[0]
+        loss.backward(gout)
+        bwd = host_tensor_bytes()[1] - before
+    finally:
+        if not was_on:
+            torch.ops.hyper_parallel.host_tensor_accounting(False)
+    print(f"tiled loss peak beyond its inputs: forward {fwd / 2**20:.2f} MiB, backward {bwd / 2**20:.2f} MiB "
+          f"(one [chunk, V] fp32 buffer {buf / 2**20:.2f} MiB, the gradients {grads / 2**20:.2f} MiB)")
+    assert fwd <= buf + slack, fwd
+    assert bwd <= buf + grads + slack, bwd
