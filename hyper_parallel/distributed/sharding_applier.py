@@ -1,8 +1,8 @@
 """ShardingApplier: apply a :class:`~.sharding_planner.ShardingPlan` to a model.
 
 Order (design 2.1): TP placement -> the declared CP wrapper / local compute -> activation
-checkpointing -> FSDP2 ``fully_shard`` (each decoder layer, then the root, on
-``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
+checkpointing -> FSDP2 ``fully_shard`` (an untied input embedding, each decoder layer, an untied
+output head, then the root, on ``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
 FSDP units) are what transformers declares (``_no_split_modules``, see
 :func:`~.tensor_parallel.find_decoder_layers`), so GPT-NeoX, Falcon, Bloom, GPT-2, OPT and MPT
 are sharded and checkpointed as Llama is. Only what the plan declares is applied.
@@ -178,9 +178,35 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward=reshard_after_forward)
     names = dict(model.named_modules())
+    embed, head = _untied_embeddings(model)
+    if embed is not None:       # its own unit: unsharded only around its forward and its backward
+        fully_shard(embed, **kwargs)
     for fqn in plan.decoder_layers:
         fully_shard(names[fqn], **kwargs)
+    if head is not None:        # its own unit, kept unsharded from its forward into its backward (the next step)
+        fully_shard(head, **dict(kwargs, reshard_after_forward=False))
     fully_shard(model, **kwargs)
+
+
+def _untied_embeddings(model) -> tuple:
+    """(input embedding, output head) modules that get FSDP units of their own, or None each.
+
+    In the root unit both would stay unsharded from the start of the forward to the end of the
+    backward (FSDP2 does not reshard the root after forward), so every rank would hold the full
+    vocabulary matrices at its peak whatever the FSDP size. As their own units the embedding is
+    unsharded only around its forward and backward, the head from the end of the forward (the tiled
+    loss) into its backward. Tied weights (one Parameter in both) stay in the root: a parameter
+    belongs to one unit."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    embed = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    if embed is None or head is None or embed is model or head is model:
+        return None, None
+    w_in, w_out = getattr(embed, "weight", None), getattr(head, "weight", None)
+    if w_in is None or w_out is None or w_in is w_out:
+        return None, None
+    return embed, head
 
 
 def _check_rope_unwrapped(model, cp_size: int, installed: _Installed) -> None:

@@ -124,6 +124,7 @@ def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int =
     except (CPConfigError, CPInterceptionError) as exc:
         return {"refused": str(exc)}
     uses_fsdp = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    untied = _untied(ref)
     ac = sum(hasattr(model.get_submodule(f).__dict__.get("forward"), "__wrapped__") for f in plan.decoder_layers)
     g = torch.Generator().manual_seed(seed + S)
     ids = torch.randint(3, model.config.vocab_size, (2, S), generator=g)
@@ -136,6 +137,9 @@ def fsdp_ac_parity(arch: str, cp: int = 2, tp: int = 1, S: int = 32, seed: int =
     gerr, gmax = _grad_errors(model, ref, mesh, tp_info)
     return {"logits": diff, "logits_rel": diff / max(ref_logits.abs().max().item(), 1e-12), "grads_abs": gerr,
             "grads": gerr / max(gmax, 1e-12), "layers": list(plan.decoder_layers), "fsdp_modules": uses_fsdp,
+            "untied": untied,
+            "fsdp_embeddings": [type(m).__name__.startswith("FSDP")
+                                for m in (model.get_input_embeddings(), model.get_output_embeddings())],
             "ac_layers": ac, "tp_plan": dict(plan.tp_layer_plan), "sharded": sorted(tp_info.sharded),
             "partial": sorted(tp_info.partial_grad), "policy": plan.batch_policy,
             "local_heads": [getattr(m, "__hp_local_heads__", None) for f in plan.attention_boundaries
@@ -156,6 +160,7 @@ def fsdp_ac_dp2(arch: str, S: int = 24, seed: int = 5) -> dict:
     plan = ShardingPlanner().plan(model, mesh)
     model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, activation_checkpointing=True)
     fsdp = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    untied = _untied(ref)
     ac = sum(hasattr(model.get_submodule(f).__dict__.get("forward"), "__wrapped__") for f in plan.decoder_layers)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (2, S), generator=g)
@@ -170,7 +175,15 @@ def fsdp_ac_dp2(arch: str, S: int = 24, seed: int = 5) -> dict:
     gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
     gerr = max((_full(p.grad) * 2 - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
     return {"logits": diff, "logits_rel": diff / ref_logits.abs().max().item(), "grads_abs": gerr,
-            "grads": gerr / gmax, "layers": list(plan.decoder_layers), "fsdp_modules": fsdp, "ac_layers": ac}
+            "grads": gerr / gmax, "layers": list(plan.decoder_layers), "fsdp_modules": fsdp, "ac_layers": ac,
+            "untied": untied}
+
+
+def _untied(model) -> bool:
+    """Whether the model's input embedding and output head are separate parameters (each then an
+    FSDP unit of its own)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is not model.get_input_embeddings().weight
 
 
 _DP_MESH: dict = {}

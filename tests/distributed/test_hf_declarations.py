@@ -135,7 +135,9 @@ def test_fsdp_ac_cp2_parity(ranks, arch):
         return
     r = check(res)
     n = len(r["layers"])
-    assert n == 2 and r["ac_layers"] == n and r["fsdp_modules"] == n + 1, r
+    # a unit per decoder layer, the root, and an untied embedding and head each their own
+    assert n == 2 and r["ac_layers"] == n and r["fsdp_modules"] == n + 1 + 2 * r["untied"], r
+    assert r["fsdp_embeddings"] == [r["untied"]] * 2, r
 
 
 # ------------------------------------------------------------------------ (c) TP 2 x CP 2
@@ -163,7 +165,7 @@ def test_fsdp_ac_dp2_without_cp(ranks, arch):
     """FSDP2 (2 data-parallel ranks, one row each) on the declared layers + activation checkpointing
     equals one process on both rows, for all six, including Bloom and MPT whose attention CP refuses."""
     r = check(ranks(2).run(W.fsdp_ac_dp2, arch))
-    assert len(r["layers"]) == 2 and r["ac_layers"] == 2 and r["fsdp_modules"] == 3, r
+    assert len(r["layers"]) == 2 and r["ac_layers"] == 2 and r["fsdp_modules"] == 3 + 2 * r["untied"], r
 
 
 def test_tp2_cp2_ulysses_on_tp_local_heads(ranks):
