@@ -17,7 +17,11 @@ hyper_parallel/platform/host_memory.py), ``glibc`` runs with glibc's dynamic thr
 (``HYPER_PARALLEL_MMAP_THRESHOLD=0``); both at each point, interleaved, to compare peak and step time.
 
 Writes ``benchmarks/results/memory_scaling.json`` (+ ``.png``): per point the peak per rank, the
-per-token memory and the CP=C / CP=1 ratio per rank at the same sequence.
+per-token memory and the CP=C / CP=1 ratio per rank at the same sequence — of the resident set and,
+where the trainer recorded it (CPU: ``peak_tensor_gb_per_rank``, the counting allocator of
+``platform/host_memory.py``), of the tensor storage, the figure a device allocator's peak gives.
+``--merge a.json b.json --out c.json`` combines earlier runs (e.g. a longer sequence run later) without
+running anything.
 """
 from __future__ import annotations
 
@@ -113,28 +117,97 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
                                                 "tensor_peak_gb_max_rank": max(tensor_peaks)}), **cpu}
 
 
-def linear_fit(points: list[dict], budget_gb: float) -> list[dict]:
+def linear_fit(points: list[dict], budget_gb: float, field: str = "peak_gb_max_rank") -> list[dict]:
     """Per (model, cp, policy, tiled MLP): peak per rank = fixed + per_token x seq, fitted through
     the two longest measured points, and the longest sequence whose ``cp`` ranks together stay within
     ``budget_gb`` by that line — an *estimate* (extrapolated), reported as such beside ``--search``,
     which measures (and on CPU takes hours per point beyond ~128k tokens: attention is O(S^2))."""
     groups: dict = {}
     for p in points:
-        if p["ok"]:
+        if p["ok"] and field in p:
             groups.setdefault((p["model"], p["cp"], p.get("host_malloc"), p.get("tiled_mlp")), []).append(p)
     out = []
     for (model, cp, policy, tmlp), pts in sorted(groups.items(), key=lambda kv: str(kv[0])):
         pts = sorted(pts, key=lambda q: q["seq"])[-2:]
         if len(pts) < 2:
             continue
-        (s0, m0), (s1, m1) = [(q["seq"], q["peak_gb_max_rank"]) for q in pts]
+        (s0, m0), (s1, m1) = [(q["seq"], q[field]) for q in pts]
         per_token = (m1 - m0) / (s1 - s0)
         fixed = m0 - per_token * s0
         longest = int((budget_gb / cp - fixed) / per_token) if per_token > 0 else None
-        out.append({"model": model, "cp": cp, "host_malloc": policy, "tiled_mlp": tmlp, "fit_seqs": [s0, s1],
+        out.append({"model": model, "cp": cp, "host_malloc": policy, "tiled_mlp": tmlp, "field": field, "fit_seqs": [s0, s1],
                     "fixed_gb_per_rank": fixed, "kb_per_global_token_per_rank": per_token * 1024 ** 2,
                     "budget_gb": budget_gb, "estimated_longest_seq": longest})
     return out
+
+
+def summarize(result: dict, budget_gb: float) -> None:
+    """Per point the CP=C / CP=1 ratio per rank at the same sequence (resident set and, where
+    recorded, tensor storage); per group the fitted lines; prints the table."""
+    def key(p):
+        return p["model"], p["seq"], p.get("host_malloc"), p.get("tiled_mlp")
+
+    base = {key(p): p for p in result["points"] if p["ok"] and p["cp"] == 1}
+    for p in result["points"]:
+        ref = base.get(key(p))
+        if p["ok"] and ref:
+            p["ratio_per_rank_vs_cp1"] = p["peak_gb_max_rank"] / ref["peak_gb_max_rank"]
+            if "tensor_peak_gb_max_rank" in p and "tensor_peak_gb_max_rank" in ref:
+                p["tensor_ratio_per_rank_vs_cp1"] = p["tensor_peak_gb_max_rank"] / ref["tensor_peak_gb_max_rank"]
+    result["fit"] = linear_fit(result["points"], budget_gb)
+    result["fit_tensor"] = linear_fit(result["points"], budget_gb, field="tensor_peak_gb_max_rank")
+    for label, fits in (("resident", result["fit"]), ("tensor", result["fit_tensor"])):
+        for f in fits:
+            print(f"fit ({label}) {f['model']} cp={f['cp']} tiled_mlp={f['tiled_mlp']}: {f['fixed_gb_per_rank']:.2f} GB + "
+                  f"{f['kb_per_global_token_per_rank']:.1f} KB per global token per rank (through {f['fit_seqs']}); "
+                  f"estimated longest within {f['budget_gb']} GB (all ranks): {f['estimated_longest_seq']} tokens")
+    print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'malloc':>6} {'t.mlp':>5} {'peak GB/rank':>13} {'MB/token':>9} "
+          f"{'vs CP=1':>8} {'tensor GB':>10} {'vs CP=1':>8} {'last step s':>11}")
+    for p in result["points"]:
+        if p["ok"]:
+            ratio, tr = p.get("ratio_per_rank_vs_cp1"), p.get("tensor_ratio_per_rank_vs_cp1")
+            tensor = p.get("tensor_peak_gb_max_rank")
+            print(f"{p['model']:12} {p['seq']:>6} {p['cp']:>3} {p['host_malloc']:>6} {p['tiled_mlp']:>5} "
+                  f"{p['peak_gb_max_rank']:13.2f} "
+                  f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'} "
+                  f"{'' if tensor is None else f'{tensor:10.2f}'} {'' if tr is None else f'{tr:8.2f}'} "
+                  f"{p['step_time_s'][-1]:11.1f}")
+
+
+def plot(result: dict, path: str) -> None:
+    """Peak per rank against the sequence, one line per CP size and model: the resident set (solid)
+    and, where recorded, the tensor storage (dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({p["model"] for p in result["points"] if p["ok"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        groups = sorted({(p["cp"], p["host_malloc"], p["tiled_mlp"]) for p in result["points"]
+                         if p["ok"] and p["model"] == model})
+        policies = {g[1] for g in groups}
+        for cp, policy, tmlp in groups:
+            pts = sorted((p for p in result["points"] if p["ok"] and p["model"] == model and p["cp"] == cp
+                          and p["host_malloc"] == policy and p["tiled_mlp"] == tmlp), key=lambda q: q["seq"])
+            label = f"CP={cp}" + (f" ({policy} malloc)" if len(policies) > 1 else "") + (f" tiled MLP {tmlp}" if tmlp else "")
+            line, = ax.plot([p["seq"] for p in pts], [p["peak_gb_max_rank"] for p in pts], marker="o",
+                            linestyle="-" if policy == "fixed" else "--", alpha=1.0 if not tmlp else 0.6,
+                            label=label + " resident set")
+            tp = [p for p in pts if "tensor_peak_gb_max_rank" in p]
+            if tp:
+                ax.plot([p["seq"] for p in tp], [p["tensor_peak_gb_max_rank"] for p in tp], marker="s",
+                        linestyle=":", color=line.get_color(), label=label + " tensors")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("peak memory per rank (GB)")
+        ax.set_title(f"{model} ({'tiled' if result.get('tiled_loss', True) else 'untiled'} loss)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def _save(path: str, result: dict) -> None:
@@ -188,8 +261,26 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gb", type=float, default=24.0, help="all ranks of one machine together")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "memory_scaling.json"))
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no runs: combine the points of these result files "
+                    "(later files win on the same model/cp/seq/policy), recompute ratios and fits, write --out and its plot")
     args = ap.parse_args(argv)
     tiled = not args.untiled
+    if args.merge:
+        merged, points = None, {}
+        for path in args.merge:
+            with open(path) as fh:
+                part = json.load(fh)
+            merged = merged or {k: v for k, v in part.items() if k not in ("points", "fit", "fit_tensor")}
+            merged.setdefault("merged_from", []).append({"file": os.path.basename(path), "command": part.get("command")})
+            for p in part["points"]:
+                points[(p["model"], p["cp"], p["seq"], p.get("host_malloc"), p.get("tiled_mlp"))] = p
+        merged["merged_from"] = merged["merged_from"][-len(args.merge):]
+        merged["points"] = sorted(points.values(), key=lambda p: (p["model"], p["seq"], p["cp"]))
+        summarize(merged, args.budget_gb)
+        _save(args.out, merged)
+        plot(merged, args.out.replace(".json", ".png"))
+        print(f"wrote {args.out}")
+        return 0
     result = {"cpu": cpu_name(), "steps": args.steps, "ac": args.ac, "tiled_loss": tiled, "method": args.method,
               "command": " ".join(["python", "benchmarks/memory_scaling.py"] + list(argv if argv is not None
                                                                                    else sys.argv[1:])),
@@ -217,55 +308,11 @@ def main(argv=None) -> int:
                                f"{'/'.join(f'{t:.1f}' for t in p['step_time_s'])}, {p['wall_s']:.0f}s") \
                             if p["ok"] else f"FAILED: {p['error'][-300:]}"
                         print(f"{model:12} seq={seq:>6} cp={cp} malloc={policy} tiled_mlp={tmlp}: {msg}", flush=True)
-        def key(p):
-            return p["model"], p["seq"], p.get("host_malloc"), p.get("tiled_mlp")
-
-        base = {key(p): p for p in result["points"] if p["ok"] and p["cp"] == 1}
-        for p in result["points"]:
-            ref = base.get(key(p))
-            if p["ok"] and ref:
-                p["ratio_per_rank_vs_cp1"] = p["peak_gb_max_rank"] / ref["peak_gb_max_rank"]
-        result["fit"] = linear_fit(result["points"], args.budget_gb)
-        for f in result["fit"]:
-            print(f"fit {f['model']} cp={f['cp']} tiled_mlp={f['tiled_mlp']}: {f['fixed_gb_per_rank']:.2f} GB + "
-                  f"{f['kb_per_global_token_per_rank']:.1f} KB per global token per rank (through {f['fit_seqs']}); "
-                  f"estimated longest within {f['budget_gb']} GB (all ranks): {f['estimated_longest_seq']} tokens")
-        print(f"\n{'model':12} {'seq':>6} {'cp':>3} {'malloc':>6} {'t.mlp':>5} {'peak GB/rank':>13} {'MB/token':>9} "
-              f"{'vs CP=1':>8} {'last step s':>11}")
-        for p in result["points"]:
-            if p["ok"]:
-                ratio = p.get("ratio_per_rank_vs_cp1")
-                print(f"{p['model']:12} {p['seq']:>6} {p['cp']:>3} {p['host_malloc']:>6} {p['tiled_mlp']:>5} "
-                      f"{p['peak_gb_max_rank']:13.2f} "
-                      f"{p['mb_per_token_max_rank']:9.3f} {'' if ratio is None else f'{ratio:8.2f}'} "
-                      f"{p['step_time_s'][-1]:11.1f}")
+        summarize(result, args.budget_gb)
     _save(args.out, result)
     print(f"wrote {args.out} (CPU: {result['cpu']})")
     if result["points"]:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(args.models), figsize=(5.5 * len(args.models), 4), squeeze=False)
-        for ax, model in zip(axes[0], args.models):
-            for cp in args.cps:
-                for policy, tmlp in [(p, t) for p in args.host_malloc for t in args.tiled_mlp]:
-                    pts = [p for p in result["points"] if p["ok"] and p["model"] == model and p["cp"] == cp
-                           and p["host_malloc"] == policy and p["tiled_mlp"] == tmlp]
-                    ax.plot([p["seq"] for p in pts], [p["peak_gb_max_rank"] for p in pts], marker="o",
-                            linestyle="-" if policy == "fixed" else "--", alpha=1.0 if not tmlp else 0.6,
-                            label=f"CP={cp}" + (f" ({policy} malloc)" if len(args.host_malloc) > 1 else "")
-                            + (f" tiled MLP {tmlp}" if tmlp else ""))
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("sequence length (tokens)")
-            ax.set_ylabel("peak memory per rank (GB)")
-            ax.set_title(f"{model} ({'tiled' if tiled else 'untiled'} loss)")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.out.replace(".json", ".png"), dpi=110)
-        print(f"wrote {args.out.replace('.json', '.png')}")
+        plot(result, args.out.replace(".json", ".png"))
     return 0
 
 

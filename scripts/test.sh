@@ -7,4 +7,4 @@ python -m pip install -q -c constraints.txt --no-build-isolation -e '.[test]'
 # Timeouts catch hangs, not slowness: every test timeout is multiplied by this (see
 # hyper_parallel/testing/multirank.py), so a busy 2-core machine makes the suite slower, not red.
 export HYPER_PARALLEL_TEST_TIMEOUT_SCALE="${HYPER_PARALLEL_TEST_TIMEOUT_SCALE:-4}"
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"
