@@ -68,15 +68,16 @@ struct CountingCPUAllocator final : public c10::Allocator {
     TORCH_CHECK(inner.get_context() == data && inner.get_deleter() == table().base_deleter,
                 "hyper_parallel host tensor accounting: the previous CPU allocator returned a "
                 "non-simple DataPtr; uninstall the accounting (HYPER_PARALLEL_TENSOR_ACCOUNTING=0)");
-    inner.release_context();  // ownership moves to the DataPtr returned below
     {
       Table& t = table();
       std::lock_guard<std::mutex> g(t.mu);
-      t.sizes[data] = n;
+      t.sizes[data] = n;  // may throw: `inner` still owns the block and frees it
       t.live += static_cast<int64_t>(n);
       if (t.live > t.peak) t.peak = t.live;
     }
-    return {data, data, &counted_delete, inner.device()};
+    const c10::Device device = inner.device();
+    inner.release_context();  // ownership moves to the DataPtr returned below
+    return {data, data, &counted_delete, device};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }

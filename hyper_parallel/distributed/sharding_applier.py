@@ -178,7 +178,7 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward=reshard_after_forward)
     names = dict(model.named_modules())
-    embed, head = _untied_embeddings(model)
+    embed, head = _untied_embeddings(model, plan.decoder_layers)
     if embed is not None:       # its own unit: unsharded only around its forward and its backward
         fully_shard(embed, **kwargs)
     for fqn in plan.decoder_layers:
@@ -188,7 +188,7 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
     fully_shard(model, **kwargs)
 
 
-def _untied_embeddings(model) -> tuple:
+def _untied_embeddings(model, layers=()) -> tuple:
     """(input embedding, output head) modules that get FSDP units of their own, or None each.
 
     In the root unit both would stay unsharded from the start of the forward to the end of the
@@ -196,16 +196,22 @@ def _untied_embeddings(model) -> tuple:
     vocabulary matrices at its peak whatever the FSDP size. As their own units the embedding is
     unsharded only around its forward and backward, the head from the end of the forward (the tiled
     loss) into its backward. Tied weights (one Parameter in both) stay in the root: a parameter
-    belongs to one unit."""
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    embed = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
-    if embed is None or head is None or embed is model or head is model:
+    belongs to one unit; so do modules inside a decoder layer (``layers``: their FQNs) or not
+    declared by the model (``get_*_embeddings`` missing or raising)."""
+    try:
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    if embed is None or head is None or embed is model or head is model or embed is head:
         return None, None
     w_in, w_out = getattr(embed, "weight", None), getattr(head, "weight", None)
-    if w_in is None or w_out is None or w_in is w_out:
+    if not isinstance(w_in, nn.Parameter) or not isinstance(w_out, nn.Parameter) or w_in is w_out:
         return None, None
+    fqn = {id(m): n for n, m in model.named_modules()}
+    for m in (embed, head):
+        name = fqn.get(id(m))
+        if name is None or any(name == f or name.startswith(f + ".") for f in layers):
+            return None, None
     return embed, head
 
 

@@ -73,13 +73,17 @@ _ACCOUNTING_ENV = "HYPER_PARALLEL_TENSOR_ACCOUNTING"
 
 
 def _ops():
+    """torch.ops.hyper_parallel with the accounting ops, or None (no extension, or one built before
+    they existed: rebuild with ``pip install --no-build-isolation -e .``)."""
     try:
         from hyper_parallel import _C  # noqa: F401  (registers torch.ops.hyper_parallel.*)
-    except ImportError:
-        return None
-    import torch
+        import torch
 
-    return torch.ops.hyper_parallel
+        ops = torch.ops.hyper_parallel
+        ops.host_tensor_bytes  # noqa: B018  (raises AttributeError on a stale build)
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return ops
 
 
 def track_host_tensors(device_type: str) -> bool:
@@ -97,6 +101,8 @@ def track_host_tensors(device_type: str) -> bool:
 def host_tensor_bytes() -> tuple[int, int] | None:
     """(live, peak) bytes of CPU tensor storage allocated since :func:`track_host_tensors`, or None
     when the accounting is not in force."""
+    if os.environ.get(_ACCOUNTING_ENV, "1").strip() == "0":
+        return None
     ops = _ops()
     if ops is None or not ops.host_tensor_accounting_enabled():
         return None

@@ -144,7 +144,7 @@ def test_collective_errors_name_dim_and_group(ranks):
 def colossal_regathers_kv(cp):
     """Sync Colossal keeps only the local K/V between forward and backward and gathers them again
     in backward: the gathered K/V tensors are freed when the forward returns (weak references),
-    live tensor bytes after forward fall by exactly their size, backward issues the regather
+    live tensor bytes after forward fall by exactly their size less the local shards, backward issues the regather
     exchange, and every value is bitwise the one of the run that keeps the gathered K/V.
 
     Live bytes count every CPU tensor of the process; gloo may release a finished collective's
@@ -177,12 +177,14 @@ def colossal_regathers_kv(cp):
     try:
         for keep in (True, False) * 4:              # the first pair warms up one-time caches
             AllGatherStrategy.keep_gathered_kv = keep
-            ql, kl, vl = (t[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) for t in (q, k, v))
+            ql, kl0, vl0 = (t[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) for t in (q, k, v))
             gc.collect()       # earlier tests' cyclic garbage must not be freed inside the measurement
             gc.disable()
             try:
                 before = host_tensor_bytes()[0]
+                kl, vl = kl0 * 1, vl0 * 1     # as in a model: the post-RoPE K/V, saved by nothing else
                 o = strategy.attention(ql, kl, vl, meta=meta)
+                del kl, vl
                 held = host_tensor_bytes()[0] - before
             finally:
                 gc.enable()
@@ -193,13 +195,47 @@ def colossal_regathers_kv(cp):
             rec["held"].append(held)
             rec["alive"].append(alive)
             rec.update(tags=sorted({c.tag for c in bwd}), values=[o.detach().clone()] + [t.grad.clone()
-                                                                                    for t in (ql, kl, vl)])
-            del o, ql, kl, vl
+                                                                                    for t in (ql, kl0, vl0)])
+            del o, ql, kl0, vl0
     finally:
         AG.engine_attention = engine
         AllGatherStrategy.keep_gathered_kv = False
-    return {"saved_bytes": min(out[True]["held"][1:]) - min(out[False]["held"][1:]),
-            "expect_bytes": 2 * B * Hk * S * D * 4,       # the gathered K and V (the local shards are held anyway)
+    # a forward whose graph is dropped without backward is freed at once (no reference cycle
+    # through the saved output: with one, the output would live until the cyclic collector runs)
+    ql, kl, vl = (t[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) for t in (q, k, v))
+    gc.collect()
+    gc.disable()
+    try:
+        o = strategy.attention(ql, kl, vl, meta=meta)
+        o_ref = weakref.ref(o)
+        del o
+        dropped = {"alive": o_ref() is not None}
+    finally:
+        gc.enable()
+    # retain_graph: two backwards regather twice and give the same gradients twice
+    ql, kl, vl = (t[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) for t in (q, k, v))
+    o = strategy.attention(ql, kl * 1, vl * 1, meta=meta)
+    go = dout[:, :, r * L:(r + 1) * L]
+    o.backward(go, retain_graph=True)
+    first = [t.grad.clone() for t in (ql, kl, vl)]
+    with P.comm_counter() as second_recs:
+        o.backward(go)
+    twice = all(torch.equal(t.grad, 2 * f) for t, f in zip((ql, kl, vl), first))
+    regathers = sum("regather" in c.tag for c in second_recs)
+    # a saved tensor modified in place after the forward is refused in backward, as autograd would
+    ql = q[:, :, r * L:(r + 1) * L].clone().requires_grad_(True)
+    qs = ql * 1
+    o = strategy.attention(qs, k[:, :, r * L:(r + 1) * L].clone(), v[:, :, r * L:(r + 1) * L].clone(), meta=meta)
+    qs.add_(1.0)
+    try:
+        o.backward(go)
+        inplace = "no error"
+    except RuntimeError as exc:
+        inplace = str(exc)
+    return {"dropped": dropped, "twice": twice, "regathers_second": regathers, "inplace": inplace,
+            "saved_bytes": min(out[True]["held"][1:]) - min(out[False]["held"][1:]),
+            # the gathered K and V, less the local shards the regather keeps instead
+            "expect_bytes": 2 * B * Hk * (S - L) * D * 4,
             "alive_keep": out[True]["alive"], "alive_regather": out[False]["alive"],
             "tags_keep": out[True]["tags"], "tags_regather": out[False]["tags"],
             "same": all(torch.equal(a, b) for a, b in zip(out[True]["values"], out[False]["values"]))}
@@ -213,6 +249,9 @@ def test_colossal_regathers_kv_in_backward(ranks, cp):
         assert res["saved_bytes"] == res["expect_bytes"], res
         assert all(a == [True, True] for a in res["alive_keep"]), res
         assert all(a == [False, False] for a in res["alive_regather"]), res
+        assert not res["dropped"]["alive"], res["dropped"]
+        assert res["twice"] and res["regathers_second"] == 2, res
+        assert "modified by an in-place operation" in res["inplace"], res["inplace"]
         assert res["same"], f"rank {r}: regathered K/V changed a value"
         assert "cp.allgather.regather_k" in res["tags_regather"] and "cp.allgather.regather_v" in res["tags_regather"]
         assert not any("regather" in t for t in res["tags_keep"]), res["tags_keep"]

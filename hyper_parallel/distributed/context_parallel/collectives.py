@@ -194,7 +194,10 @@ class _Regather:
         self.pending: list | None = None
 
     def get(self, which: int) -> torch.Tensor:
-        if self.pending is None:         # the first of K / V unpacked: one exchange brings both
+        """The gathered K (0) or V (1). One exchange brings both; each is handed out once, and an
+        unpack that finds its slot empty (a second backward, a backend that saves one twice)
+        exchanges again — the same calls on every rank, in autograd's order."""
+        if self.pending is None or self.pending[which] is None:
             if tuple(t._version for t in self.local) != self.versions:
                 raise RuntimeError(
                     "regathered K/V: the local key or value shard was modified in place after the "
@@ -208,33 +211,67 @@ class _Regather:
         return out
 
 
+class _Kept:
+    """Any other saved tensor under :func:`regather_saved_kv`: a detached alias and its version,
+    checked when backward reads it (autograd skips its own in-place check for hooked tensors)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t.detach(), t._version
+
+    def get(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            raise RuntimeError(
+                f"one of the tensors the CP attention saved for backward (shape {tuple(self.t.shape)}) was "
+                f"modified by an in-place operation after the forward (version {self.t._version}, saved at "
+                f"{self.version}); its gradient would be wrong")
+        return self.t
+
+
+def _hooks_free() -> bool:
+    """No saved-tensor hooks in force, hooks allowed, and no compiler tracing this call."""
+    ag = torch._C._autograd
+    if not ag._saved_tensors_hooks_is_enabled() or ag._top_saved_tensors_default_hooks(True) is not None:
+        return False
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return not (callable(compiling) and compiling())
+
+
 def regather_saved_kv(local: tuple, gathered: tuple, run):
     """Context manager: autograd saves the gathered ``(k_all, v_all)`` as the local ``(k, v)`` and
     ``run(k, v)`` (a no-grad re-run of the exchange, bitwise the same result) brings them back
-    when backward reads them — the saved gathered K/V cost nothing between forward and backward
-    (1/C of them, the local shards, stay alive anyway). Backward issues one more exchange (tags
+    when backward reads them. Between forward and backward a rank then holds the local shards
+    (``1/C`` of the gathered size; in a model nothing else saves the post-RoPE K/V) instead of the
+    gathered tensors: ``(C-1)/C`` of them saved. Backward issues one more exchange (tags
     ``*.regather_k`` / ``*.regather_v``), in the same order on every rank (autograd's).
 
-    Active only where it can act: with grad enabled and no other saved-tensor hooks in force
+    Active only where it can act: with grad enabled, no other saved-tensor hooks in force
     (activation checkpointing and offloading install their own and already drop these tensors;
-    nested hooks would override theirs for the whole attention). Tensors other than the two
-    gathered ones are saved as usual; a backend that saves a copy instead of the gathered tensor
-    itself simply keeps that copy (same numbers, no saving).
+    nested hooks would override theirs for the whole attention), hooks not disabled, and not
+    under compiler tracing. Every other saved tensor is kept as a detached alias whose version is
+    checked in backward, as autograd would (returning the tensor itself would tie the attention's
+    outputs to their own graph node in a reference cycle);
+    a backend that saves a copy instead of the gathered tensor itself simply keeps that copy
+    (same numbers, no saving).
     """
     import contextlib
 
-    if (not torch.is_grad_enabled() or gathered[0] is local[0]
-            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+    if not torch.is_grad_enabled() or gathered[0] is local[0] or not _hooks_free():
         return contextlib.nullcontext()
-    keys = {(g.data_ptr(), tuple(g.shape), g.stride()): i for i, g in enumerate(gathered)}
+
+    def key(t):
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+    keys = {key(g): i for i, g in enumerate(gathered)}
     state = _Regather(tuple(local), run)
 
     def pack(t):
-        i = keys.get((t.data_ptr(), tuple(t.shape), t.stride()))
-        return t if i is None else (state, i)
+        i = keys.get(key(t)) if type(t) is torch.Tensor and t.layout == torch.strided else None
+        return _Kept(t) if i is None else (state, i)
 
     def unpack(x):
-        return x[0].get(x[1]) if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], _Regather) else x
+        return x.get() if isinstance(x, _Kept) else x[0].get(x[1])
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

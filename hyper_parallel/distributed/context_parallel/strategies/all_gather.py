@@ -10,7 +10,7 @@ Backward: dQ local; dK/dV ReduceScatter(sum) back to chunk r. Any Hq/Hk with Hq 
 Memory: the attention does not keep the gathered K/V for backward; it keeps the local shards
 and backward gathers them again (:func:`~..collectives.regather_saved_kv`, one more exchange
 per layer), so what a rank holds between forward and backward falls as 1/C like everything
-else (storing them would cost ``2 * Hk * D * S`` elements per layer per rank, whatever C).
+else (``2 * Hk * D * S/C`` elements per layer per rank instead of ``2 * Hk * D * S``).
 Under activation checkpointing the checkpoint already drops them and this is not applied.
 ``AllGatherStrategy.keep_gathered_kv = True`` keeps them instead (no second exchange).
 
