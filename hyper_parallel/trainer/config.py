@@ -178,7 +178,7 @@ class LossConfig:
     tiled: bool = option(True, help="LM head + cross-entropy in token chunks with recompute in backward: no "
                                     "[S_local, vocab] logits tensor (exact; a head it cannot reproduce falls "
                                     "back to the untiled loss with a log line)")
-    chunk_size: int = option(256, ge=1, help="tokens per chunk of the tiled loss (transient memory ~ 3 x chunk_size x vocab x 4 bytes)")
+    chunk_size: int = option(256, ge=1, help="tokens per chunk of the tiled loss (transient memory: one chunk_size x vocab fp32 buffer, in forward and in backward)")
     router_loss: bool = option(True, help="MoE: add the model's router load-balancing loss (router_aux_loss_coef x "
                                           "aux, as its forward with labels) when its config sets "
                                           "output_router_logits; statistics reduced over the whole sequence "
