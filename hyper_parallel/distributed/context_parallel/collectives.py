@@ -542,7 +542,7 @@ def ulysses_head_to_seq(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: i
 
 # ----------------------------------------------------------------------------- Hybrid
 def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysses_group, *,
-                        seq_dim: int = 2, head_dim: int = 1, heads=None):
+                        seq_dim: int = 2, head_dim: int = 1, heads=None, regather: bool = False):
     """Hybrid K/V layout transform: Ulysses A2A inside ``ulysses_group`` (size u), then AllGather
     across ``colossal_group`` (size C/u).
 
@@ -552,6 +552,9 @@ def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysse
     ``heads`` (the KV split of a :class:`~.strategies.ulysses_layout.UlyssesHeadLayout`, see
     :func:`ulysses_seq_to_head`) gives ulysses rank i the KV heads ``heads[i]`` (replicated where
     several ranks need one; backward sums the copies' gradients).
+    ``regather=True``: returns ``(k_all, v_all, ctx)`` with ``ctx`` the :func:`regather_saved_kv`
+    context for the attention that consumes ``k_all`` / ``v_all`` as they are (it then keeps the
+    head-exchanged shards and gathers them again over the colossal group in backward).
     """
     ug = resolve_group(ulysses_group)
     if heads is None:
@@ -566,7 +569,10 @@ def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysse
                               heads=heads)
     v_h = ulysses_seq_to_head(v, ulysses_group, seq_dim=seq_dim, head_dim=head_dim, tag="cp.ulysses_s2h_v",
                               heads=heads)
-    return flex_cp_allgather(k_h, v_h, seq_dim, colossal_group)
+    k_all, v_all = flex_cp_allgather(k_h, v_h, seq_dim, colossal_group)
+    if not regather:
+        return k_all, v_all
+    return k_all, v_all, regather_saved_kv((k_h, v_h), (k_all, v_all), regather_allgather(seq_dim, colossal_group))
 
 
 # ----------------------------------------------------------------------------- Head-Tail

@@ -10,8 +10,10 @@ Layout (C ranks, degree u, rank r = c*u + i):
   k/v --AllGather(colossal)--> [B, Hk/u, S, D]
   out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
-Backward: ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes
-the seq->head A2A. Heads over the ulysses sub-group follow
+Backward: the K/V AllGather(colossal) again (the attention keeps the head-exchanged shards
+``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~..collectives.regather_saved_kv`; where a rank
+re-selects KV heads locally for an uneven split the engine keeps its selected copy instead), then
+ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes the seq->head A2A. Heads over the ulysses sub-group follow
 :func:`.ulysses_layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above
 is the even case; otherwise query counts differ by at most one and KV heads are replicated to
 each ulysses rank whose query heads use them (gradients of the copies summed in backward).
@@ -97,5 +99,6 @@ class HybridStrategy(ContextParallelStrategy):
         start = group_rank(cg) * n
         q_pos = torch.arange(start, start + n, dtype=torch.int64)
         return ulysses_group_attention(
-            q, k, v, ug, group_rank(ug), kv_fn=lambda k, v, heads: hybrid_kv_allgather(k, v, cg, ug, heads=heads),
+            q, k, v, ug, group_rank(ug),
+            kv_fn=lambda k, v, heads: hybrid_kv_allgather(k, v, cg, ug, heads=heads, regather=True),
             q_pos=q_pos, k_pos=meta.k_index, meta=meta, sinks=sinks, scale=scale, window=window, softcap=softcap)

@@ -13,6 +13,8 @@ Constraints: Hq % Hk == 0 and Hq >= C (each rank computes at least one query hea
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ....platform import group_size
@@ -40,16 +42,18 @@ def ulysses_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     q ``[B, Hq, L, D]`` / k, v ``[B, Hk, L, D]`` local chunk; ``group`` the Ulysses group (rank
     ``rank`` in it). ``kv_fn(k, v, heads)`` moves K/V to the head layout (``heads`` =
-    ``layout.kv_heads`` or None for the even split). Query heads go seq->head with the layout,
+    ``layout.kv_heads`` or None for the even split) and returns ``(k, v)`` or ``(k, v, ctx)``, ``ctx``
+    a context manager entered around the engine call (Hybrid: the regather of its gathered K/V). Query heads go seq->head with the layout,
     the engine runs at ``q_pos``/``k_pos`` with this rank's sinks, and the output goes head->seq.
     """
     lay = ulysses_head_layout(q.shape[1], k.shape[1], group_size(group))
     heads_q = None if lay.even else lay.q_heads
     q_h = ulysses_seq_to_head(q, group, tag="cp.ulysses_s2h_q", heads=heads_q)
-    k_h, v_h = kv_fn(k, v, None if lay.even else lay.kv_heads)
-    k_h, v_h = lay.local_kv(k_h, rank), lay.local_kv(v_h, rank)
-    out_h = engine_attention(q_h, k_h, v_h, q_pos=q_pos, k_pos=k_pos, meta=meta, sinks=lay.q_slice(sinks, rank),
-                             **engine_kw)
+    kv = kv_fn(k, v, None if lay.even else lay.kv_heads)
+    k_h, v_h = lay.local_kv(kv[0], rank), lay.local_kv(kv[1], rank)
+    with kv[2] if len(kv) > 2 else contextlib.nullcontext():
+        out_h = engine_attention(q_h, k_h, v_h, q_pos=q_pos, k_pos=k_pos, meta=meta,
+                                 sinks=lay.q_slice(sinks, rank), **engine_kw)
     return ulysses_head_to_seq(out_h, group, tag="cp.ulysses_h2s_out", heads=heads_q)
 
 
