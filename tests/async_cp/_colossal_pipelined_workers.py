@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tests.async_cp._pipelined_workers import _err, compare_async
-from tests.async_cp._workers import ADAPTERS, SYNC, _apply, _grads, build
+from tests.async_cp._workers import ADAPTERS, SYNC, _apply, _err, _grads, build, compare_async
 from tests.wrappers._workers import attention_batch, cp_forward_backward, mesh_ctx
 
 

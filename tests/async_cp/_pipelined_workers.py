@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-from tests.async_cp._workers import ADAPTERS, METHODS, SYNC, _apply, _grads, build
+from tests.async_cp._workers import ADAPTERS, METHODS, SYNC, _apply, build, compare_async
 from tests.wrappers._workers import attention_batch, cp_forward_backward, mesh_ctx
 
 
@@ -24,46 +22,6 @@ def q_chunks(g: int):
         yield
     finally:
         AH.DEFAULT_Q_CHUNKS = prev
-
-
-def _err(got: dict, ref: dict) -> tuple:
-    """(max abs error over every gradient, that / the reference's largest |gradient|)."""
-    gmax = max(g.abs().max().item() for g in ref.values())
-    a = max((got[n] - ref[n]).abs().max().item() for n in ref)
-    return a, a / max(gmax, 1e-12)
-
-
-def compare_async(model_a, plan_a, model_s, plan_s, ref, mesh, kind: str, S: int, seed: int) -> dict:
-    """One traced forward+backward of the async model and one of the sync model on the same ``kind``
-    batch of S tokens, against CP=1's ``ref``: logits and every gradient (summed over CP) as max abs
-    and relative to the reference's largest |logit| / |gradient|, the handles left pending after the
-    async forward+backward, the per-name trace counts, the layer count and the local length."""
-    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
-    from hyper_parallel.platform import pending_handles
-
-    batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
-    with async_trace() as trace:
-        full_a, w, meta = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=seed, use_cache=False)
-    pending = pending_handles()
-    full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=seed, use_cache=False)
-    ref_logits = ref(**ref_inputs).logits
-    (ref_logits * w).sum().backward()
-    ref_logits = ref_logits.detach()
-    group = mesh.cp_mesh.get_group()
-    g_a, g_s = _grads(model_a, group), _grads(model_s, group)
-    g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
-    vmask = valid[..., None]
-    rmax = (ref_logits.abs() * vmask).max().item()
-    la_cp1 = ((full_a - ref_logits).abs() * vmask).max().item()
-    la_sync = ((full_a - full_s).abs() * vmask).max().item()
-    counts = {}
-    for ev, name, _t in trace:
-        counts[(ev, name)] = counts.get((ev, name), 0) + 1
-    return {"local_seq_len": meta.local_seq_len,
-            "logits_abs_cp1": la_cp1, "logits_rel_cp1": la_cp1 / rmax,
-            "logits_abs_sync": la_sync, "logits_rel_sync": la_sync / rmax,
-            "grads_cp1": _err(g_a, g_ref), "grads_sync": _err(g_a, g_s), "sync_cp1": _err(g_s, g_ref),
-            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers}
 
 
 def pipelined_cases(cases) -> list:

@@ -83,17 +83,49 @@ def _grads(model, group):
     return out
 
 
-def _grad_err(got: dict, ref: dict) -> float:
+def _err(got: dict, ref: dict) -> tuple:
+    """(max abs error over every gradient, that / the reference's largest |gradient|)."""
     gmax = max(g.abs().max().item() for g in ref.values())
-    return max((got[n] - ref[n]).abs().max().item() for n in ref) / max(gmax, 1e-12)
+    a = max((got[n] - ref[n]).abs().max().item() for n in ref)
+    return a, a / max(gmax, 1e-12)
+
+
+def compare_async(model_a, plan_a, model_s, plan_s, ref, mesh, kind: str, S: int, seed: int) -> dict:
+    """One traced forward+backward of the async model and one of the sync model on the same ``kind``
+    batch of S tokens, against CP=1's ``ref``: logits and every gradient (summed over CP) as max abs
+    and relative to the reference's largest |logit| / |gradient|, the handles left pending after the
+    async forward+backward, the per-name trace counts, the layer count and the local length."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+    from hyper_parallel.platform import pending_handles
+
+    batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
+    with async_trace() as trace:
+        full_a, w, meta = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=seed, use_cache=False)
+    pending = pending_handles()
+    full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=seed, use_cache=False)
+    ref_logits = ref(**ref_inputs).logits
+    (ref_logits * w).sum().backward()
+    ref_logits = ref_logits.detach()
+    group = mesh.cp_mesh.get_group()
+    g_a, g_s = _grads(model_a, group), _grads(model_s, group)
+    g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
+    vmask = valid[..., None]
+    rmax = (ref_logits.abs() * vmask).max().item()
+    la_cp1 = ((full_a - ref_logits).abs() * vmask).max().item()
+    la_sync = ((full_a - full_s).abs() * vmask).max().item()
+    counts = {}
+    for ev, name, _t in trace:
+        counts[(ev, name)] = counts.get((ev, name), 0) + 1
+    return {"local_seq_len": meta.local_seq_len,
+            "logits_abs_cp1": la_cp1, "logits_rel_cp1": la_cp1 / rmax,
+            "logits_abs_sync": la_sync, "logits_rel_sync": la_sync / rmax,
+            "grads_cp1": _err(g_a, g_ref), "grads_sync": _err(g_a, g_s), "sync_cp1": _err(g_s, g_ref),
+            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers}
 
 
 def async_cases(cases) -> list:
     """[(arch, method, kind, S[, (Hq, Hk)])] on this rank -> one result dict per case (see the module
     doc); the optional head counts override the config's 4/2 (MQA, uneven query heads)."""
-    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
-    from hyper_parallel.platform import pending_handles
-
     out = []
     for i, (arch, method, kind, S, *heads) in enumerate(cases):
         heads = tuple(heads[0]) if heads else None
@@ -103,29 +135,12 @@ def async_cases(cases) -> list:
         model_a, plan_a = _apply(model_a, mesh, cp, ADAPTERS[arch] + suffix, params)
         model_s, plan_s = _apply(model_s, mesh, cp, SYNC + sync_name, params)
         assert plan_a.batch_policy == plan_s.batch_policy
-        batch, ref_inputs, valid = attention_batch(kind, S, model_a.config.vocab_size)
-        with async_trace() as trace:
-            full_a, w, _ = cp_forward_backward(model_a, mesh, plan_a, batch, valid, seed=i, use_cache=False)
-        pending = pending_handles()
-        full_s, _, _ = cp_forward_backward(model_s, mesh, plan_s, batch, valid, seed=i, use_cache=False)
-        ref_logits = ref(**ref_inputs).logits
-        (ref_logits * w).sum().backward()
-        ref_logits = ref_logits.detach()
-        group = mesh.cp_mesh.get_group()
-        g_a, g_s = _grads(model_a, group), _grads(model_s, group)
-        g_ref = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
-        vmask = valid[..., None]
-        rmax = (ref_logits.abs() * vmask).max().item()
-        counts = {}
-        for ev, name, _t in trace:
-            counts[(ev, name)] = counts.get((ev, name), 0) + 1
+        r = compare_async(model_a, plan_a, model_s, plan_s, ref, mesh, kind, S, seed=i)
         out.append({
             "case": f"{arch}/{method}/{kind}/S={S}" + (f"/heads={heads[0]}:{heads[1]}" if heads else ""),
-            "logits_vs_cp1": ((full_a - ref_logits).abs() * vmask).max().item() / rmax,
-            "logits_vs_sync": ((full_a - full_s).abs() * vmask).max().item() / rmax,
-            "grads_vs_cp1": _grad_err(g_a, g_ref), "grads_vs_sync": _grad_err(g_a, g_s),
-            "sync_vs_cp1": _grad_err(g_s, g_ref),
-            "pending": pending, "counts": counts, "layers": model_a.config.num_hidden_layers,
+            "logits_vs_cp1": r["logits_rel_cp1"], "logits_vs_sync": r["logits_rel_sync"],
+            "grads_vs_cp1": r["grads_cp1"][1], "grads_vs_sync": r["grads_sync"][1], "sync_vs_cp1": r["sync_cp1"][1],
+            "pending": r["pending"], "counts": r["counts"], "layers": r["layers"],
         })
     return out
 

@@ -40,7 +40,7 @@ def _chunks(method: str, local_len: int, G: int) -> int:
 
 
 def check_case(r: dict, where: str, names: list, G: int, g: int) -> None:
-    """One case's result of a pipelined parity worker (``_pipelined_workers.compare_async`` fields):
+    """One case's result of a pipelined parity worker (``_workers.compare_async`` fields):
     logits and gradients vs CP=1 and vs the sync wrapper within the tolerances, no pending handle,
     and each collective of ``names`` launched, waited, launched and waited in backward once per
     layer, none other launched (G asked, g chunks used)."""
