@@ -72,6 +72,10 @@ def configure_host_allocator(device_type: str) -> int | None:
 _ACCOUNTING_ENV = "HYPER_PARALLEL_TENSOR_ACCOUNTING"
 
 
+def _accounting_off() -> bool:
+    return os.environ.get(_ACCOUNTING_ENV, "1").strip() == "0"
+
+
 def _ops():
     """torch.ops.hyper_parallel with the accounting ops, or None (no extension, or one built before
     they existed: rebuild with ``pip install --no-build-isolation -e .``)."""
@@ -92,7 +96,7 @@ def track_host_tensors(device_type: str) -> bool:
     extension, or another allocator without a raw deleter in place: nothing changes, False.
     Idempotent; local to this process, no collective. Blocks allocated before the call are never
     counted."""
-    if device_type != "cpu" or os.environ.get(_ACCOUNTING_ENV, "1").strip() == "0":
+    if device_type != "cpu" or _accounting_off():
         return False
     ops = _ops()
     return bool(ops is not None and ops.host_tensor_accounting(True))
@@ -101,7 +105,7 @@ def track_host_tensors(device_type: str) -> bool:
 def host_tensor_bytes() -> tuple[int, int] | None:
     """(live, peak) bytes of CPU tensor storage allocated since :func:`track_host_tensors`, or None
     when the accounting is not in force."""
-    if os.environ.get(_ACCOUNTING_ENV, "1").strip() == "0":
+    if _accounting_off():
         return None
     ops = _ops()
     if ops is None or not ops.host_tensor_accounting_enabled():
