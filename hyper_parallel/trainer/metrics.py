@@ -32,15 +32,20 @@ class RunLog:
         self._stream = None   # the open JSONL file (rank 0), opened (truncated) on first use
 
     def _open(self, records: list[dict]) -> None:
-        """Start the JSONL file afresh with the meta line and ``records``."""
+        """Start the JSONL file afresh with the meta line and ``records``. The new file is written
+        beside the old one and renamed over it, so a rank reading the stream at that moment (every
+        rank reads it in :meth:`load_previous` while rank 0 rewrites it) sees the old file or the new
+        one, never a truncated one."""
         if self._stream is not None:
             self._stream.close()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._stream = open(self.jsonl_path, "w", encoding="utf-8")
-        self._stream.write(json.dumps({"meta": self.meta}) + "\n")
-        for r in records:
-            self._stream.write(json.dumps(r) + "\n")
-        self._stream.flush()
+        tmp = self.jsonl_path.with_name(self.jsonl_path.name + f".tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"meta": self.meta}) + "\n")
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.jsonl_path)
+        self._stream = open(self.jsonl_path, "a", encoding="utf-8")
 
     def load_previous(self, upto_step: int) -> None:
         """Keep the records of a resumed run (steps <= upto_step) so the curve continues: from the

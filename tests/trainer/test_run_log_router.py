@@ -31,3 +31,27 @@ def test_progress_bar_shows_router_loss(capsys):
     err = capsys.readouterr().err
     print(err)
     assert "router=1.0625" in err and "mem=1.25GB" in err and "loss=2.5000" in err
+
+
+def test_resume_rewrites_the_stream_without_truncating_it_under_a_reader(tmp_path):
+    """Every rank reads the JSONL stream in load_previous while rank 0 rewrites it: a reader that
+    opened the file just before the rewrite still reads the whole old stream (the new one is renamed
+    over it, not truncated in place), and a later reader sees exactly the kept records."""
+    import json
+
+    from hyper_parallel.trainer.metrics import RunLog, read_jsonl
+
+    first = RunLog(tmp_path, meta={"title": "t"})
+    for step in (1, 2, 3):
+        first.append({"step": step, "loss": 1.0 / step})
+    first.write(plot=False)
+    old = first.jsonl_path.read_text()
+    with open(first.jsonl_path, encoding="utf-8") as reader:       # another rank, mid-read
+        resumed = RunLog(tmp_path, meta={"title": "t"})
+        resumed.load_previous(2)                                    # rank 0 rewrites
+        assert reader.read() == old
+    meta, steps = read_jsonl(first.jsonl_path)
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in resumed.records] == [1, 2]
+    resumed.append({"step": 3, "loss": 0.5})
+    assert [json.loads(x).get("step") for x in first.jsonl_path.read_text().splitlines()[1:]] == [1, 2, 3]
+    assert not list(tmp_path.glob("*.tmp*")), "the temporary stream was left behind"
