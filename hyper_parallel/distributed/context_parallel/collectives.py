@@ -184,30 +184,63 @@ def _check_kv_pair(k: torch.Tensor, v: torch.Tensor, cp_dim: int, fn: str) -> in
 class _Regather:
     """What the attention's autograd node keeps instead of a gathered K or V (see
     :func:`regather_saved_kv`): this rank's local K and V, their versions, and the no-grad
-    re-run of the exchange that produced the gathered pair."""
+    re-run of the exchange that produced the gathered pair (``run``; or ``launch``, which starts it
+    and returns an object whose ``wait()`` gives the pair — then :meth:`prefetch` can start it
+    early). ``refs[i]``: how many saved tensors (the gathered tensor or views of it) the node
+    packed for K (0) / V (1); ``shapes[i]``/``strides[i]``: the gathered tensor's geometry, which the
+    re-run reproduces (checked)."""
 
-    __slots__ = ("local", "versions", "run", "pending")
+    __slots__ = ("local", "versions", "run", "launch", "pending", "left", "refs", "shapes", "strides",
+                 "handle", "then")
 
-    def __init__(self, local, run):
-        self.local, self.run = local, run
+    def __init__(self, local, run, gathered, launch=None):
+        self.local, self.run, self.launch = local, run, launch
         self.versions = tuple(t._version for t in local)
         self.pending: list | None = None
+        self.left: list | None = None
+        self.refs = [0, 0]
+        self.shapes = tuple(tuple(g.shape) for g in gathered)
+        self.strides = tuple(g.stride() for g in gathered)
+        self.handle = None
+        self.then: "_Regather | None" = None     # the exchange to start once this one has run
+
+    def _check_versions(self) -> None:
+        if tuple(t._version for t in self.local) != self.versions:
+            raise RuntimeError(
+                "regathered K/V: the local key or value shard was modified in place after the "
+                "attention's forward, so re-gathering it in backward would use other values; do not "
+                "write into key/value states after attention (or use activation checkpointing)")
+
+    def prefetch(self) -> None:
+        """Start the exchange now (``launch`` only; no-op once it was started or read: a prefetch
+        must be consumed, so a second backward exchanges on demand)."""
+        if self.launch is not None and self.pending is None and self.handle is None and self.left is None:
+            self._check_versions()
+            self.handle = self.launch(*self.local)
 
     def get(self, which: int) -> torch.Tensor:
-        """The gathered K (0) or V (1). One exchange brings both; each is handed out once, and an
-        unpack that finds its slot empty (a second backward, a backend that saves one twice)
-        exchanges again — the same calls on every rank, in autograd's order."""
-        if self.pending is None or self.pending[which] is None:
-            if tuple(t._version for t in self.local) != self.versions:
-                raise RuntimeError(
-                    "regathered K/V: the local key or value shard was modified in place after the "
-                    "attention's forward, so re-gathering it in backward would use other values; do not "
-                    "write into key/value states after attention (or use activation checkpointing)")
+        """The gathered K (0) or V (1). One exchange brings both; they are kept until every saved
+        tensor packed from them has been unpacked, then dropped. An unpack that finds them dropped
+        (a second backward) exchanges again — the same calls on every rank, in autograd's order."""
+        if self.pending is None:
+            if self.handle is None:
+                self._check_versions()
             with torch.no_grad():
-                self.pending = list(self.run(*self.local))
-        out, self.pending[which] = self.pending[which], None
-        if all(x is None for x in self.pending):
-            self.pending = None
+                got = self.handle.wait() if self.handle is not None else self.run(*self.local)
+            self.handle = None
+            for i, g in enumerate(got):
+                if tuple(g.shape) != self.shapes[i] or g.stride() != self.strides[i]:
+                    raise RuntimeError(f"regathered K/V: the re-run exchange gave shape {tuple(g.shape)} "
+                                       f"stride {g.stride()}, the forward's was {self.shapes[i]} {self.strides[i]}")
+            self.pending, self.left = list(got), list(self.refs)
+            if self.then is not None:
+                self.then.prefetch()
+        out = self.pending[which]
+        self.left[which] -= 1
+        if self.left[which] <= 0:
+            self.pending[which] = None
+            if all(x is None for x in self.pending):
+                self.pending = None
         return out
 
 
@@ -238,13 +271,20 @@ def _hooks_free() -> bool:
     return not (callable(compiling) and compiling())
 
 
-def regather_saved_kv(local: tuple, gathered: tuple, run):
-    """Context manager: autograd saves the gathered ``(k_all, v_all)`` as the local ``(k, v)`` and
-    ``run(k, v)`` (a no-grad re-run of the exchange, bitwise the same result) brings them back
-    when backward reads them. Between forward and backward a rank then holds the local shards
-    (``1/C`` of the gathered size; in a model nothing else saves the post-RoPE K/V) instead of the
-    gathered tensors: ``(C-1)/C`` of them saved. Backward issues one more exchange (tags
-    ``*.regather_k`` / ``*.regather_v``), in the same order on every rank (autograd's).
+def regather_saved_kv(local: tuple, gathered: tuple, run=None, *, launch=None, state_out: list | None = None):
+    """Context manager: autograd saves the gathered ``(k_all, v_all)`` — or views of them, e.g. the
+    causal key prefixes Head-Tail passes — as the local ``(k, v)``, and ``run(k, v)`` (a no-grad
+    re-run of the exchange, bitwise the same result) brings them back when backward reads them.
+    Between forward and backward a rank then holds the local shards (``1/C`` of the gathered size;
+    in a model nothing else saves the post-RoPE K/V) instead of the gathered tensors: ``(C-1)/C`` of
+    them saved. Backward issues one more exchange (tags ``*.regather_k`` / ``*.regather_v``), in
+    the same order on every rank (autograd's); it is kept until every saved tensor packed from it
+    has been read, so several engine calls on one gathered pair share one exchange.
+
+    ``launch`` instead of ``run`` (the async methods): ``launch(k, v)`` starts the exchange on the
+    platform's communication thread and returns an object whose ``wait()`` gives the pair; the
+    context's state is appended to ``state_out`` so that the caller can chain prefetches
+    (``state.then = next_state``: the next pair's exchange starts as soon as this one is read).
 
     Active only where it can act: with grad enabled, no other saved-tensor hooks in force
     (activation checkpointing and offloading install their own and already drop these tensors;
@@ -257,21 +297,54 @@ def regather_saved_kv(local: tuple, gathered: tuple, run):
     """
     import contextlib
 
+    if launch is not None and run is None:
+        def run(k, v):
+            return launch(k, v).wait()
     if not torch.is_grad_enabled() or gathered[0] is local[0] or not _hooks_free():
         return contextlib.nullcontext()
 
-    def key(t):
-        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    # a contiguous gathered tensor is one memory range: any saved tensor inside it is a view of it;
+    # a strided one (some exchanges return a permuted buffer) is matched only as itself
+    spans = []
+    for g in gathered:
+        spans.append((g.untyped_storage().data_ptr(), g.storage_offset(), g.storage_offset() + g.numel(),
+                      g.dtype, g.device, g.is_contiguous(), (g.data_ptr(), tuple(g.shape), g.stride())))
+    state = _Regather(tuple(local), run, gathered, launch=launch)
+    if state_out is not None:
+        state_out.append(state)
 
-    keys = {key(g): i for i, g in enumerate(gathered)}
-    state = _Regather(tuple(local), run)
+    def view_of(t):
+        """(index of the gathered tensor ``t`` is, or is a view into; its geometry relative to it)."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        off = t.storage_offset()
+        last = off + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        for i, (gp, lo, hi, dtype, dev, contiguous, exact) in enumerate(spans):
+            if ptr != gp or t.dtype != dtype or t.device != dev:
+                continue
+            if (t.data_ptr(), tuple(t.shape), t.stride()) == exact:
+                return i, (exact[1], exact[2], 0)
+            if contiguous and lo <= off and last < hi and all(s >= 0 for s in t.stride()):
+                return i, (tuple(t.shape), t.stride(), off - lo)
+        return None
 
     def pack(t):
-        i = keys.get(key(t)) if type(t) is torch.Tensor and t.layout == torch.strided else None
-        return _Kept(t) if i is None else (state, i)
+        hit = view_of(t)
+        if hit is None:
+            return _Kept(t)
+        i, geom = hit
+        state.refs[i] += 1
+        return (state, i, geom)
 
     def unpack(x):
-        return x.get() if isinstance(x, _Kept) else x[0].get(x[1])
+        if isinstance(x, _Kept):
+            return x.get()
+        st, i, (shape, stride, rel) = x
+        base = st.get(i)
+        if shape == tuple(base.shape) and stride == base.stride() and rel == 0:
+            return base
+        return base.as_strided(shape, stride, base.storage_offset() + rel)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

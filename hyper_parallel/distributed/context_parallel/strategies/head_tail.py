@@ -15,16 +15,22 @@ is balanced:
   o_tail = engine(q_tail, K[:(2C-r)S/2C],  q_pos = (2C-1-r)*S/2C + arange, k_pos = 0..)
            (keys past the last query are dropped when causal: every rank sees (2C+1)*S/2C keys)
   (o_head, o_tail) --A2A combine(cp)--> out [B,Hq,S/C,D] chunk r
-Backward mirrors every exchange: dO dispatch, dQ combine, dK/dV ReduceScatter.
+Backward mirrors every exchange: dO dispatch, dQ combine, dK/dV ReduceScatter. Between forward and
+backward the rank keeps its local K/V, not the gathered ones (the two engine calls save key prefixes,
+views of the gathered K/V), and backward gathers them again once for both calls
+(:func:`~..collectives.regather_saved_kv`, tags ``cp.allgather.regather_k`` / ``_v``);
+``HeadTailStrategy.keep_gathered_kv = True`` keeps them instead (no second exchange).
 Constraints: S % 2C == 0 (batch policy 'load_balance'); any GQA ratio; Colossal only — Ulysses or
 Hybrid combined with Head-Tail is rejected.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..collectives import (flex_cp_allgather, head_tail_combine, head_tail_dispatch,
-                           head_tail_sub_chunks)
+                           head_tail_sub_chunks, regather_allgather, regather_saved_kv)
 from ..meta import CPBatchMeta
 from .base import CPGroupStrategy, check_sinks, engine_attention
 
@@ -34,6 +40,8 @@ class HeadTailStrategy(CPGroupStrategy):
 
     name = "load_balance"
     method = "load_balance"
+    #: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
+    keep_gathered_kv = False
 
     def padding_multiple(self, cp_size: int) -> int:
         return 2 * cp_size
@@ -54,11 +62,14 @@ class HeadTailStrategy(CPGroupStrategy):
         q_head, q_tail = head_tail_dispatch(q, self.group)
         sub = meta.global_seq_len // (2 * C)
         outs = []
-        for q_part, chunk in zip((q_head, q_tail), head_tail_sub_chunks(r, C)):
-            q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
-            n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
-            k_pos = torch.arange(n_keys, dtype=torch.int64)
-            outs.append(engine_attention(q_part, k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos=q_pos,
-                                         k_pos=k_pos, meta=meta, scale=scale, window=window, softcap=softcap,
-                                         sinks=sinks))
+        regather = (contextlib.nullcontext() if self.keep_gathered_kv
+                    else regather_saved_kv((k, v), (k_all, v_all), regather_allgather(2, self.group)))
+        with regather:
+            for q_part, chunk in zip((q_head, q_tail), head_tail_sub_chunks(r, C)):
+                q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
+                n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
+                k_pos = torch.arange(n_keys, dtype=torch.int64)
+                outs.append(engine_attention(q_part, k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos=q_pos,
+                                             k_pos=k_pos, meta=meta, scale=scale, window=window, softcap=softcap,
+                                             sinks=sinks))
         return head_tail_combine(outs[0], outs[1], self.group)

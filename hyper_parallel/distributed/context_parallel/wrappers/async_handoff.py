@@ -54,6 +54,14 @@ ReduceScatter as soon as that chunk's gradient is complete (overlapping the earl
 backward); the launch nodes wait them at the K/V projections' backward. G = 1: one gather per
 tensor, waited at ``cp_attn_wait`` (the unpipelined order).
 
+**Gathered K/V are not kept for backward** (Colossal, Head-Tail, Hybrid; as the sync strategies):
+each engine call's saved K/V — the gathered pair or views of it — are kept as the local tensors the
+handoff sent, and backward runs the same forward collective again on the comm thread
+(:func:`..collectives.regather_saved_kv` with ``launch``; bitwise the forward's result; Hybrid re-runs
+its whole A2A + AllGather chain). With the K/V pipeline, reading chunk c's pair also starts chunk
+c-1's exchange, so it travels while chunk c's attention backward computes; only the first (the last
+chunk's) is waited at once. ``keep_gathered_kv = True`` (module attribute) keeps them instead.
+
 **Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
 name), the four modules are distinct and owned by this attention, and a probe forward (train
 mode, 2 tokens) proves each is called exactly once, the three handoffs before the wait and the
@@ -78,6 +86,7 @@ query heads.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional
 
@@ -88,7 +97,7 @@ from ....platform import group_rank
 from .. import catalogue
 from ..async_collectives import (AsyncCollective, colossal_kv_plan, head_tail_out_plan, head_tail_q_plan,
                                  hybrid_kv_plan, trace_event, tracing, ulysses_out_plan, ulysses_plan)
-from ..collectives import head_tail_sub_chunks
+from ..collectives import head_tail_sub_chunks, regather_saved_kv
 from ..interception import (AttentionCall, CPInterceptionError, current_apply_context,
                             ensure_hf_interface_registered, hf_probe_inputs, install_private_config,
                             intercept_hf_interface)
@@ -113,6 +122,8 @@ ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": (
 DEFAULT_Q_CHUNKS = 4
 # K/V pipeline depth G of async Colossal when the wrapper names none
 DEFAULT_KV_CHUNKS = 4
+#: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
+keep_gathered_kv = False
 
 
 def _check_chunks(value, field: str, default: int, what: str, who: str) -> int:
@@ -379,6 +390,7 @@ class _Call:
         # Colossal K/V pipeline: "k"/"v" -> [(AsyncCollective, token)] per sequence chunk, in order;
         # "k_rest"/"v_rest": the chunks 1.. of the first handoff, launched interleaved at the second
         self.kv_parts: dict = {}
+        self.sent: dict = {}                           # name -> (forward_comm, the local tensor it was launched on)
         self.plans: dict = {}                          # this forward's collectives (per head layout)
         self.layout: Optional[UlyssesHeadLayout] = None  # Ulysses/Hybrid head split of this forward
         self.computes_since_launch = 0
@@ -388,7 +400,36 @@ class _Call:
         """A new :class:`AsyncCollective` ``name`` on ``plan`` launched on ``x``: ``(coll, token)``."""
         coll = AsyncCollective(name, *plan)
         self.colls[name] = coll
+        self.sent[name] = (coll.forward_comm, x)
         return coll, coll.launch(x)
+
+    def regather(self, k_name: str, v_name: str, gathered: tuple, states: Optional[list] = None):
+        """:func:`..collectives.regather_saved_kv` around the engine call(s) consuming ``gathered``
+        (the waited results of collectives ``k_name`` / ``v_name``, or tensors they are views of):
+        backward re-runs both forward collectives on their local tensors, on the comm thread.
+        ``states``: collects the regather state (for prefetch chaining)."""
+        if keep_gathered_kv or k_name not in self.sent or v_name not in self.sent:
+            return contextlib.nullcontext()
+        (fk, xk), (fv, xv) = self.sent[k_name], self.sent[v_name]
+        tag = f"{k_name}+{v_name}"
+
+        def launch(kl, vl):
+            trace_event("regather_launch", tag)
+            return _PairHandle(fk(kl), fv(vl), tag)
+
+        return regather_saved_kv((xk, xv), gathered, launch=launch, state_out=states)
+
+
+class _PairHandle:
+    """The two handles of a K/V regather; ``wait()`` -> ``(k, v)``."""
+
+    def __init__(self, hk, hv, tag: str):
+        self.hk, self.hv, self.tag = hk, hv, tag
+
+    def wait(self) -> tuple:
+        out = self.hk.wait(), self.hv.wait()
+        trace_event("regather_wait", self.tag)
+        return out
 
 
 def _chunk_name(base: str, i: int) -> str:
@@ -480,26 +521,30 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         c = current()
         if m == "colossal":
             if not c.kv_parts:         # G = 1: K/V waited whole at cp_attn_wait
-                return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
+                with c.regather("k", "v", (k, v)):
+                    return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
             return _colossal_pipelined(c, plan, q, meta, sinks, kw)
         outs = []
         if m == "load_balance":
             C, r = plan.checker.cp_size, plan.checker.cp_rank
             sub = meta.global_seq_len // (2 * C)
             rows = sub // len(c.q_parts)
-            for ci, (coll, tok) in enumerate(c.q_parts):
-                q_c = coll.wait(tok)                 # [B, Hq, 2*rows, D]: rows of the head, then the tail branch
-                _trace_chunk(q_c, ci)
-                res = []
-                # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
-                for q_part, chunk in zip(q_c.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
-                    lo = chunk * sub + ci * rows
-                    q_pos = torch.arange(lo, lo + rows, dtype=torch.int64)
-                    n_keys = lo + rows if meta.causal else meta.global_seq_len   # keys past the last query: invisible
-                    trace_event("compute", f"attention_chunk{chunk}")
-                    res.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
-                                                k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks, **kw))
-                outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], torch.cat(res, dim=2)))
+            # one regather for all query chunks: the branches save key prefixes, views of k / v
+            with c.regather("k", "v", (k, v)):
+                for ci, (coll, tok) in enumerate(c.q_parts):
+                    q_c = coll.wait(tok)             # [B, Hq, 2*rows, D]: rows of the head, then the tail branch
+                    _trace_chunk(q_c, ci)
+                    res = []
+                    # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
+                    for q_part, chunk in zip(q_c.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
+                        lo = chunk * sub + ci * rows
+                        q_pos = torch.arange(lo, lo + rows, dtype=torch.int64)
+                        n_keys = lo + rows if meta.causal else meta.global_seq_len   # keys past the last query
+                        trace_event("compute", f"attention_chunk{chunk}")
+                        res.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
+                                                    k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks,
+                                                    **kw))
+                    outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], torch.cat(res, dim=2)))
             got = [oc.wait(t) for oc, t in outs]     # each [B, Hq, 2*rows, D]: rows of sub-chunk 2r, then 2r+1
             return torch.cat([g[:, :, :rows] for g in got] + [g[:, :, rows:] for g in got], dim=2)
         # ulysses / hybrid: this rank's head slice over the (group's) whole sequence
@@ -508,6 +553,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         lay = c.layout
         # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas): the engine's
         # GQA map and the sinks of these query heads, as the sync ulysses_group_attention
+        gathered = (k, v)
         k, v = lay.local_kv(k, i), lay.local_kv(v, i)
         sinks_h = lay.q_slice(sinks, i)
         if m == "ulysses":
@@ -518,12 +564,15 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
             q_pos = torch.arange(start, start + span, dtype=torch.int64)
         # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
         q_pos = q_pos.view(u, len(c.q_parts), -1)
-        for ci, (coll, tok) in enumerate(c.q_parts):
-            q_c = coll.wait(tok)                     # [B, n_i, u*L/G, D]
-            _trace_chunk(q_c, ci)
-            out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index, sinks=sinks_h,
-                                   **kw)
-            outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], out))
+        # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
+        # the size of the local ones: nothing to save); one exchange serves every query chunk
+        with c.regather("k", "v", gathered) if m == "hybrid" and u < plan.checker.cp_size else contextlib.nullcontext():
+            for ci, (coll, tok) in enumerate(c.q_parts):
+                q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
+                _trace_chunk(q_c, ci)
+                out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index,
+                                       sinks=sinks_h, **kw)
+                outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], out))
         return torch.cat([oc.wait(t) for oc, t in outs], dim=2)    # [B, Hq, L, D]
 
     return handler
@@ -541,11 +590,16 @@ def _colossal_pipelined(c: _Call, plan: _Plan, q: torch.Tensor, meta, sinks, kw:
     k_pos = meta.k_index.view(C, g, -1)          # rank-major: rank j's rows of chunk ci
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = lse = None
+    states: list = []                            # chunk ci's regather state (backward reads them last first)
     for ci, ((ck, tk), (cv, tv)) in enumerate(zip(ks, vs)):
         k_c, v_c = ck.wait(tk), cv.wait(tv)      # [B, Hk, C*L/G, D]
         _trace_kv_chunk(k_c, v_c, ci)
-        o, l = engine_attention(q, k_c, v_c, q_pos=meta.q_index, k_pos=k_pos[:, ci].reshape(-1),
-                                sinks=sinks if ci == 0 else None, return_lse=True, **kw)
+        n = len(states)
+        with c.regather(_chunk_name("k", ci), _chunk_name("v", ci), (k_c, v_c), states):
+            o, l = engine_attention(q, k_c, v_c, q_pos=meta.q_index, k_pos=k_pos[:, ci].reshape(-1),
+                                    sinks=sinks if ci == 0 else None, return_lse=True, **kw)
+        if n and len(states) > n:
+            states[-1].then = states[-2]         # reading chunk ci's pair starts chunk ci-1's exchange
         if out is None:
             out, lse = o.to(acc_dtype), l
         else:
