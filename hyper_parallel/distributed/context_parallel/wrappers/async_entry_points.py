@@ -91,7 +91,9 @@ def async_colossal_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, kv
                           (out_c, lse_c) = engine(q local, K_c, V_c; sinks in chunk 0 only)
                           merge into the running (out, lse)       (overlaps chunks c+1.. in flight)
 
-    Backward (autograd, reverse creation order): merge / attention backward of chunk G-1, its
+    Backward (autograd, reverse creation order): merge / attention backward of chunk G-1 (its
+    K/V chunk re-gathered first: the gathered K/V are not kept between forward and backward; that
+    read launches chunk G-2's regather, docs/async_cp.md), its
     wait nodes launch the dK/dV ReduceScatter of chunk G-1, then chunk G-2's attention backward
     (overlapping it), ... chunk 0; the Q branch backward (RoPE, norm, q_proj grad GEMM) while
     the last ReduceScatters travel; the launch nodes wait them at the V/K projection backward.
@@ -124,7 +126,8 @@ def async_hybrid_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulys
     colossal-group AllGather on the comm thread, Q ulysses A2A in ``q_chunks`` pipelined chunks
     with each chunk's output head->seq A2A launched after its attention (as async Ulysses, on the
     ulysses group); backward ReduceScatter(colossal) chained into the inverse A2A(ulysses), dO /
-    dQ per chunk. Head layouts as the sync
+    dQ per chunk, and, before the first attention backward, the K/V chain once more (the gathered
+    K/V are not kept between forward and backward, docs/async_cp.md). Head layouts as the sync
     Hybrid (``Hq >= ulysses_degree``; uneven / replicated KV on the ulysses sub-group, the
     colossal AllGather acting on each rank's KV-head shard unchanged)."""
     return install_async("hybrid", target_module, mesh, cp_mesh, "async_hybrid_cp_wrapper",
@@ -155,7 +158,9 @@ def async_load_balance_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh
 
     (keys past a part's last query are dropped when causal.) Backward (autograd, reverse
     creation order): the combine wait nodes launch the dispatch of dO for every chunk (last
-    chunk first) -> per chunk c = G-1..0: wait its dO, tail then head attention backward, launch
+    chunk first) -> per chunk c = G-1..0: wait its dO, tail then head attention backward (the
+    first one re-gathers K/V on the comm thread: the gathered K/V are not kept between forward and
+    backward, docs/async_cp.md), launch
     the dQ combine of chunk c (overlapping chunk c-1's backward) -> after chunk 0: dK/dV
     ReduceScatter launched -> the Q launch nodes wait the dQ chunks -> Q branch backward (RoPE,
     norm, q_proj grad GEMM) while dK/dV are in flight -> V, then K launch nodes wait -> V/K
