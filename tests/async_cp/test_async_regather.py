@@ -24,9 +24,13 @@ from tests.wrappers._workers import attention_batch, mesh_ctx
 S_GLOBAL = 64
 
 
-def regather_run(method: str, kv_chunks: int | None) -> dict:
+def regather_run(method: str, kv_chunks: int | None, cp: int | None = None, heads=None, u: int | None = None,
+                 modes=(True, False) * 3) -> dict:
     """Forward (live bytes measured after it) and backward of the async adapter ``method`` with
-    ``keep_gathered_kv`` True then False (twice each, the least held bytes taken)."""
+    ``keep_gathered_kv`` True then False (twice each, the least held bytes taken); then a
+    ``retain_graph`` double backward. ``cp`` / ``heads`` (Hq, Hk) / ``u`` override the method's
+    world, the model's heads and Hybrid's ulysses degree; ``modes``: the ``keep_gathered_kv`` values
+    run in turn (the first pair warms up one-time caches)."""
     import gc
     import time
 
@@ -38,10 +42,11 @@ def regather_run(method: str, kv_chunks: int | None) -> dict:
     from hyper_parallel.platform.host_memory import host_tensor_bytes, track_host_tensors
 
     assert track_host_tensors("cpu")
-    cp, suffix, _sync, params = METHODS[method]
-    params = dict(params, **({"kv_chunks": kv_chunks} if kv_chunks else {}))
-    mesh = mesh_ctx(cp, hybrid=(2,) if method == "hybrid" else ())
-    [model] = build("llama", 1)
+    cp0, suffix, _sync, params = METHODS[method]
+    cp = cp or cp0
+    params = dict(params, **({"kv_chunks": kv_chunks} if kv_chunks else {}), **({"ulysses_degree": u} if u else {}))
+    mesh = mesh_ctx(cp, hybrid=(params["ulysses_degree"],) if method == "hybrid" else ())
+    [model] = build("llama", 1, heads)
     model, plan = _apply(model, mesh, cp, ADAPTERS["llama"] + suffix, params)
     batch, _ref, _valid = attention_batch("padding", S_GLOBAL, model.config.vocab_size)
     local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
@@ -49,7 +54,7 @@ def regather_run(method: str, kv_chunks: int | None) -> dict:
     w = torch.randn(*local["input_ids"].shape, model.config.vocab_size, generator=torch.Generator().manual_seed(3))
     runs = {}
     try:
-        for keep in (True, False, True, False, True, False):    # the first pair warms up one-time caches
+        for keep in modes:
             AH.keep_gathered_kv = keep
             for p in model.parameters():
                 p.grad = None
@@ -77,23 +82,36 @@ def regather_run(method: str, kv_chunks: int | None) -> dict:
                        grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     finally:
         AH.keep_gathered_kv = False
+    # retain_graph: the second backward regathers again (on demand) and doubles every gradient
+    for p in model.parameters():
+        p.grad = None
+    with cp_batch_context(meta), async_trace() as trace:
+        loss = (model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+                * w).sum()
+        loss.backward(retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        mark = len(trace)
+        loss.backward()
+    twice = all(torch.equal(p.grad, 2 * first[n]) for n, p in model.named_parameters() if n in first)
+    second = [n for e, n, _t in trace[mark:] if e == "regather_launch"]
     cfg = model.config
     hk, d, L, S = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, meta.local_seq_len, \
         meta.global_seq_len
     B = local["input_ids"].shape[0]
     if method == "hybrid":      # [B, Hk/u, S, D] gathered over the colossal group; local [B, Hk, L, D]
-        gathered, sent = B * (hk // 2) * S * d, B * hk * L * d
+        gathered, sent = B * (hk // params["ulysses_degree"]) * S * d, B * hk * L * d
     else:
         gathered, sent = B * hk * S * d, B * hk * L * d
-    keep, rg = runs[True], runs[False]
-    return {"saved": min(keep["held"][1:]) - min(rg["held"][1:]),
+    rg = runs[False]
+    keep = runs.get(True, rg)
+    return {"saved": min(keep["held"][1:] or keep["held"]) - min(rg["held"][1:] or rg["held"]),
             "expect": cfg.num_hidden_layers * 2 * (gathered - sent) * 4, "layers": cfg.num_hidden_layers,
             "same_logits": torch.equal(keep["logits"], rg["logits"]),
             "same_grads": sorted(keep["grads"]) == sorted(rg["grads"])
             and all(torch.equal(keep["grads"][n], rg["grads"][n]) for n in keep["grads"]),
             "fwd_regather": [x for x in rg["fwd"] if x[0].startswith("regather")],
             "bwd": rg["bwd"], "keep_bwd_regather": [x for x in keep["bwd"] if x[0].startswith("regather")],
-            "pending": [keep["pending"], rg["pending"]]}
+            "pending": [keep["pending"], rg["pending"], pending_handles()], "twice": twice, "second": second}
 
 
 CASES = [("colossal", 1), ("colossal", 4), ("load_balance", None), ("hybrid", None)]
@@ -108,12 +126,23 @@ def test_async_attention_regathers_kv_in_backward(ranks, method, kv_chunks):
               f"gathered K/V less the local ones, {res['expect']}); backward regathers {tags}")
         assert res["saved"] == res["expect"], res["saved"]
         assert res["same_logits"] and res["same_grads"], f"rank {r}: regathering changed a value"
-        assert res["pending"] == [0, 0], res["pending"]
+        assert res["pending"] == [0, 0, 0], res["pending"]
+        assert res["twice"] and len(res["second"]) == len(tags), res["second"]
         assert not res["fwd_regather"] and not res["keep_bwd_regather"], res
         pairs = kv_chunks if method == "colossal" else 1
         assert len(tags) == pairs * res["layers"], tags
         waits = [n for e, n in res["bwd"] if e == "regather_wait"]
         assert sorted(waits) == sorted(tags), (waits, tags)
+        # every regather but the backward's first was started early: something computed while it travelled
+        ev, pending_at = res["bwd"], {}
+        for i, (e, n) in enumerate(ev):
+            if e == "regather_launch":
+                pending_at.setdefault(n, []).append(i)
+            elif e == "regather_wait":
+                start = pending_at[n].pop(0)
+                between = [x for x in ev[start:i] if x[0] == "bwd_compute"]
+                first = start == min(j for j, x in enumerate(ev) if x[0] == "regather_launch")
+                assert first or between, (n, start, i, ev)
         if pairs > 1:
             # per layer the pairs are read last chunk first; reading chunk c launches chunk c-1's, which is
             # then in flight while chunk c's attention backward computes (bwd_compute attention_kv{c})
@@ -126,3 +155,14 @@ def test_async_attention_regathers_kv_in_backward(ranks, method, kv_chunks):
                 assert len(launches) == len(computes) == len(waits_prev) == res["layers"], (c, ev)
                 for lo, co, wa in zip(launches, computes, waits_prev):
                     assert lo < co < wa, (c, lo, co, wa, ev)
+
+
+def test_async_hybrid_uneven_layout_keeps_kv_and_runs(ranks):
+    """Hybrid cp 8, ulysses degree 4, 12 query / 3 KV heads: ulysses ranks 1 and 2 re-select KV heads
+    locally (an index_select copy) while 0 and 3 do not. The regather re-runs the ulysses A2A, which
+    needs every rank of the group, so none regathers (a rank-dependent choice would leave ranks 0 and 3
+    waiting in backward for an A2A the others never issue); the run finishes with nothing pending."""
+    for r, res in enumerate(ranks(8).run(regather_run, "hybrid", None, 8, (12, 3), 4, (False,), timeout=300)):
+        tags = [n for e, n in res["bwd"] if e == "regather_launch"]
+        assert not tags and not res["second"], (r, tags, res["second"])
+        assert res["twice"] and res["pending"] == [0, 0, 0], (r, res["pending"])

@@ -33,6 +33,7 @@ the group (size and global ranks) that failed.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -187,11 +188,15 @@ class _Regather:
     re-run of the exchange that produced the gathered pair (``run``; or ``launch``, which starts it
     and returns an object whose ``wait()`` gives the pair — then :meth:`prefetch` can start it
     early). ``refs[i]``: how many saved tensors (the gathered tensor or views of it) the node
-    packed for K (0) / V (1); ``shapes[i]``/``strides[i]``: the gathered tensor's geometry, which the
-    re-run reproduces (checked)."""
+    packed for K (0) / V (1); ``geometry[i]``: the gathered tensor's shape, strides, dtype and
+    device, which the re-run reproduces (checked). ``hold``: set when the context closes with K or
+    V not packed at all (a backend that saved a copy of it): the packed gathered tensors are then
+    kept and nothing is exchanged — an exchange must happen on every rank of the group or on none,
+    and a pair with half its saves elsewhere would re-gather for nothing. ``then``: a weak
+    reference to the state whose exchange to start once this one has run (async prefetch)."""
 
-    __slots__ = ("local", "versions", "run", "launch", "pending", "left", "refs", "shapes", "strides",
-                 "handle", "then")
+    __slots__ = ("local", "versions", "run", "launch", "pending", "left", "refs", "geometry", "handle",
+                 "then", "hold", "__weakref__")
 
     def __init__(self, local, run, gathered, launch=None):
         self.local, self.run, self.launch = local, run, launch
@@ -199,10 +204,16 @@ class _Regather:
         self.pending: list | None = None
         self.left: list | None = None
         self.refs = [0, 0]
-        self.shapes = tuple(tuple(g.shape) for g in gathered)
-        self.strides = tuple(g.stride() for g in gathered)
+        self.geometry = tuple((tuple(g.shape), g.stride(), g.dtype, g.device) for g in gathered)
         self.handle = None
-        self.then: "_Regather | None" = None     # the exchange to start once this one has run
+        self.then = None
+        self.hold: tuple | None = None
+
+    def finish(self, gathered) -> None:
+        """At the context's exit: keep the packed gathered tensors when K or V was not packed."""
+        if not all(self.refs):
+            self.hold = tuple(g if r else None for g, r in zip(gathered, self.refs))
+            self.local = ()
 
     def _check_versions(self) -> None:
         if tuple(t._version for t in self.local) != self.versions:
@@ -212,29 +223,35 @@ class _Regather:
                 "write into key/value states after attention (or use activation checkpointing)")
 
     def prefetch(self) -> None:
-        """Start the exchange now (``launch`` only; no-op once it was started or read: a prefetch
-        must be consumed, so a second backward exchanges on demand)."""
-        if self.launch is not None and self.pending is None and self.handle is None and self.left is None:
-            self._check_versions()
-            self.handle = self.launch(*self.local)
+        """Start the exchange now (``launch`` only; no-op once it was started or read — a prefetch
+        must be consumed, so a second backward exchanges on demand — or when nothing will read it)."""
+        if (self.launch is None or self.hold is not None or not all(self.refs) or self.pending is not None
+                or self.handle is not None or self.left is not None):
+            return
+        self._check_versions()
+        self.handle = self.launch(*self.local)
 
     def get(self, which: int) -> torch.Tensor:
         """The gathered K (0) or V (1). One exchange brings both; they are kept until every saved
-        tensor packed from them has been unpacked, then dropped. An unpack that finds them dropped
-        (a second backward) exchanges again — the same calls on every rank, in autograd's order."""
-        if self.pending is None:
+        tensor packed from them has been unpacked, then dropped. An unpack that finds its slot
+        empty (a second backward) exchanges again — the same calls on every rank, in autograd's order."""
+        if self.hold is not None:
+            return self.hold[which]
+        if self.pending is None or self.pending[which] is None:
             if self.handle is None:
                 self._check_versions()
             with torch.no_grad():
                 got = self.handle.wait() if self.handle is not None else self.run(*self.local)
             self.handle = None
             for i, g in enumerate(got):
-                if tuple(g.shape) != self.shapes[i] or g.stride() != self.strides[i]:
-                    raise RuntimeError(f"regathered K/V: the re-run exchange gave shape {tuple(g.shape)} "
-                                       f"stride {g.stride()}, the forward's was {self.shapes[i]} {self.strides[i]}")
+                geo = (tuple(g.shape), g.stride(), g.dtype, g.device)
+                if geo != self.geometry[i]:
+                    raise RuntimeError(f"regathered K/V: the re-run exchange gave shape, stride, dtype, device "
+                                       f"{geo}, the forward's was {self.geometry[i]}")
             self.pending, self.left = list(got), list(self.refs)
-            if self.then is not None:
-                self.then.prefetch()
+            nxt = self.then() if self.then is not None else None
+            if nxt is not None:
+                nxt.prefetch()
         out = self.pending[which]
         self.left[which] -= 1
         if self.left[which] <= 0:
@@ -242,6 +259,23 @@ class _Regather:
             if all(x is None for x in self.pending):
                 self.pending = None
         return out
+
+
+class _RegatherHooks(torch.autograd.graph.saved_tensors_hooks):
+    """The saved-tensor hooks of :func:`regather_saved_kv`; on exit the state learns what was packed."""
+
+    def __init__(self, pack, unpack, state: _Regather, gathered: tuple):
+        super().__init__(pack, unpack)
+        self._state, self._gathered = state, gathered
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._state.finish(self._gathered)
+        self._gathered = None
+
+
+#: the last :class:`_Regather` created in ``launch`` mode (weak): the next one prefetches it in backward
+_LAST_LAUNCH_STATE = None
 
 
 class _Kept:
@@ -282,9 +316,17 @@ def regather_saved_kv(local: tuple, gathered: tuple, run=None, *, launch=None, s
     has been read, so several engine calls on one gathered pair share one exchange.
 
     ``launch`` instead of ``run`` (the async methods): ``launch(k, v)`` starts the exchange on the
-    platform's communication thread and returns an object whose ``wait()`` gives the pair; the
-    context's state is appended to ``state_out`` so that the caller can chain prefetches
-    (``state.then = next_state``: the next pair's exchange starts as soon as this one is read).
+    platform's communication thread and returns an object whose ``wait()`` gives the pair. Each
+    such pair links to the one created before it (weakly): when backward reads a pair, the exchange
+    of the pair created just before it — the next one backward reads: the previous K/V chunk, the
+    previous layer — starts at once and travels while this pair's attention backward and the rest
+    of the layer's backward compute. ``state_out`` (a list) receives the state (tests).
+
+    Every rank of the exchange's group must make the same saves: the exchange runs when backward
+    reads a packed tensor. When the engine call packs only one of K and V (the other was saved as a
+    copy), the packed gathered tensors are kept and nothing is exchanged (no saving, no collective).
+    A gathered tensor modified in place before the engine saved it is kept as is (the re-run would
+    give the values before the write).
 
     Active only where it can act: with grad enabled, no other saved-tensor hooks in force
     (activation checkpointing and offloading install their own and already drop these tensors;
@@ -305,11 +347,14 @@ def regather_saved_kv(local: tuple, gathered: tuple, run=None, *, launch=None, s
 
     # a contiguous gathered tensor is one memory range: any saved tensor inside it is a view of it;
     # a strided one (some exchanges return a permuted buffer) is matched only as itself
+    global _LAST_LAUNCH_STATE
     spans = []
     for g in gathered:
         spans.append((g.untyped_storage().data_ptr(), g.storage_offset(), g.storage_offset() + g.numel(),
-                      g.dtype, g.device, g.is_contiguous(), (g.data_ptr(), tuple(g.shape), g.stride())))
+                      g.dtype, g.device, g.is_contiguous(), (g.data_ptr(), tuple(g.shape), g.stride()), g._version))
     state = _Regather(tuple(local), run, gathered, launch=launch)
+    if launch is not None:
+        state.then, _LAST_LAUNCH_STATE = _LAST_LAUNCH_STATE, weakref.ref(state)
     if state_out is not None:
         state_out.append(state)
 
@@ -320,8 +365,8 @@ def regather_saved_kv(local: tuple, gathered: tuple, run=None, *, launch=None, s
         ptr = t.untyped_storage().data_ptr()
         off = t.storage_offset()
         last = off + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        for i, (gp, lo, hi, dtype, dev, contiguous, exact) in enumerate(spans):
-            if ptr != gp or t.dtype != dtype or t.device != dev:
+        for i, (gp, lo, hi, dtype, dev, contiguous, exact, version) in enumerate(spans):
+            if ptr != gp or t.dtype != dtype or t.device != dev or t._version != version:
                 continue
             if (t.data_ptr(), tuple(t.shape), t.stride()) == exact:
                 return i, (exact[1], exact[2], 0)
@@ -346,7 +391,7 @@ def regather_saved_kv(local: tuple, gathered: tuple, run=None, *, launch=None, s
             return base
         return base.as_strided(shape, stride, base.storage_offset() + rel)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return _RegatherHooks(pack, unpack, state, tuple(gathered))
 
 
 def regather_allgather(cp_dim: int, cp_mesh):

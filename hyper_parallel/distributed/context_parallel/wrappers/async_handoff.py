@@ -59,8 +59,11 @@ each engine call's saved K/V — the gathered pair or views of it — are kept a
 handoff sent, and backward runs the same forward collective again on the comm thread
 (:func:`..collectives.regather_saved_kv` with ``launch``; bitwise the forward's result; Hybrid re-runs
 its whole A2A + AllGather chain). With the K/V pipeline, reading chunk c's pair also starts chunk
-c-1's exchange, so it travels while chunk c's attention backward computes; only the first (the last
-chunk's) is waited at once. ``keep_gathered_kv = True`` (module attribute) keeps them instead.
+c-1's exchange, and every pair read starts the exchange of the pair created just before it (after
+chunk 0: the previous layer's last chunk; without the pipeline: the previous layer's pair), so it
+travels while this backward computes; only the first exchange of the backward is waited at once. Hybrid regathers
+only where no rank of the ulysses group re-selects KV heads locally (uneven layouts keep the
+engine's selected copy, as the sync Hybrid). ``keep_gathered_kv = True`` (module attribute) keeps them.
 
 **Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
 name), the four modules are distinct and owned by this attention, and a probe forward (train
@@ -400,14 +403,17 @@ class _Call:
         """A new :class:`AsyncCollective` ``name`` on ``plan`` launched on ``x``: ``(coll, token)``."""
         coll = AsyncCollective(name, *plan)
         self.colls[name] = coll
-        self.sent[name] = (coll.forward_comm, x)
+        if name[:1] in ("k", "v"):                    # K/V (chunks): what a regather re-sends
+            self.sent[name] = (coll.forward_comm, x)
         return coll, coll.launch(x)
 
-    def regather(self, k_name: str, v_name: str, gathered: tuple, states: Optional[list] = None):
+    def regather(self, k_name: str, v_name: str, gathered: tuple):
         """:func:`..collectives.regather_saved_kv` around the engine call(s) consuming ``gathered``
         (the waited results of collectives ``k_name`` / ``v_name``, or tensors they are views of):
-        backward re-runs both forward collectives on their local tensors, on the comm thread.
-        ``states``: collects the regather state (for prefetch chaining)."""
+        backward re-runs both forward collectives on their local tensors, on the comm thread; the
+        regather of the pair created before this one (the previous chunk / layer) is started when
+        this one is read. The caller must make the same choice on every rank of the collectives'
+        groups (a rank that regathers issues the collectives in backward)."""
         if keep_gathered_kv or k_name not in self.sent or v_name not in self.sent:
             return contextlib.nullcontext()
         (fk, xk), (fv, xv) = self.sent[k_name], self.sent[v_name]
@@ -417,7 +423,7 @@ class _Call:
             trace_event("regather_launch", tag)
             return _PairHandle(fk(kl), fv(vl), tag)
 
-        return regather_saved_kv((xk, xv), gathered, launch=launch, state_out=states)
+        return regather_saved_kv((xk, xv), gathered, launch=launch)
 
 
 class _PairHandle:
@@ -427,9 +433,12 @@ class _PairHandle:
         self.hk, self.hv, self.tag = hk, hv, tag
 
     def wait(self) -> tuple:
-        out = self.hk.wait(), self.hv.wait()
+        try:
+            k = self.hk.wait()
+        finally:
+            v = self.hv.wait()          # waited even when K's wait raised: no handle left behind
         trace_event("regather_wait", self.tag)
-        return out
+        return k, v
 
 
 def _chunk_name(base: str, i: int) -> str:
@@ -565,8 +574,12 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
         q_pos = q_pos.view(u, len(c.q_parts), -1)
         # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
-        # the size of the local ones: nothing to save); one exchange serves every query chunk
-        with c.regather("k", "v", gathered) if m == "hybrid" and u < plan.checker.cp_size else contextlib.nullcontext():
+        # the size of the local ones: nothing to save); one exchange serves every query chunk. The
+        # regather re-runs the ulysses A2A too, so every rank of the ulysses group must take part: only
+        # when no rank of the layout re-selects KV heads locally (an index_select copy, kept instead)
+        uniform = all(lay.kv_map(j) is None for j in range(u))
+        regather = m == "hybrid" and u < plan.checker.cp_size and uniform
+        with c.regather("k", "v", gathered) if regather else contextlib.nullcontext():
             for ci, (coll, tok) in enumerate(c.q_parts):
                 q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
                 _trace_chunk(q_c, ci)
@@ -590,16 +603,13 @@ def _colossal_pipelined(c: _Call, plan: _Plan, q: torch.Tensor, meta, sinks, kw:
     k_pos = meta.k_index.view(C, g, -1)          # rank-major: rank j's rows of chunk ci
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     out = lse = None
-    states: list = []                            # chunk ci's regather state (backward reads them last first)
     for ci, ((ck, tk), (cv, tv)) in enumerate(zip(ks, vs)):
         k_c, v_c = ck.wait(tk), cv.wait(tv)      # [B, Hk, C*L/G, D]
         _trace_kv_chunk(k_c, v_c, ci)
-        n = len(states)
-        with c.regather(_chunk_name("k", ci), _chunk_name("v", ci), (k_c, v_c), states):
+        # backward reads the chunks last first; reading chunk ci's pair starts chunk ci-1's regather
+        with c.regather(_chunk_name("k", ci), _chunk_name("v", ci), (k_c, v_c)):
             o, l = engine_attention(q, k_c, v_c, q_pos=meta.q_index, k_pos=k_pos[:, ci].reshape(-1),
                                     sinks=sinks if ci == 0 else None, return_lse=True, **kw)
-        if n and len(states) > n:
-            states[-1].then = states[-2]         # reading chunk ci's pair starts chunk ci-1's exchange
         if out is None:
             out, lse = o.to(acc_dtype), l
         else:
