@@ -145,3 +145,34 @@ def test_launch_mode_prefetches_the_pair_created_before():
     assert events == ["bwd2", "launch", "wait", "launch", "bwd1", "wait", "launch", "bwd0", "wait"], events
     assert len(calls) == 3
     assert all(s.pending is None and s.handle is None for s in states)
+
+
+def test_prefetched_exchange_of_a_graph_freed_unread_is_waited():
+    """Layer A's forward is kept but never backpropagated; B's backward prefetches A's pair (created
+    just before B's). When A's graph is freed, the prefetched exchange is waited (nothing pending)."""
+    import gc
+
+    L = 16
+    q, k_loc, v_loc, run, calls = _setup(4)
+    events = []
+
+    class Handle:
+        def __init__(self, k, v):
+            events.append("launch")
+            self.res = run(k, v)
+
+        def wait(self):
+            events.append("wait")
+            return self.res
+
+    outs = []
+    for _ in range(2):
+        k_all, v_all = run(k_loc, v_loc)
+        with regather_saved_kv((k_loc, v_loc), (k_all, v_all), launch=Handle):
+            outs.append(_attend(q, k_all, v_all, L))
+    a, b = outs
+    b.sum().backward()
+    assert events == ["launch", "wait", "launch"], events       # B's exchange, then A's prefetched
+    del a, outs
+    gc.collect()
+    assert events == ["launch", "wait", "launch", "wait"], events

@@ -209,6 +209,16 @@ class _Regather:
         self.then = None
         self.hold: tuple | None = None
 
+    def __del__(self):
+        # a prefetched exchange whose graph is freed unread (a forward kept but never backpropagated):
+        # every rank issued it, so it completes; wait it so that no handle is left pending
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001 - nothing to report it to at collection time
+                pass
+
     def finish(self, gathered) -> None:
         """At the context's exit: keep the packed gathered tensors when K or V was not packed."""
         if not all(self.refs):
