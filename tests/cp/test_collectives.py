@@ -149,16 +149,16 @@ def colossal_regathers_kv(cp, method="colossal"):
     exchange, and every value is bitwise the one of the run that keeps the gathered K/V.
 
     Live bytes count every CPU tensor of the process; gloo may release a finished collective's
-    buffer a moment after wait() returns, so each reading is the least of 40 taken 5 ms apart, and
+    buffer a moment after wait() returns, so each reading waits for the count to settle, and
     each mode is measured 3 times and the least taken."""
     import gc
-    import time
     import weakref
 
     from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy, HeadTailStrategy
     from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
     from hyper_parallel.distributed.context_parallel.strategies import head_tail as HT
     from hyper_parallel.platform.host_memory import host_tensor_bytes, track_host_tensors
+    from hyper_parallel.testing.memory import settled_tensor_bytes
     from tests.cp.common import scenario_batch, shard_batch_for_cp  # noqa: F401 (re-exported there)
 
     assert track_host_tensors("cpu")
@@ -191,12 +191,7 @@ def colossal_regathers_kv(cp, method="colossal"):
                 kl, vl = kl0 * 1, vl0 * 1     # as in a model: the post-RoPE K/V, saved by nothing else
                 o = strategy.attention(ql, kl, vl, meta=meta)
                 del kl, vl
-                # the least of a few reads 5 ms apart: a collective's buffer gloo frees late is not held
-                reads = []
-                for _ in range(40):
-                    reads.append(host_tensor_bytes()[0])
-                    time.sleep(0.005)
-                held = min(reads) - before
+                held = settled_tensor_bytes() - before     # a buffer gloo frees late is not held
             finally:
                 gc.enable()
             alive = [ref() is not None for ref in seen]
