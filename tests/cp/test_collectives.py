@@ -235,21 +235,21 @@ def colossal_regathers_kv(cp, method="colossal"):
     qs = ql * 1
     o = strategy.attention(qs, k[:, :, r * L:(r + 1) * L].clone(), v[:, :, r * L:(r + 1) * L].clone(), meta=meta)
     qs.add_(1.0)
-    try:
-        o.backward(go)
-        inplace = "no error"
-    except RuntimeError as exc:
-        inplace = str(exc)
+
+    def backward_error(o):
+        try:
+            o.backward(go)
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    inplace = backward_error(o)
     # the local K shard the regather keeps, modified in place after the forward: refused in backward
     ks = k[:, :, r * L:(r + 1) * L].clone().requires_grad_(True) * 1
     o = strategy.attention(q[:, :, r * L:(r + 1) * L].clone().requires_grad_(True), ks,
                            v[:, :, r * L:(r + 1) * L].clone(), meta=meta)
     ks.add_(1.0)
-    try:
-        o.backward(go)
-        inplace_k = "no error"
-    except RuntimeError as exc:
-        inplace_k = str(exc)
+    inplace_k = backward_error(o)
     return {"dropped": dropped, "twice": twice, "regathers_second": regathers, "inplace": inplace,
             "inplace_k": inplace_k,
             "saved_bytes": min(out[True]["held"][1:]) - min(out[False]["held"][1:]),

@@ -25,6 +25,20 @@ def _setup(seed=0, S=48, L=16):
     return q, k_loc, v_loc, run, calls
 
 
+def _recording_launch(run, events: list):
+    """A ``launch`` for regather_saved_kv over the stand-in ``run`` that records "launch" / "wait"."""
+    class Handle:
+        def __init__(self, k, v):
+            events.append("launch")
+            self.res = run(k, v)
+
+        def wait(self):
+            events.append("wait")
+            return self.res
+
+    return Handle
+
+
 def _attend(q, k, v, L):
     S = k.shape[2]
     return attention(q, k, v, q_pos=torch.arange(S - L, S), k_pos=torch.arange(S), causal=True)
@@ -113,15 +127,7 @@ def test_launch_mode_prefetches_the_pair_created_before():
     L = 16
     q, k_loc, v_loc, run, calls = _setup(3)
     events = []
-
-    class Handle:
-        def __init__(self, k, v):
-            events.append("launch")
-            self.res = run(k, v)
-
-        def wait(self):
-            events.append("wait")
-            return self.res
+    Handle = _recording_launch(run, events)
 
     class Marker(torch.autograd.Function):      # records when backward enters a layer
         @staticmethod
@@ -155,15 +161,7 @@ def test_prefetched_exchange_of_a_graph_freed_unread_is_waited():
     L = 16
     q, k_loc, v_loc, run, calls = _setup(4)
     events = []
-
-    class Handle:
-        def __init__(self, k, v):
-            events.append("launch")
-            self.res = run(k, v)
-
-        def wait(self):
-            events.append("wait")
-            return self.res
+    Handle = _recording_launch(run, events)
 
     outs = []
     for _ in range(2):

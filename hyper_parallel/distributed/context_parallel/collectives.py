@@ -234,8 +234,9 @@ class _Regather:
 
     def prefetch(self) -> None:
         """Start the exchange now (``launch`` only; no-op once it was started or read — a prefetch
-        must be consumed, so a second backward exchanges on demand — or when nothing will read it)."""
-        if (self.launch is None or self.hold is not None or not all(self.refs) or self.pending is not None
+        must be consumed, so a second backward exchanges on demand — or when the pair is held: its
+        context closed with K or V unpacked, see :meth:`finish`)."""
+        if (self.launch is None or self.hold is not None or self.pending is not None
                 or self.handle is not None or self.left is not None):
             return
         self._check_versions()
