@@ -1,12 +1,14 @@
 // CPU implementation and registration of the position-masked attention ops.
 //
-//   hyper_parallel::attn_fwd(q, k, v, q_pos, k_pos, q_doc?, k_doc?, causal, scale)
+//   hyper_parallel::attn_fwd(q, k, v, q_pos, k_pos, q_doc?, k_doc?, causal, scale, window?,
+//                            softcap?, sinks?, alibi_slopes?, kv_group?, kv_offset)
 //       -> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 (float64 for float64 q))
 //   hyper_parallel::attn_bwd(dout, dlse?, q, k, v, out, lse, q_pos, k_pos, q_doc?, k_doc?,
-//                            causal, scale) -> (dq, dk, dv)
+//                            causal, scale, <the same options>) -> (dq, dk, dv, dsinks)
 //
-// q [B, Hq, Sq, D], k / v [B, Hk, Sk, D], Hq % Hk == 0 (query head h reads kv head
-// h / (Hq / Hk)). Positions: integer [S] (shared over the batch) or [B, S]. Documents: same
+// q [B, Hq, Sq, D], k / v [B, Hk, Sk, D]; query head h reads kv head (h + kv_offset) / kv_group
+// (default: Hq % Hk == 0, kv_group = Hq / Hk, kv_offset = 0 -- plain GQA; see kv_map_arg).
+// Positions: integer [S] (shared over the batch) or [B, S]. Documents: same
 // shapes, optional (both or neither). Key j is visible to query i iff
 // (!causal || k_pos[j] <= q_pos[i]) && (no docs || (q_doc[i] == k_doc[j] && k_doc[j] >= 0)).
 // Queries that see no key get out = 0, lse = -inf and zero gradients.
@@ -213,10 +215,32 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                     ", k has ", k.size(0));
   TORCH_CHECK_VALUE(q.size(3) == k.size(3), "attention: head dim mismatch: q has ", q.size(3),
                     ", k has ", k.size(3));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attention: Hq=", q.size(1),
-                    " must be a multiple of Hk=", k.size(1));
+  TORCH_CHECK_VALUE(k.size(1) > 0, "attention: Hq=", q.size(1), " must be a multiple of Hk=0: k has no heads, got ",
+                    k.sizes());
   TORCH_CHECK_VALUE(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
                     "attention: the CPU engine got tensors on ", q.device());
+}
+
+// The query-head -> KV-head map: query head h reads KV head (h + kv_offset) / kv_group.
+// Default (kv_group None): plain GQA, Hq % Hk == 0, kv_group = Hq / Hk, kv_offset = 0. Given: a
+// contiguous run of query heads that starts kv_offset heads into a group of kv_group (a Ulysses
+// rank's heads of an uneven layout) and reads exactly the Hk KV heads passed, each at least once.
+std::pair<int64_t, int64_t> kv_map_arg(int64_t Hq, int64_t Hk, c10::optional<int64_t> kv_group,
+                                       int64_t kv_offset) {
+  if (!kv_group.has_value()) {
+    TORCH_CHECK_VALUE(Hq % Hk == 0 && kv_offset == 0, "attention: Hq=", Hq, " must be a multiple of Hk=", Hk,
+                      " (and kv_offset 0) unless kv_group is given, got kv_offset=", kv_offset);
+    return {Hq / Hk, 0};
+  }
+  const int64_t g = *kv_group;
+  TORCH_CHECK_VALUE(g >= 1 && kv_offset >= 0 && kv_offset < g,
+                    "attention: need kv_group >= 1 and 0 <= kv_offset < kv_group, got kv_group=", g,
+                    ", kv_offset=", kv_offset);
+  TORCH_CHECK_VALUE(Hq == 0 || (Hq - 1 + kv_offset) / g == Hk - 1,
+                    "attention: query heads 0..", Hq - 1, " at kv_offset ", kv_offset, " with kv_group ", g,
+                    " read KV heads 0..", (Hq - 1 + kv_offset) / g, ", but k/v have Hk=", Hk,
+                    " heads (each must be read by at least one query head)");
+  return {g, kv_offset};
 }
 
 // ---------------------------------------------------------------------------------------
@@ -481,8 +505,10 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
                                                 c10::optional<int64_t> window,
                                                 c10::optional<double> softcap,
                                                 const c10::optional<at::Tensor>& sinks,
-                                                const c10::optional<at::Tensor>& alibi_slopes) {
+                                                const c10::optional<at::Tensor>& alibi_slopes,
+                                                c10::optional<int64_t> kv_group, int64_t kv_offset) {
   check_qkv(q, k, v);
+  const auto kvmap = kv_map_arg(q.size(1), k.size(1), kv_group, kv_offset);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
@@ -552,6 +578,8 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   a.B = g.B;
   a.Hq = g.Hq;
   a.Hk = g.Hk;
+  a.kv_group = kvmap.first;
+  a.kv_offset = kvmap.second;
   a.Sqp = g.Sqp;
   a.Skp = g.Skp;
   a.Dp = g.Dp;
@@ -595,8 +623,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor& q_pos, const at::Tensor& k_pos, const c10::optional<at::Tensor>& q_doc,
     const c10::optional<at::Tensor>& k_doc, bool causal, double scale,
     c10::optional<int64_t> window, c10::optional<double> softcap,
-    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes) {
+    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
+    c10::optional<int64_t> kv_group, int64_t kv_offset) {
   check_qkv(q, k, v);
+  const auto kvmap = kv_map_arg(q.size(1), k.size(1), kv_group, kv_offset);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
@@ -708,6 +738,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.B = g.B;
   a.Hq = g.Hq;
   a.Hk = g.Hk;
+  a.kv_group = kvmap.first;
+  a.kv_offset = kvmap.second;
   a.Sqp = g.Sqp;
   a.Skp = g.Skp;
   a.Dp = g.Dp;
@@ -805,12 +837,13 @@ TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
   m.def(
       "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
       "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None, "
-      "Tensor? sinks=None, Tensor? alibi_slopes=None) -> (Tensor, Tensor)");
+      "Tensor? sinks=None, Tensor? alibi_slopes=None, int? kv_group=None, int kv_offset=0) -> "
+      "(Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale, "
-      "int? window=None, float? softcap=None, Tensor? sinks=None, Tensor? alibi_slopes=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "int? window=None, float? softcap=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
+      "int? kv_group=None, int kv_offset=0) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyper_parallel, CPU, m) {

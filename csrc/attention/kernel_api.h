@@ -61,6 +61,8 @@ struct FwdArgs {
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;  // [B, nqt], [B, nkt]
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
+  int64_t kv_group, kv_offset;  // query head h reads KV head (h + kv_offset) / kv_group
+                                //   (plain GQA: kv_group = Hq / Hk, kv_offset = 0)
   int causal;
   int64_t window;        // > 0: left sliding window, key visible only if k_pos > q_pos - window
   double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
@@ -87,13 +89,15 @@ struct BwdArgs {
   const void* delta;  // [B, Hq, Sqp] rowsum(dout * out) - dlse
   void* dq_part;      // [nc, B, Hq, Sqp, Dp] zero-initialised; += dS K (unscaled; for nc = 1
                       //   with nothing padded this is the caller's dq itself)
-  void *dk, *dv;      // [B, Hk, Skp, Dp] / [B, Hk, Skp, Dv] fully written: sum over the GQA group of
+  void *dk, *dv;      // [B, Hk, Skp, Dp] / [B, Hk, Skp, Dv] fully written: sum over the KV head's query heads of
                       //   dk_scale * dS^T Qs and P^T dO (with nothing padded, the outputs)
   double dk_scale;    // ln 2 for the fp32/fp64 kernels (q pre-scaled by scale * log2 e),
                       //   `scale` for the bf16 kernels (unscaled q)
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
+  int64_t kv_group, kv_offset;  // see FwdArgs: KV head j gets the gradients of query heads
+                                //   max(0, j*kv_group - kv_offset) .. min(Hq, (j+1)*kv_group - kv_offset) - 1
   int causal;
   int64_t window;    // see FwdArgs
   double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2

@@ -136,7 +136,7 @@ void fwd_bf16(const FwdArgs& a) {
   float* mrow = scratch_alloc<float>(Bq);
   V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<float>((int64_t)Bq * L)));
   if (!S || !Pb || !O || !mrow || !lvec) __builtin_trap();
-  const int64_t g = a.Hq / a.Hk;
+  const int64_t g = a.kv_group, goff = a.kv_offset;
   const float ninf = -__builtin_inff();
   const float sscale = (float)a.sscale;
   const bool softcap = a.softcap2 > 0;
@@ -151,7 +151,7 @@ void fwd_bf16(const FwdArgs& a) {
     const int64_t item = a.order[it];
     const int64_t qt = item % a.nqt;
     const int64_t bh = item / a.nqt;
-    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
+    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = (h + goff) / g;
     const uint32_t* Q = static_cast<const uint32_t*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp / 2;
     const uint32_t* KT = static_cast<const uint32_t*>(a.kt) + (b * a.Hk + kvh) * (Dp / 2) * a.Skp;
     const uint32_t* Vv = static_cast<const uint32_t*>(a.v) + (b * a.Hk + kvh) * (a.Skp / 2) * Dv;
@@ -214,7 +214,7 @@ void bwd_bf16(const BwdArgs& a) {
   float* dK = scratch_alloc<float>((int64_t)Bk * Dp);
   float* dV = scratch_alloc<float>((int64_t)Bk * Dv);
   if (!P || !dS || !PT || !dSb || !dST || !dK || !dV) __builtin_trap();
-  const int64_t g = a.Hq / a.Hk;
+  const int64_t g = a.kv_group, goff = a.kv_offset;
   const float sscale = (float)a.sscale;
   const bool softcap = a.softcap2 > 0;
   const bool prescale = !(sscale > 0) || softcap || a.alibi2;  // see fwd_bf16
@@ -241,8 +241,9 @@ void bwd_bf16(const BwdArgs& a) {
       zero_buf(dK, (int64_t)Bk * Dp);
       zero_buf(dV, (int64_t)Bk * Dv);
       const TileInfo& ki = a.kti[b * a.nkt + kt];
-      for (int64_t hh = 0; hh < g && ki.any; ++hh) {
-        const int64_t h = kvh * g + hh;
+      for (int64_t h = kvh * g > goff ? kvh * g - goff : 0,
+                     h_end = (kvh + 1) * g - goff < a.Hq ? (kvh + 1) * g - goff : a.Hq;
+             h < h_end && ki.any; ++h) {
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
           const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);

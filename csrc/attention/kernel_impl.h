@@ -427,7 +427,7 @@ void fwd_worker(const FwdArgs& a) {
   T* mrow = scratch_alloc<T>(Bq);
   V* lvec = static_cast<V*>(static_cast<void*>(scratch_alloc<T>((int64_t)Bq * L)));
   if (!S || !O || !mrow || !lvec) __builtin_trap();
-  const int64_t g = a.Hq / a.Hk;
+  const int64_t g = a.kv_group, goff = a.kv_offset;
   const T ninf = neg_inf<T>();
   const TileGemmFn xg = IsF32<T>::value ? a.ext_gemm : nullptr;
   for (;;) {
@@ -436,7 +436,7 @@ void fwd_worker(const FwdArgs& a) {
     const int64_t item = a.order[it];
     const int64_t qt = item % a.nqt;
     const int64_t bh = item / a.nqt;
-    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = h / g;
+    const int64_t h = bh % a.Hq, b = bh / a.Hq, kvh = (h + goff) / g;
     const T* Q = static_cast<const T*>(a.q) + ((bh * a.Sqp) + qt * Bq) * Dp;
     const T* KT = static_cast<const T*>(a.kt) + (b * a.Hk + kvh) * Dp * a.Skp;
     const T* Vv = static_cast<const T*>(a.v) + (b * a.Hk + kvh) * a.Skp * Dv;
@@ -514,7 +514,7 @@ void bwd_worker(const BwdArgs& a) {
   T* dV = scratch_alloc<T>((int64_t)Bk * Dv);
   T* G = a.softcap2 > 0 ? scratch_alloc<T>((int64_t)Bq * Bk) : nullptr;  // 1 - tanh^2
   if (!P || !dS || !dK || !dV || (a.softcap2 > 0 && !G)) __builtin_trap();
-  const int64_t g = a.Hq / a.Hk;
+  const int64_t g = a.kv_group, goff = a.kv_offset;
   // With a tile-GEMM provider dK / dV hold the transposes dK^T, dV^T [Dp x Bk] (accumulated
   // as Q^T dS and dO^T P from the host's per-tile transposed q / dout), transposed at the end.
   const TileGemmFn xg = IsF32<T>::value ? a.ext_gemm : nullptr;
@@ -539,8 +539,9 @@ void bwd_worker(const BwdArgs& a) {
       zero_buf(dK, (int64_t)Bk * Dp);
       zero_buf(dV, (int64_t)Bk * Dv);
       const TileInfo& ki = a.kti[b * a.nkt + kt];
-      for (int64_t hh = 0; hh < g && ki.any; ++hh) {
-        const int64_t h = kvh * g + hh;
+      for (int64_t h = kvh * g > goff ? kvh * g - goff : 0,
+                     h_end = (kvh + 1) * g - goff < a.Hq ? (kvh + 1) * g - goff : a.Hq;
+             h < h_end && ki.any; ++h) {
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
           const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);

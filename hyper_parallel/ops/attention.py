@@ -4,12 +4,14 @@ See ``docs/attention_engine.md`` for the full contract. In short::
 
     out = attention(q, k, v, q_pos=..., k_pos=..., causal=True, q_doc=None, k_doc=None,
                     scale=None, return_lse=False, window=None, softcap=None, sinks=None,
-                    alibi_slopes=None)
+                    alibi_slopes=None, kv_group=None, kv_offset=0)
 
 * ``q`` ``[B, Hq, Sq, D]``, ``k`` ``[B, Hk, Sk, D]``, ``v`` ``[B, Hk, Sk, Dv]`` (any strides;
   ``Dv`` may differ from ``D``), one floating dtype
   (float16, bfloat16, float32, float64), ``Hq % Hk == 0``; query head ``h`` reads kv head
-  ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory).
+  ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory). ``kv_group`` / ``kv_offset``
+  generalise the map to ``(h + kv_offset) // kv_group`` (a Ulysses rank whose query heads start
+  or end inside a KV group: no copy of K/V per query head).
 * ``q_pos`` ``[Sq]`` or ``[B, Sq]``, ``k_pos`` ``[Sk]`` or ``[B, Sk]``: integer *global*
   sequence positions, in any order (contiguous, zigzag, several ranges).
 * ``q_doc`` / ``k_doc`` (optional, together, same shapes as the positions): document ids for
@@ -126,6 +128,37 @@ def _validate_options(window, softcap):
     return window, softcap
 
 
+def kv_head_map(num_q_heads: int, num_kv_heads: int, kv_group=None, kv_offset=0) -> tuple:
+    """The checked ``(kv_group, kv_offset)`` of :func:`attention`: query head ``h`` reads KV head
+    ``(h + kv_offset) // kv_group``. ``kv_group=None``: plain GQA (``Hq % Hk == 0`` -> ``(Hq // Hk,
+    0)``). Given: ``kv_group >= 1``, ``0 <= kv_offset < kv_group`` and the query heads must read
+    exactly KV heads ``0 .. Hk-1`` (``(Hq - 1 + kv_offset) // kv_group == Hk - 1``). ValueError otherwise."""
+    Hq, Hk = int(num_q_heads), int(num_kv_heads)
+    if isinstance(kv_offset, bool) or not isinstance(kv_offset, Integral):
+        raise ValueError(f"attention: kv_offset must be an int, got {kv_offset!r}")
+    if kv_group is None:
+        if Hk == 0 or Hq % Hk or kv_offset:
+            raise ValueError(f"attention: q heads Hq={Hq} must be a multiple of k/v heads Hk={Hk} "
+                             f"(and kv_offset 0, got {kv_offset}) unless kv_group is given")
+        return Hq // Hk, 0
+    if isinstance(kv_group, bool) or not isinstance(kv_group, Integral) or kv_group < 1 \
+            or not 0 <= kv_offset < kv_group:
+        raise ValueError(f"attention: need an int kv_group >= 1 and 0 <= kv_offset < kv_group, got "
+                         f"kv_group={kv_group!r}, kv_offset={kv_offset!r}")
+    if Hk == 0 or (Hq > 0 and (Hq - 1 + kv_offset) // kv_group != Hk - 1):
+        raise ValueError(f"attention: query heads 0..{Hq - 1} at kv_offset {kv_offset} with kv_group {kv_group} "
+                         f"read KV heads 0..{(Hq - 1 + kv_offset) // kv_group}, but k/v have Hk={Hk} heads "
+                         "(each must be read by at least one query head)")
+    return int(kv_group), int(kv_offset)
+
+
+def expand_kv_heads(x: torch.Tensor, num_q_heads: int, kv_group: int, kv_offset: int) -> torch.Tensor:
+    """``[B, Hk, S, D]`` -> ``[B, Hq, S, D]``: KV head ``(h + kv_offset) // kv_group`` for query head
+    ``h`` (a copy; for backends without the head map in their kernel)."""
+    idx = (torch.arange(num_q_heads, device=x.device) + kv_offset) // kv_group
+    return x.index_select(1, idx)
+
+
 def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -151,9 +184,7 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
         raise ValueError(f"attention: k has batch {k.shape[0]} but q has batch {B}")
     if k.shape[3] != D:
         raise ValueError(f"attention: k has head dim {k.shape[3]} but q has head dim {D}")
-    Hk, Sk = k.shape[1], k.shape[2]
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"attention: q heads Hq={Hq} must be a multiple of k/v heads Hk={Hk}")
+    Sk = k.shape[2]
     if not isinstance(causal, bool):
         raise ValueError(f"attention: causal must be a bool, got {type(causal).__name__}")
     _check_index(q_pos, "q_pos", B, Sq, q.device)
@@ -173,7 +204,8 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
 # --------------------------------------------------------------------------------------------
 # public op
 def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, scale=None,
-              return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None):
+              return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None,
+              kv_group=None, kv_offset=0):
     """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
 
     Args:
@@ -205,6 +237,13 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             scales its bias by ``1/sqrt(D)``: pass ``slopes * scale`` there). The returned lse
             uses this relative bias, so partial attentions over disjoint keys merge exactly.
             Not combinable with ``softcap``.
+        kv_group, kv_offset: None / 0 (default) or ints: query head ``h`` reads KV head
+            ``(h + kv_offset) // kv_group`` instead of ``h // (Hq // Hk)`` — a contiguous run of
+            query heads that starts ``kv_offset`` heads into a group of ``kv_group`` (a Ulysses
+            rank of an uneven head layout, :meth:`~hyper_parallel.distributed.context_parallel.
+            strategies.ulysses_layout.UlyssesHeadLayout.kv_map_args`). The heads must read exactly
+            the ``Hk`` KV heads given (:func:`kv_head_map`). The CPU engine reads K/V in place (dk /
+            dv summed over each KV head's query heads); CUDA and NPU expand K/V to ``Hq`` heads first.
 
     Returns:
         ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
@@ -217,6 +256,8 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     ``NotImplementedError`` naming the device when it has no backend.
     """
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
+    group, offset = kv_head_map(q.shape[1], k.shape[1], kv_group, kv_offset)
+    plain = group * k.shape[1] == q.shape[1] and offset == 0
     window, softcap = _validate_options(window, softcap)
     _validate_per_head("sinks", sinks, q)
     _validate_alibi(alibi_slopes, q, softcap)
@@ -225,8 +266,11 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
                                                      causal, scale_f, window, softcap, sinks,
-                                                     alibi_slopes)
-    elif dev == "cuda":
+                                                     alibi_slopes, None if plain else group, offset)
+        return (out, lse) if return_lse else out
+    if not plain:
+        k, v = (expand_kv_heads(t, q.shape[1], group, offset) for t in (k, v))
+    if dev == "cuda":
         from ._cuda import cuda_attention
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
@@ -252,27 +296,28 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale, window=None,
-                   softcap=None, sinks=None, alibi_slopes=None):
+                   softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0):
     B, Hq, Sq, D = q.shape
     Dv = v.shape[3]
     return q.new_empty((B, Hq, Sq, Dv)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale,
-                   window=None, softcap=None, sinks=None, alibi_slopes=None):
+                   window=None, softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs[:9]
-    window, softcap, sinks, alibi = (list(inputs[9:]) + [None] * 4)[:4]
+    window, softcap, sinks, alibi, kv_group, kv_offset = (list(inputs[9:]) + [None] * 6)[:6]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
     ctx.softcap = softcap
+    ctx.kv_group, ctx.kv_offset = kv_group, kv_offset or 0
     ctx.n_inputs = len(inputs)
 
 
@@ -282,7 +327,7 @@ def _attn_backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = torch.ops.hyper_parallel.attn_bwd(
         dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, ctx.causal, ctx.scale,
-        ctx.window, ctx.softcap, sinks, alibi)
+        ctx.window, ctx.softcap, sinks, alibi, ctx.kv_group, ctx.kv_offset)
     grads = [dq, dk, dv] + [None] * (ctx.n_inputs - 3)
     if ctx.n_inputs > 11 and sinks is not None:
         grads[11] = dsinks

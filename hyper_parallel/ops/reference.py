@@ -51,7 +51,7 @@ def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 
 
 def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
                         scale=None, return_lse=False, window=None, softcap=None, sinks=None,
-                        alibi_slopes=None):
+                        alibi_slopes=None, kv_group=None, kv_offset=0):
     """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
 
     q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0``;
@@ -62,7 +62,8 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
     mask, as transformers' eager attention of Gemma2); ``sinks`` ``[Hq]`` is one extra logit per
     head in every row's softmax denominator, with no value (gpt-oss ``s_aux``): the returned
     ``lse`` includes it; ``alibi_slopes`` ``[Hq]`` adds ``slope * (k_pos - q_pos)`` to every
-    (scaled) score. Computes in float64 for float64 inputs, float32 otherwise,
+    (scaled) score; ``kv_group`` / ``kv_offset``: query head ``h`` reads KV head
+    ``(h + kv_offset) // kv_group`` (default ``h // (Hq // Hk)``). Computes in float64 for float64 inputs, float32 otherwise,
     materializing the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask.
     Returns ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute
     dtype when ``return_lse``); queries seeing no key get ``out = 0`` and ``lse = -inf`` (``lse =
@@ -71,13 +72,16 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
     """
     B, Hq, Sq, D = q.shape
     Hk = k.shape[1]
-    if Hq % Hk:
+    if kv_group is None and Hq % Hk:
         raise ValueError(f"Hq={Hq} is not a multiple of Hk={Hk}")
-    g = Hq // Hk
+    g = Hq // Hk if kv_group is None else kv_group
     scale = (1.0 / math.sqrt(D)) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
-    if g > 1:
+    if kv_group is not None:
+        idx = (torch.arange(Hq, device=q.device) + kv_offset) // kv_group
+        kf, vf = kf.index_select(1, idx), vf.index_select(1, idx)
+    elif g > 1:
         kf = kf.repeat_interleave(g, dim=1)
         vf = vf.repeat_interleave(g, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale

@@ -92,11 +92,15 @@ def regather_run(method: str, kv_chunks: int | None, cp: int | None = None, head
         twice = all(torch.equal(p.grad, 2 * first[n]) for n, p in model.named_parameters() if n in first)
         second = [n for e, n, _t in trace[mark:] if e == "regather_launch"]
     cfg = model.config
-    hk, d, L, S = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, meta.local_seq_len, \
-        meta.global_seq_len
+    hk, L, S = cfg.num_key_value_heads, meta.local_seq_len, meta.global_seq_len
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     B = local["input_ids"].shape[0]
-    if method == "hybrid":      # [B, Hk/u, S, D] gathered over the colossal group; local [B, Hk, L, D]
-        gathered, sent = B * (hk // params["ulysses_degree"]) * S * d, B * hk * L * d
+    if method == "hybrid":      # [B, nk_i, S, D] gathered over the colossal group; local [B, Hk, L, D]
+        from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+
+        u = params["ulysses_degree"]
+        nk = ulysses_head_layout(cfg.num_attention_heads, hk, u).kv_counts[meta.cp_rank % u]
+        gathered, sent = B * nk * S * d, B * hk * L * d
     else:
         gathered, sent = B * hk * S * d, B * hk * L * d
     rg = runs[False]
@@ -154,13 +158,18 @@ def test_async_attention_regathers_kv_in_backward(ranks, method, kv_chunks):
                     assert lo < co < wa, (c, lo, co, wa, ev)
 
 
-def test_async_hybrid_uneven_layout_keeps_kv_and_runs(ranks):
-    """Hybrid cp 8, ulysses degree 4, 12 query / 3 KV heads: ulysses ranks 1 and 2 re-select KV heads
-    locally (an index_select copy) while 0 and 3 do not. The regather re-runs the ulysses A2A, which
-    needs every rank of the group, so none regathers (a rank-dependent choice would leave ranks 0 and 3
-    waiting in backward for an A2A the others never issue); the run finishes with nothing pending."""
-    for r, res in enumerate(ranks(8).run(regather_run, "hybrid", None, 8, (12, 3), 4, (False,), False,
+def test_async_hybrid_uneven_layout_regathers_on_every_rank(ranks):
+    """Hybrid cp 8, ulysses degree 4, 12 query / 3 KV heads: the query heads of ulysses ranks 1 and 2
+    start inside a KV group (the engine reads their 2 gathered KV heads through its head map,
+    ``kv_map_args``), those of 0 and 3 do not (1 KV head each). Every rank regathers — the choice
+    cannot depend on a rank's own layout, since the regather re-runs the ulysses A2A — and frees
+    exactly its gathered K/V less the local ones (the head map saves the gathered heads themselves,
+    not a per-query-head copy); logits and gradients bitwise equal to keeping; nothing pending."""
+    for r, res in enumerate(ranks(8).run(regather_run, "hybrid", None, 8, (12, 3), 4, (False, True, False), False,
                                          timeout=300)):
         tags = [n for e, n in res["bwd"] if e == "regather_launch"]
-        assert not tags, (r, tags)
+        print(f"uneven hybrid rank {r}: {res['saved']} bytes less held (expected {res['expect']}); regathers {tags}")
+        assert len(tags) == res["layers"], (r, tags)
+        assert res["saved"] == res["expect"], (r, res["saved"], res["expect"])
+        assert res["same_logits"] and res["same_grads"], f"rank {r}: regathering changed a value"
         assert res["pending"] == [0, 0, 0], (r, res["pending"])

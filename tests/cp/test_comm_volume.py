@@ -72,8 +72,7 @@ def test_comm_volume_matches_docs(ranks, cp):
         env = dict(B=B, S=S, Hq=Hq, Hk=Hk, D=D, C=cp, U=u or 1, e=torch.tensor([], dtype=getattr(torch, dt)).element_size())
         if method in ("ulysses", "hybrid"):      # per-rank heads of the Ulysses layout (docs/strategies/ulysses.md)
             lay = ulysses_head_layout(Hq, Hk, u or cp)
-            env.update(nq=list(lay.q_counts), nk=list(lay.kv_counts), NK=lay.kv_copies,
-                       RG=[int(lay.kv_map(i) is None) for i in range(u or cp)])
+            env.update(nq=list(lay.q_counts), nk=list(lay.kv_counts), NK=lay.kv_copies)
         formulas = doc_formulas(PAGES[method])
         for r, got in enumerate(per_rank):  # r: this rank's cp rank (formulas may depend on it)
             expect = tuple(eval(formulas[key], {"__builtins__": {}}, {**env, "r": r}) for key in KEYS)  # noqa: S307

@@ -9,6 +9,8 @@ logits over valid tokens max |diff| <= ``LOGIT_TOL``, every parameter gradient m
 / the largest |g_cp1| <= ``GRAD_TOL``. Each pool call checks several cases (one model per head
 layout). Layout unit checks (single process) pin the per-rank heads and the KV copies sent.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -48,6 +50,30 @@ def test_layout_sends_each_kv_head_fewest_times():
             itertools.accumulate((0,) + sizes[:-1]), sizes))
             for sizes in set(itertools.permutations((lo + 1,) * extra + (lo,) * (u - extra))))
         assert ulysses_head_layout(hq, hk, u).kv_copies == best, (hq, hk, u)
+
+
+def test_kv_map_args_give_every_query_head_its_kv_head():
+    """For every layout up to 16 heads and degree 8: the engine map of ``kv_map_args(i)`` (or its
+    plain GQA when empty) sends each local query head to the local index of KV head ``h // (Hq/Hk)``
+    among ``kv_heads[i]`` — and the map is empty exactly when plain GQA already does that."""
+    from hyper_parallel.ops.attention import kv_head_map
+
+    checked = mapped = 0
+    for hq in range(1, 17):
+        for hk in (d for d in range(1, hq + 1) if hq % d == 0):
+            for u in range(1, min(hq, 8) + 1):
+                lay = ulysses_head_layout(hq, hk, u)
+                for i in range(u):
+                    a, b = lay.q_ranges[i]
+                    kv = lay.kv_heads[i]
+                    want = [kv.index(h // (hq // hk)) for h in range(a, b)]
+                    args = lay.kv_map_args(i)
+                    group, offset = kv_head_map(b - a, len(kv), **args)   # raises if the map is malformed
+                    got = [(h + offset) // group for h in range(b - a)]
+                    assert got == want, (hq, hk, u, i, args)
+                    checked += 1
+                    mapped += bool(args)
+    assert mapped > 0 and checked > mapped, (checked, mapped)
 
 
 def test_layout_refusals_name_the_numbers():
@@ -163,6 +189,67 @@ def replica_grads() -> dict:
 def test_replicated_kv_gradients_are_summed(ranks):
     for r, res in enumerate(ranks(2).run(replica_grads)):
         assert res == {"fwd": True, "grad": [3.0], "adjoint": True}, (r, res)
+
+
+def saved_full_sequence_heads(cp: int, method: str, hq: int, hk: int) -> dict:
+    """The strategy's attention on random local q/k/v ([1, H, S/C, 8], S = 32). Pure Ulysses: every
+    tensor autograd saves that spans the whole sequence, by ``"{heads}x{rows}"``. Hybrid: no hook of
+    ours (the regather acts only where no other saved-tensor hooks are in force); the regather
+    exchanges of the backward. -> {"saved",
+    "regathers", "nq", "nk", "mapped": whether this rank runs the engine with a head map, ...}."""
+    from hyper_parallel import platform as P
+    from hyper_parallel.distributed.context_parallel.meta import CPBatchMeta
+    from hyper_parallel.distributed.context_parallel.strategies import build_strategy
+
+    u = 2 if method == "hybrid" else cp
+    ctx = W.mesh_ctx(cp, hybrid=(u,) if method == "hybrid" else ())
+    strategy = build_strategy(method, ctx, ulysses_degree=u if method == "hybrid" else None)
+    S, D = 32, 8
+    L = S // cp
+    meta = CPBatchMeta(cp_rank=ctx.cp_rank, cp_size=cp, global_seq_len=S, local_seq_len=L, key_doc=None,
+                       policy=strategy.name)
+    g = torch.Generator().manual_seed(ctx.cp_rank)
+    q, k, v = (torch.randn(1, h, L, D, generator=g).requires_grad_(True) for h in (hq, hk, hk))
+    span = S if method == "ulysses" else S * u // cp      # the query rows of this rank's group chunk
+    saved: dict = {}
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[2] in (S, span) and t.shape[3] == D:
+            key = f"{t.shape[1]}x{t.shape[2]}"
+            saved[key] = saved.get(key, 0) + 1
+        return t
+
+    hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if method == "ulysses"
+             else contextlib.nullcontext())
+    with hooks:
+        out = strategy.attention(q, k, v, meta=meta)
+    with P.comm_counter() as bwd:
+        out.sum().backward()
+    lay = ulysses_head_layout(hq, hk, u)
+    i = ctx.cp_rank % u
+    return {"saved": saved, "nq": lay.q_counts[i], "nk": lay.kv_counts[i], "S": S, "span": span,
+            "mapped": bool(lay.kv_map_args(i)), "grads": all(t.grad is not None for t in (q, k, v)),
+            "regathers": sorted(c.tag for c in bwd if "regather" in c.tag)}
+
+
+@pytest.mark.parametrize("cp,method,hq,hk", [(2, "ulysses", 6, 3), (4, "hybrid", 6, 3)])
+def test_uneven_split_saves_the_received_kv_not_a_copy_per_query_head(ranks, cp, method, hq, hk):
+    """6 query / 3 KV heads over a Ulysses degree of 2: each rank has 3 query heads over 2 KV heads
+    (its range starts or ends inside a KV group). The engine runs with its head map
+    (``kv_map_args``) and reads the received K/V in place. Pure Ulysses: the tensors saved for
+    backward are q and out with 3 heads and K, V with their 2 (an ``index_select`` copy per query
+    head would be two more 3-head tensors and no 2-head one). Hybrid: what the engine saves is the
+    gathered K/V itself, so the regather recognises it and gathers K and V again in backward (a copy
+    would be kept, with no regather)."""
+    for r, res in enumerate(ranks(cp).run(saved_full_sequence_heads, cp, method, hq, hk)):
+        print(f"{method} cp {cp} rank {r}: saved tensors by heads x rows {res['saved']}, regathers "
+              f"{res['regathers']} (nq {res['nq']}, nk {res['nk']}, head map {res['mapped']})")
+        assert res["mapped"] and res["nq"] == 3 and res["nk"] == 2 and res["grads"], res
+        if method == "ulysses":
+            assert res["saved"] == {"2x32": 2, "3x32": 2}, res     # K, V in place; q, out
+            assert not res["regathers"], res
+        else:
+            assert len(res["regathers"]) == 2 and all("regather" in t for t in res["regathers"]), res
 
 
 def check(results) -> None:

@@ -43,6 +43,8 @@ class Case:
     softcap: float | None = None
     sinks: bool = False  # a random learned sink logit per query head (fp32; fp64 for fp64)
     Dv: int | None = None  # value head dim (None: D)
+    kv_group: int | None = None  # query head h reads KV head (h + kv_offset) // kv_group (None: GQA)
+    kv_offset: int = 0
 
 
 def error(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -66,12 +68,14 @@ def make_inputs(c: Case):
 
 
 def feature_kwargs(c: Case) -> dict:
-    """window / softcap / sinks keyword arguments of a case (only those that are set)."""
+    """window / softcap / kv head map / sinks keyword arguments of a case (only those that are set)."""
     kw = {}
     if c.window is not None:
         kw["window"] = c.window
     if c.softcap is not None:
         kw["softcap"] = c.softcap
+    if c.kv_group is not None:
+        kw["kv_group"], kw["kv_offset"] = c.kv_group, c.kv_offset
     if c.sinks:
         g = torch.Generator().manual_seed(c.seed + 1000)
         sd = torch.float64 if c.dtype == torch.float64 else torch.float32  # a parameter's dtype

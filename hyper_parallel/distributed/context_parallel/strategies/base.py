@@ -153,7 +153,8 @@ def check_sinks(who: str, sinks, num_q_heads: int) -> None:
 def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
                      k_pos: torch.Tensor, meta: CPBatchMeta, scale: float | None = None,
                      window: int | None = None, softcap: float | None = None,
-                     sinks: torch.Tensor | None = None, return_lse: bool = False):
+                     sinks: torch.Tensor | None = None, return_lse: bool = False,
+                     kv_group: int | None = None, kv_offset: int = 0):
     """Run :func:`hyper_parallel.ops.attention` for queries/keys at global indices ``q_pos``/``k_pos``.
 
     Doc ids come from ``meta.key_doc`` (padding = -1 is never attended, packed documents do
@@ -161,6 +162,8 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos
     (``[q.shape[1]]``) are passed through. No dense mask is ever built here. ``return_lse``:
     return ``(out, lse)`` as :func:`hyper_parallel.ops.attention` (for partial attentions over
     disjoint key sets merged with :func:`hyper_parallel.ops.merge.merge_partial_attention`).
+    ``kv_group`` / ``kv_offset``: the query-head -> KV-head map of a Ulysses rank whose query heads
+    start or end inside a KV group (``UlyssesHeadLayout.kv_map_args``; default: plain GQA).
     """
     dev = q.device
     q_doc, k_doc = meta.doc_slice(q_pos), meta.doc_slice(k_pos)
@@ -173,5 +176,7 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos
         extra["softcap"] = float(softcap)
     if sinks is not None:
         extra["sinks"] = sinks
+    if kv_group is not None:
+        extra.update(kv_group=kv_group, kv_offset=kv_offset)
     return _ops.attention(q, k, v, q_pos=q_pos.to(dev), k_pos=k_pos.to(dev), causal=meta.causal,
                           q_doc=q_doc, k_doc=k_doc, scale=scale, return_lse=return_lse, **extra)

@@ -11,9 +11,10 @@ Layout (C ranks, degree u, rank r = c*u + i):
   out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
 Backward: the K/V AllGather(colossal) again (the attention keeps the head-exchanged shards
-``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~..collectives.regather_saved_kv`; where a rank
-re-selects KV heads locally for an uneven split the engine keeps its selected copy instead), then
-ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes the seq->head A2A. Heads over the ulysses sub-group follow
+``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~..collectives.regather_saved_kv`; uneven
+splits too, since the engine reads the gathered KV heads in place through its head map), then
+ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes the seq->head
+A2A. Heads over the ulysses sub-group follow
 :func:`.ulysses_layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above
 is the even case; otherwise query counts differ by at most one and KV heads are replicated to
 each ulysses rank whose query heads use them (gradients of the copies summed in backward).

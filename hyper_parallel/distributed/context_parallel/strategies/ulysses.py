@@ -50,10 +50,11 @@ def ulysses_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     heads_q = None if lay.even else lay.q_heads
     q_h = ulysses_seq_to_head(q, group, tag="cp.ulysses_s2h_q", heads=heads_q)
     kv = kv_fn(k, v, None if lay.even else lay.kv_heads)
-    k_h, v_h = lay.local_kv(kv[0], rank), lay.local_kv(kv[1], rank)
+    # the engine reads the received KV heads in place with this rank's query-head -> KV-head map
+    # (kv_map_args: non-empty when the query heads start or end inside a KV group)
     with kv[2] if len(kv) > 2 else contextlib.nullcontext():
-        out_h = engine_attention(q_h, k_h, v_h, q_pos=q_pos, k_pos=k_pos, meta=meta,
-                                 sinks=lay.q_slice(sinks, rank), **engine_kw)
+        out_h = engine_attention(q_h, kv[0], kv[1], q_pos=q_pos, k_pos=k_pos, meta=meta,
+                                 sinks=lay.q_slice(sinks, rank), **lay.kv_map_args(rank), **engine_kw)
     return ulysses_head_to_seq(out_h, group, tag="cp.ulysses_h2s_out", heads=heads_q)
 
 

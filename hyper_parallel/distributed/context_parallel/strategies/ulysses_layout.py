@@ -31,8 +31,8 @@ How a Ulysses path uses it (sync strategies here; the async wrappers must do the
     q_h = ulysses_seq_to_head(q, g, heads=lay.q_heads)                # [B, nq_i, S, D]
     k_h = ulysses_seq_to_head(k, g, heads=lay.kv_heads)               # [B, nk_i, S, D] (replicas)
     v_h = ulysses_seq_to_head(v, g, heads=lay.kv_heads)
-    k_h, v_h = lay.local_kv(k_h, i), lay.local_kv(v_h, i)             # GQA map for the engine
     sinks_i = lay.q_slice(sinks, i)
+    out_h = engine_attention(q_h, k_h, v_h, ..., sinks=sinks_i, **lay.kv_map_args(i))  # the GQA map
     out = ulysses_head_to_seq(out_h, g, heads=lay.q_heads)            # [B, Hq, S/u, D]
 
 (``heads=None`` when ``lay.even``: the plain all_to_all, as before.) A path that writes its own
@@ -111,30 +111,21 @@ class UlyssesHeadLayout:
         a, b = self.q_ranges[rank]
         return x.narrow(dim, a, b - a)
 
-    def kv_map(self, rank: int) -> Optional[tuple]:
-        """Local KV index of each local query head of ``rank``, or None when the engine's own GQA
-        grouping (query ``h`` -> KV ``h // (nq/nk)``) already is the right map."""
+    def kv_map_args(self, rank: int) -> dict:
+        """The engine's query-head -> KV-head map for ``rank`` (keywords of
+        :func:`hyper_parallel.ops.attention`): ``{}`` when the engine's own GQA grouping (local
+        query ``h`` -> local KV ``h // (nq/nk)``) is right, else ``{"kv_group": Hq/Hk, "kv_offset":
+        a % (Hq/Hk)}`` for a rank whose query range ``[a, b)`` starts or ends inside a KV group
+        (e.g. 3 query heads over 2 KV heads): the engine reads the received KV heads in place
+        (local KV index ``(h + a % g) // g``) and sums each KV head's gradient over its query heads —
+        no per-query-head copy of K/V, so what the engine saves for backward is the received
+        (Hybrid: the gathered) K/V itself, which the Colossal regather can free."""
         a, b = self.q_ranges[rank]
-        kv = self.kv_heads[rank]
-        pos = {h: i for i, h in enumerate(kv)}
-        local = tuple(pos[h // self.group_size] for h in range(a, b))
-        nq, nk = b - a, len(kv)
-        if nq % nk == 0 and local == tuple(i // (nq // nk) for i in range(nq)):
-            return None
-        return local
-
-    def local_kv(self, x: torch.Tensor, rank: int, head_dim: int = 1) -> torch.Tensor:
-        """K or V after the head exchange (``[B, nk, S, D]``) in the engine's GQA layout.
-
-        Unchanged when the local query heads group evenly over the local KV heads; otherwise
-        (a rank whose query range starts or ends inside a KV group, e.g. 3 query heads over
-        2 KV heads) one KV head per query head is selected locally (``index_select``: no
-        communication, and its backward sums the per-query-head gradients into the KV head).
-        """
-        m = self.kv_map(rank)
-        if m is None:
-            return x
-        return x.index_select(head_dim, torch.tensor(m, dtype=torch.long, device=x.device))
+        g = self.group_size
+        nq, nk = b - a, len(self.kv_heads[rank])
+        if nk == 1 or (a % g == 0 and nq == nk * g):
+            return {}          # one KV head, or whole groups: the engine's plain GQA
+        return {"kv_group": g, "kv_offset": a % g}
 
     def describe(self) -> str:
         """One line for plan summaries: per-rank query / KV heads and the KV copies sent."""

@@ -83,7 +83,8 @@ Head layouts: async Ulysses/Hybrid accept exactly the layouts the sync strategie
 of the real (TP-local) heads, computed at the first launch of a forward: the Q/K/V exchanges take
 ``heads=lay.q_heads`` / ``lay.kv_heads`` (KV heads replicated to every rank whose query heads use
 them; ``None`` for the even split), their backward is the adjoint (dK/dV: the copies' gradients
-summed, ``num_heads=Hk``), the consumer applies ``lay.local_kv`` and ``lay.q_slice`` (sinks) as
+summed, ``num_heads=Hk``), the consumer passes ``lay.kv_map_args`` (the engine's head map: the
+received KV heads are read in place) and ``lay.q_slice`` (sinks) as
 :func:`..strategies.ulysses.ulysses_group_attention` does, and the output goes back with the
 query heads.
 """
@@ -560,10 +561,10 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         u = plan.ulysses_degree or plan.checker.cp_size
         i = group_rank(plan.out_group)
         lay = c.layout
-        # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas): the engine's
-        # GQA map and the sinks of these query heads, as the sync ulysses_group_attention
-        gathered = (k, v)
-        k, v = lay.local_kv(k, i), lay.local_kv(v, i)
+        # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas, read in place
+        # through the engine's head map) and the sinks of these query heads, as the sync
+        # ulysses_group_attention
+        kv_map = lay.kv_map_args(i)
         sinks_h = lay.q_slice(sinks, i)
         if m == "ulysses":
             q_pos = meta.k_index
@@ -575,16 +576,15 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         q_pos = q_pos.view(u, len(c.q_parts), -1)
         # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
         # the size of the local ones: nothing to save); one exchange serves every query chunk. The
-        # regather re-runs the ulysses A2A too, so every rank of the ulysses group must take part: only
-        # when no rank of the layout re-selects KV heads locally (an index_select copy, kept instead)
-        uniform = all(lay.kv_map(j) is None for j in range(u))
-        regather = m == "hybrid" and u < plan.checker.cp_size and uniform
-        with c.regather("k", "v", gathered) if regather else contextlib.nullcontext():
+        # regather re-runs the ulysses A2A too, so every rank of the group takes part: the choice
+        # depends only on the method and the degrees, the same on every rank
+        regather = m == "hybrid" and u < plan.checker.cp_size
+        with c.regather("k", "v", (k, v)) if regather else contextlib.nullcontext():
             for ci, (coll, tok) in enumerate(c.q_parts):
                 q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
                 _trace_chunk(q_c, ci)
                 out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index,
-                                       sinks=sinks_h, **kw)
+                                       sinks=sinks_h, **kv_map, **kw)
                 outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], out))
         return torch.cat([oc.wait(t) for oc, t in outs], dim=2)    # [B, Hq, L, D]
 
