@@ -134,3 +134,25 @@ def test_kv_head_map_validation(Hq, Hk, kw, match):
         with pytest.raises(ValueError, match="kv_offset|Hk="):
             torch.ops.hyper_parallel.attn_fwd(q, k, k, ar(4), ar(4), None, None, True, 1.0, None, None, None,
                                               None, kw.get("kv_group"), kw.get("kv_offset", 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kv_head_map_cuda_matches_cpu_engine():
+    """CUDA expands K/V by the map (``expand_kv_heads``) before FlexAttention: the same outputs and
+    K/V gradients (summed over each KV head's query heads) as the CPU engine's in-place map."""
+    Hq, Hk, group, offset = 5, 3, 3, 2
+    g = torch.Generator().manual_seed(21)
+    S = 192
+    q, k, v = (torch.randn(2, h, S, 64, generator=g) for h in (Hq, Hk, Hk))
+    w = torch.randn(2, Hq, S, 64, generator=g)
+    kw = dict(q_pos=ar(S), k_pos=ar(S), kv_group=group, kv_offset=offset)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        qd, kd, vd = (t.to(dev).requires_grad_() for t in (q, k, v))
+        out = attention(qd, kd, vd, **{n: (x.to(dev) if torch.is_tensor(x) else x) for n, x in kw.items()})
+        (out * w.to(dev)).sum().backward()
+        res[dev] = [t.detach().cpu() for t in (out, qd.grad, kd.grad, vd.grad)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), res["cuda"], res["cpu"]):
+        ab, rel = error(a, b)
+        print(f"[map cuda vs cpu] {name}: abs={ab:.2e} rel={rel:.2e} tol={2 * TOL[torch.float32]:g}")
+        assert rel <= 2 * TOL[torch.float32], name
