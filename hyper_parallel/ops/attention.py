@@ -8,8 +8,8 @@ See ``docs/attention_engine.md`` for the full contract. In short::
 
 * ``q`` ``[B, Hq, Sq, D]``, ``k`` ``[B, Hk, Sk, D]``, ``v`` ``[B, Hk, Sk, Dv]`` (any strides;
   ``Dv`` may differ from ``D``), one floating dtype
-  (float16, bfloat16, float32, float64), ``Hq % Hk == 0``; query head ``h`` reads kv head
-  ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory). ``kv_group`` / ``kv_offset``
+  (float16, bfloat16, float32, float64), ``Hq % Hk == 0`` (without a head map); query head ``h``
+  reads kv head ``h // (Hq // Hk)`` (GQA / MQA without repeating K/V in memory). ``kv_group`` / ``kv_offset``
   generalise the map to ``(h + kv_offset) // kv_group`` (a Ulysses rank whose query heads start
   or end inside a KV group: no copy of K/V per query head).
 * ``q_pos`` ``[Sq]`` or ``[B, Sq]``, ``k_pos`` ``[Sk]`` or ``[B, Sk]``: integer *global*
@@ -152,6 +152,13 @@ def kv_head_map(num_q_heads: int, num_kv_heads: int, kv_group=None, kv_offset=0)
     return int(kv_group), int(kv_offset)
 
 
+def kv_map_in_place(device) -> bool:
+    """Whether :func:`attention` on ``device`` reads K/V through a head map (``kv_group``) in place:
+    the CPU engine does; CUDA and NPU copy K/V per query head first (:func:`expand_kv_heads`), so
+    what they save for backward is that copy, not the K/V passed in."""
+    return torch.device(device).type == "cpu"
+
+
 def expand_kv_heads(x: torch.Tensor, num_q_heads: int, kv_group: int, kv_offset: int) -> torch.Tensor:
     """``[B, Hk, S, D]`` -> ``[B, Hq, S, D]``: KV head ``(h + kv_offset) // kv_group`` for query head
     ``h`` (a copy; for backends without the head map in their kernel)."""
@@ -211,7 +218,8 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     Args:
         q: ``[B, Hq, Sq, D]`` queries. k: ``[B, Hk, Sk, D]``, v: ``[B, Hk, Sk, Dv]`` (the value
             head dim ``Dv`` may differ from ``D``, as in MLA); ``Hq % Hk == 0`` and query head
-            ``h`` uses kv head ``h // (Hq // Hk)``. Any strides; one floating dtype.
+            ``h`` uses kv head ``h // (Hq // Hk)`` (unless ``kv_group`` is given, below). Any
+            strides; one floating dtype.
         q_pos, k_pos: integer global positions, ``[S]`` (shared over the batch) or ``[B, S]``.
         causal: key ``j`` needs ``k_pos[j] <= q_pos[i]`` to be visible to query ``i``.
         q_doc, k_doc: optional document ids (same shapes as the positions, both or neither);
@@ -262,15 +270,15 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     _validate_per_head("sinks", sinks, q)
     _validate_alibi(alibi_slopes, q, softcap)
     dev = q.device.type
+    if not plain and not kv_map_in_place(q.device):
+        k, v = (expand_kv_heads(t, q.shape[1], group, offset) for t in (k, v))
+        group, offset, plain = 1, 0, True
     if dev == "cpu":
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
                                                      causal, scale_f, window, softcap, sinks,
                                                      alibi_slopes, None if plain else group, offset)
-        return (out, lse) if return_lse else out
-    if not plain:
-        k, v = (expand_kv_heads(t, q.shape[1], group, offset) for t in (k, v))
-    if dev == "cuda":
+    elif dev == "cuda":
         from ._cuda import cuda_attention
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,

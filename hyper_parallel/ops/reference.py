@@ -4,7 +4,8 @@ TEST REFERENCE ONLY: it materializes the [B, H, Sq, Sk] visibility mask and scor
 which the CP path must never do. Production code calls :func:`hyper_parallel.ops.attention`.
 
 Contract (identical to the engine):
-  q [B, Hq, Sq, D], k/v [B, Hk, Sk, D], Hq % Hk == 0 (query head h uses kv head h // (Hq//Hk)).
+  q [B, Hq, Sq, D], k/v [B, Hk, Sk, D], Hq % Hk == 0 (query head h uses kv head h // (Hq//Hk);
+  or (h + kv_offset) // kv_group with a head map).
   q_pos [Sq] or [B, Sq], k_pos [Sk] or [B, Sk]: integer global sequence indices.
   q_doc / k_doc (optional, same shapes as the positions): document ids; a key with doc -1 is
   never attended; key j is visible to query i iff (not causal or k_pos[j] <= q_pos[i]) and
@@ -54,7 +55,7 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
                         alibi_slopes=None, kv_group=None, kv_offset=0):
     """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
 
-    q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0``;
+    q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0`` (or a head map);
     ``q_pos`` ``[Sq]`` / ``[B, Sq]`` and ``k_pos`` ``[Sk]`` / ``[B, Sk]`` integer global
     positions; optional ``q_doc`` / ``k_doc`` (together) document ids, ``-1`` = never attended;
     ``scale`` defaults to ``1/sqrt(D)``; ``window`` keeps keys with ``k_pos > q_pos - window``;

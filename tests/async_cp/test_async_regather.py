@@ -158,6 +158,35 @@ def test_async_attention_regathers_kv_in_backward(ranks, method, kv_chunks):
                     assert lo < co < wa, (c, lo, co, wa, ev)
 
 
+def copying_backend_run(*args):
+    """:func:`regather_run` with the CPU engine made to behave like CUDA / NPU for head maps
+    (``kv_map_in_place`` False: ``attention`` copies K/V per query head before the kernel, so a
+    mapped rank's engine saves that copy)."""
+    import sys
+
+    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff as AH
+
+    ops_mod = sys.modules["hyper_parallel.ops.attention"]
+    real = ops_mod.kv_map_in_place
+    ops_mod.kv_map_in_place = AH.kv_map_in_place = lambda device: False
+    try:
+        return regather_run(*args)
+    finally:
+        ops_mod.kv_map_in_place = AH.kv_map_in_place = real
+
+
+def test_async_hybrid_uneven_layout_with_a_copying_backend_keeps_kv_and_runs(ranks):
+    """The same uneven layout where the backend copies K/V per query head for a head map (CUDA, NPU,
+    emulated on the CPU engine): ranks 1 and 2 would save that copy and not regather while 0 and 3
+    regather — an A2A the others never issue, a hang. So no rank regathers; the run finishes with
+    nothing pending."""
+    for r, res in enumerate(ranks(8).run(copying_backend_run, "hybrid", None, 8, (12, 3), 4, (False,), False,
+                                         timeout=300)):
+        tags = [n for e, n in res["bwd"] if e == "regather_launch"]
+        assert not tags, (r, tags)
+        assert res["pending"] == [0, 0, 0], (r, res["pending"])
+
+
 def test_async_hybrid_uneven_layout_regathers_on_every_rank(ranks):
     """Hybrid cp 8, ulysses degree 4, 12 query / 3 KV heads: the query heads of ulysses ranks 1 and 2
     start inside a KV group (the engine reads their 2 gathered KV heads through its head map,

@@ -71,6 +71,9 @@ def test_kv_map_args_give_every_query_head_its_kv_head():
                     group, offset = kv_head_map(b - a, len(kv), **args)   # raises if the map is malformed
                     got = [(h + offset) // group for h in range(b - a)]
                     assert got == want, (hq, hk, u, i, args)
+                    nq, nk = b - a, len(kv)
+                    plain = nq % nk == 0 and want == [h // (nq // nk) for h in range(nq)]
+                    assert bool(args) != plain, (hq, hk, u, i, args)     # a map only where GQA is wrong
                     checked += 1
                     mapped += bool(args)
     assert mapped > 0 and checked > mapped, (checked, mapped)
@@ -249,7 +252,7 @@ def test_uneven_split_saves_the_received_kv_not_a_copy_per_query_head(ranks, cp,
             assert res["saved"] == {"2x32": 2, "3x32": 2}, res     # K, V in place; q, out
             assert not res["regathers"], res
         else:
-            assert len(res["regathers"]) == 2 and all("regather" in t for t in res["regathers"]), res
+            assert res["regathers"] == ["cp.allgather.regather_k", "cp.allgather.regather_v"], res
 
 
 def check(results) -> None:

@@ -12,7 +12,9 @@ Layout (C ranks, degree u, rank r = c*u + i):
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
 Backward: the K/V AllGather(colossal) again (the attention keeps the head-exchanged shards
 ``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~..collectives.regather_saved_kv`; uneven
-splits too, since the engine reads the gathered KV heads in place through its head map), then
+splits too, since the CPU engine reads the gathered KV heads in place through its head map — on
+CUDA / NPU a rank with a head map saves its per-query-head copy instead, the same on every rank of
+its colossal group), then
 ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes the seq->head
 A2A. Heads over the ulysses sub-group follow
 :func:`.ulysses_layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above

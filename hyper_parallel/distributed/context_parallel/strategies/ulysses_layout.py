@@ -123,8 +123,8 @@ class UlyssesHeadLayout:
         a, b = self.q_ranges[rank]
         g = self.group_size
         nq, nk = b - a, len(self.kv_heads[rank])
-        if nk == 1 or (a % g == 0 and nq == nk * g):
-            return {}          # one KV head, or whole groups: the engine's plain GQA
+        if nq % nk == 0 and all((a + h) // g - a // g == h // (nq // nk) for h in range(nq)):
+            return {}          # the engine's plain GQA grouping already is this map
         return {"kv_group": g, "kv_offset": a % g}
 
     def describe(self) -> str:

@@ -109,6 +109,7 @@ from ..meta import current_cp_batch_meta
 from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, UlyssesStrategy
 from ..strategies.base import engine_attention
 from ....ops.merge import merge_partial_attention
+from ....ops.attention import kv_map_in_place
 from ..strategies.ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
 from .heads import check_heads, module_heads
 from .preflight import check_call, check_features
@@ -576,9 +577,12 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         q_pos = q_pos.view(u, len(c.q_parts), -1)
         # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
         # the size of the local ones: nothing to save); one exchange serves every query chunk. The
-        # regather re-runs the ulysses A2A too, so every rank of the group takes part: the choice
-        # depends only on the method and the degrees, the same on every rank
-        regather = m == "hybrid" and u < plan.checker.cp_size
+        # regather re-runs the ulysses A2A too, so every rank of the group must take part: the choice
+        # depends only on values every rank shares. A backend that copies K/V per query head for a
+        # head map (CUDA, NPU: kv_map_in_place False) saves that copy on the mapped ranks, which then
+        # would not regather: there only layouts without a head map on any rank regather
+        regather = m == "hybrid" and u < plan.checker.cp_size and (
+            kv_map_in_place(k.device) or not any(lay.kv_map_args(j) for j in range(u)))
         with c.regather("k", "v", (k, v)) if regather else contextlib.nullcontext():
             for ci, (coll, tok) in enumerate(c.q_parts):
                 q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
