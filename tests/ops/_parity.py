@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyper_parallel.ops import attention, reference_attention
+from hyper_parallel.ops import attention, engine_info, reference_attention
 
 # normalized max error allowed vs the float64 reference, per input dtype
 TOL = {
@@ -139,3 +139,21 @@ def run_parity(c: Case, label: str = "") -> dict:
     bad = {n: r for n, (a, r) in errs.items() if not r <= tol}
     assert not bad, f"{label}: errors above tol={tol:g}: {line}"
     return errs
+
+
+def isa_available(isa: str) -> bool:
+    """Whether this CPU and build run the ``isa`` kernels (``base`` always does)."""
+    return isa == "base" or f"{isa} cpu=yes" in engine_info()
+
+
+def use_isa_or_skip(isa: str, monkeypatch) -> None:
+    """Force the ``isa`` kernel build for this test (``HYPER_PARALLEL_ATTN_ISA``), or skip it, printing
+    and naming what this CPU lacks (every ISA the CPU has is still tested)."""
+    import pytest
+
+    if not isa_available(isa):
+        reason = f"this CPU lacks {isa} (engine_info: {engine_info()})"
+        print(f"[isa={isa}] SKIP: {reason}")
+        pytest.skip(reason)
+    monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
+    assert f"kernels={isa}" in engine_info()

@@ -13,7 +13,7 @@ import torch
 
 from hyper_parallel.ops import attention, engine_info, reference_attention
 
-from ._parity import TOL, Case, error, run_parity
+from ._parity import TOL, Case, error, isa_available, run_parity
 
 ar = torch.arange
 
@@ -229,16 +229,11 @@ def test_deterministic_and_thread_count_independent():
         assert error(a, b)[1] <= 1e-6
 
 
-def _isa_available(isa: str) -> bool:
-    info = engine_info()
-    return isa == "base" or f"{isa} cpu=yes" in info
-
-
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
 def test_every_kernel_build(isa, monkeypatch):
     """Every kernel build against float64. Where the CPU/build lacks an ISA, forcing it must raise
     a ValueError that names the variable, instead of silently falling back to another build."""
-    available = _isa_available(isa)
+    available = isa_available(isa)
     monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
     if not available:
         with pytest.raises(ValueError, match=f"HYPER_PARALLEL_ATTN_ISA={isa}"):

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from hyper_parallel.ops import attention, engine_info, merge_partial_attention, reference_attention
+from hyper_parallel.ops import attention, merge_partial_attention, reference_attention
 from hyper_parallel.ops.reference import visibility
 
-from ._parity import TOL, Case, error, make_inputs, run_parity
+from ._parity import TOL, Case, error, make_inputs, run_parity, use_isa_or_skip
 
 ar = torch.arange
 
@@ -318,18 +318,9 @@ def test_compile_and_opcheck_with_features():
 
 # ------------------------------------------------------------------------------------------
 # every kernel build with the new inputs
-def _isa_available(isa: str) -> bool:
-    return isa == "base" or f"{isa} cpu=yes" in engine_info()
-
-
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
 def test_features_every_kernel_build(isa, monkeypatch):
-    if not _isa_available(isa):
-        reason = f"this CPU lacks {isa} (engine_info: {engine_info()})"
-        print(f"[isa={isa}] SKIP: {reason}")
-        pytest.skip(reason)
-    monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
-    assert f"kernels={isa}" in engine_info()
+    use_isa_or_skip(isa, monkeypatch)
     doc = packed_docs([70, 50], pad=8)
     pos = ar(doc.numel())
     for dtype in (torch.float32, torch.float64, torch.bfloat16):

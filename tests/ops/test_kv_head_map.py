@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel.ops import attention, engine_info
+from hyper_parallel.ops import attention
 from hyper_parallel.ops.attention import expand_kv_heads, kv_head_map
 
-from ._parity import TOL, Case, error, run_parity
+from ._parity import TOL, Case, error, run_parity, use_isa_or_skip
 from .test_attention_features import packed_docs
 
 ar = torch.arange
@@ -29,10 +29,6 @@ MAPS = [
     (4, 1, 6, 1),    # inside one group (MQA-like)
     (6, 2, 3, 0),    # plain GQA written out explicitly
 ]
-
-
-def _available(isa: str) -> bool:
-    return isa == "base" or f"{isa} cpu=yes" in engine_info()
 
 
 @pytest.mark.parametrize("hmap", MAPS, ids=[f"Hq{m[0]}_Hk{m[1]}_g{m[2]}_o{m[3]}" for m in MAPS])
@@ -52,12 +48,7 @@ def test_kv_head_map_parity(hmap, dtype):
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "base"])
 def test_kv_head_map_every_kernel_build(isa, monkeypatch):
     """The map in every kernel build this CPU can run (the others are reported and skipped)."""
-    if not _available(isa):
-        reason = f"this CPU lacks {isa} (engine_info: {engine_info()})"
-        print(f"[isa={isa}] SKIP: {reason}")
-        pytest.skip(reason)
-    monkeypatch.setenv("HYPER_PARALLEL_ATTN_ISA", isa)
-    assert f"kernels={isa}" in engine_info()
+    use_isa_or_skip(isa, monkeypatch)
     pos = ar(150)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         for Hq, Hk, group, offset in MAPS[:3]:
