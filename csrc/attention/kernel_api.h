@@ -96,8 +96,8 @@ struct BwdArgs {
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
   const TileInfo *qti, *kti;
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
-  int64_t kv_group, kv_offset;  // see FwdArgs: KV head j gets the gradients of query heads
-                                //   max(0, j*kv_group - kv_offset) .. min(Hq, (j+1)*kv_group - kv_offset) - 1
+  int64_t kv_group, kv_offset;  // see FwdArgs: KV head j gets the gradients of the query heads
+                                //   kv_query_heads(j, ...) gives
   int causal;
   int64_t window;    // see FwdArgs
   double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2
@@ -109,6 +109,15 @@ struct BwdArgs {
   TileGemmFn ext_gemm;  // see FwdArgs
   TileGemmReleaseFn ext_release;
 };
+
+// The query heads [*lo, *hi) that read KV head kvh under the map h -> (h + kv_offset) / kv_group
+// (FwdArgs::kv_group): the heads whose gradients the backward sums into that KV head.
+inline void kv_query_heads(int64_t kvh, int64_t kv_group, int64_t kv_offset, int64_t Hq, int64_t* lo,
+                           int64_t* hi) {
+  const int64_t a = kvh * kv_group - kv_offset, b = a + kv_group;
+  *lo = a > 0 ? a : 0;
+  *hi = b < Hq ? b : Hq;
+}
 
 using FwdFn = void (*)(const FwdArgs&);
 using BwdFn = void (*)(const BwdArgs&);

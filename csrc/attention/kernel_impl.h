@@ -528,6 +528,8 @@ void bwd_worker(const BwdArgs& a) {
     const int64_t c = it % a.nc;
     const int64_t bkv = it / a.nc;
     const int64_t kvh = bkv % a.Hk, b = bkv / a.Hk;
+    int64_t h0, h_end;  // the query heads that read KV head kvh
+    kv_query_heads(kvh, g, goff, a.Hq, &h0, &h_end);
     const T* KT = static_cast<const T*>(a.kt) + bkv * Dp * a.Skp;
     const T* VT = static_cast<const T*>(a.vt) + bkv * Dv * a.Skp;
     const T* Kr = static_cast<const T*>(a.k) + bkv * a.Skp * Dp;
@@ -539,9 +541,7 @@ void bwd_worker(const BwdArgs& a) {
       zero_buf(dK, (int64_t)Bk * Dp);
       zero_buf(dV, (int64_t)Bk * Dv);
       const TileInfo& ki = a.kti[b * a.nkt + kt];
-      for (int64_t h = kvh * g > goff ? kvh * g - goff : 0,
-                     h_end = (kvh + 1) * g - goff < a.Hq ? (kvh + 1) * g - goff : a.Hq;
-             h < h_end && ki.any; ++h) {
+      for (int64_t h = h0; h < h_end && ki.any; ++h) {
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
           const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);
