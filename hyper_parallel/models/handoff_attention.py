@@ -35,16 +35,11 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from ..distributed.context_parallel.registry import inner_wrapper
-from ..distributed.context_parallel.wrappers.async_handoff import (AttnWait, HandoffPoint, check_kv_chunks,
-                                                                    check_q_chunks, install_async, validate_async)
+from ..distributed.context_parallel import catalogue
+from ..distributed.context_parallel.wrappers.async_handoff import AttnWait, HandoffPoint
+from ..distributed.context_parallel.wrappers.factory import async_entry
 
-__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "target_names",
-           "ASYNC_METHOD_NAMES"]
-
-# method -> Target name suffix (``<arch>_async_<suffix>_cp_wrapper``)
-ASYNC_METHOD_NAMES = {"colossal": "colossal", "ulysses": "ulysses", "hybrid": "hybrid",
-                      "load_balance": "load_balance"}
+__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "target_names"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,62 +138,20 @@ def install_protocol(module: nn.Module, spec: HFAttentionSpec) -> Callable:
 
 def target_names(arch: str) -> list:
     """``<arch>_async_<method>_cp_wrapper`` for every async method, in catalogue order."""
-    return [f"{arch}_async_{suffix}_cp_wrapper" for suffix in ASYNC_METHOD_NAMES.values()]
+    return [catalogue.async_entry_name(m.name, arch) for m in catalogue.async_methods()]
 
 
 def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
-    """The named async Targets of one model: ``{name: fn}`` (:func:`target_names`), each an
-    ``@inner_wrapper`` whose public path is ``<module_name>.<name>`` (Hybrid takes
-    ``ulysses_degree``; every method its pipeline depth: ``kv_chunks`` for Colossal, ``q_chunks``
-    for Ulysses / Hybrid / Head-Tail, None = the library default, checked before any collective).
-    Each checks the target is this model's attention, installs the
-    protocol, then runs the generic preflight / installation. An adapter module publishes them
-    with ``globals().update(adapter_wrappers(SPEC, __name__))``."""
-    return {name: _make(spec, method, name, module_name)
-            for method, name in zip(ASYNC_METHOD_NAMES, target_names(spec.arch))}
-
-
-def _make(spec: HFAttentionSpec, method: str, name: str, module_name: str):
-    def prepare(module):
-        check_adapter_target(module, spec, name)
+    """The named async Targets of one model, ``{name: fn}`` (:func:`target_names`), made by
+    :func:`~..distributed.context_parallel.wrappers.factory.async_entry`: each checks the target
+    is this model's attention and installs the protocol, then runs the generic preflight /
+    installation. An adapter module publishes them with
+    ``globals().update(adapter_wrappers(SPEC, __name__))``."""
+    def prepare(module, who):
+        check_adapter_target(module, spec, who)
         return install_protocol(module, spec)
 
-    if method == "hybrid":
-        def validate(target_module, *, cp_size, ulysses_degree, tp_size=1, probe=True, q_chunks=None):
-            check_q_chunks(q_chunks, name)
-            fwd = prepare(target_module)
-            validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size,
-                           ulysses_degree=ulysses_degree, probe=probe, forward=fwd)
-
-        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, ulysses_degree, q_chunks=None):
-            fwd = prepare(target_module)
-            return install_async(method, target_module, mesh, cp_mesh, name, ulysses_degree=ulysses_degree,
-                                 forward=fwd, q_chunks=q_chunks)
-    elif method == "colossal":
-        def validate(target_module, *, cp_size, tp_size=1, probe=True, kv_chunks=None):
-            check_kv_chunks(kv_chunks, name)
-            fwd = prepare(target_module)
-            validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size, probe=probe,
-                           forward=fwd)
-
-        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, kv_chunks=None):
-            fwd = prepare(target_module)
-            return install_async(method, target_module, mesh, cp_mesh, name, forward=fwd, kv_chunks=kv_chunks)
-    else:
-        def validate(target_module, *, cp_size, tp_size=1, probe=True, q_chunks=None):
-            check_q_chunks(q_chunks, name)
-            fwd = prepare(target_module)
-            validate_async(target_module, method, name, cp_size=cp_size, tp_size=tp_size, probe=probe,
-                           forward=fwd)
-
-        def wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh, q_chunks=None):
-            fwd = prepare(target_module)
-            return install_async(method, target_module, mesh, cp_mesh, name, forward=fwd, q_chunks=q_chunks)
-
-    validate.__qualname__ = f"validate[{name}]"
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__module__ = module_name
-    wrapper.__doc__ = (f"Async {method} CP for {spec.title} ({spec.cls}) through the handoff protocol "
-                       f"(hyper_parallel.models.handoff_attention; docs/async_cp.md).")
-    return inner_wrapper(method=method, style="model", is_async=True, model_adapter=spec.arch,
-                         validate=validate)(wrapper)
+    subject = f"{spec.title} ({spec.cls}) through the handoff protocol (hyper_parallel.models.handoff_attention)"
+    fns = [async_entry(m, module_name, arch=spec.arch, subject=subject, prepare=prepare)
+           for m in catalogue.async_methods()]
+    return {fn.__name__: fn for fn in fns}

@@ -88,6 +88,28 @@ def test_every_entry_point_is_a_catalogue_cell_and_back():
     assert mixers <= set(catalogue.builtin_names("mixer")), mixers - set(catalogue.builtin_names("mixer"))
 
 
+def test_generated_entry_points_bind_their_signature():
+    """The factory's entry points take exactly the row's named parameters: an unknown or missing
+    one is a TypeError before anything is installed, as for a written function."""
+    import inspect
+
+    from hyper_parallel.distributed.context_parallel import wrappers
+
+    for m in catalogue.async_methods():
+        fn = import_target(m.async_targets[0])
+        required, optional = catalogue.entry_params(m, True)
+        assert tuple(inspect.signature(fn).parameters)[5:] == required + optional, fn
+        assert m.async_param in optional and m.title in fn.__doc__ and m.async_doc in fn.__doc__
+        vparams = inspect.signature(wrapper_info(fn).validate).parameters
+        assert set(required + optional) <= set(vparams) and "tp_size" in vparams and "probe" in vparams
+    with pytest.raises(TypeError, match="ulysses_degree"):
+        wrappers.sdpa_hf_hybrid_cp_wrapper(torch.nn.Module(), None, None, None, None)
+    with pytest.raises(TypeError, match="q_chunks"):
+        wrappers.sdpa_hf_cp_wrapper(torch.nn.Module(), None, None, None, None, q_chunks=2)
+    for m, o in _cells():
+        assert m.title in import_target(o.target).__doc__
+
+
 def test_async_variants_resolve():
     for m in catalogue.attention_methods():
         for target in m.async_targets:
@@ -159,6 +181,8 @@ def test_docs_print_the_catalogue_matrix():
     text = open(os.path.join(ROOT, "docs", "wrappers.md"), encoding="utf-8").read()
     assert catalogue.support_matrix_markdown() in text, \
         "docs/wrappers.md's method catalogue is stale: paste catalogue.support_matrix_markdown()"
+    assert catalogue.entry_table_markdown() in text, \
+        "docs/wrappers.md's list of entry points is stale: paste catalogue.entry_table_markdown()"
     for m, o in ((m, o) for m in catalogue.attention_methods() for o in m.offers if o.reason):
         assert o.reason in text
 

@@ -28,21 +28,32 @@ from typing import Iterable, Optional
 __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE",
            "get_method", "attention_methods", "mixer_methods", "method_names", "wrapper_styles",
            "batch_policies", "method_policies", "batch_policy_for", "check_degree", "head_split", "offers",
-           "entry_meta", "builtin_modules", "builtin_names", "support_matrix_markdown"]
+           "entry_meta", "async_methods", "entry_params", "adapter_module", "async_entry_name",
+           "builtin_modules", "builtin_names", "entry_table_markdown", "support_matrix_markdown"]
 
 WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
-ASYNC_QWEN3_MOE = "hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async"
 # models whose adapter implements the async handoff protocol (models/<arch>/adapter/distributed/)
 ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
 
+
+
+def adapter_module(arch: str) -> str:
+    """The module of model ``arch``'s async adapter Targets (a public ``_target_`` prefix)."""
+    return f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async"
+
+
+def async_entry_name(method: str, arch: Optional[str] = None) -> str:
+    """``async_<method>_cp_wrapper`` (generic) or ``<arch>_async_<method>_cp_wrapper`` (adapter)."""
+    return f"{arch + '_' if arch else ''}async_{method}_cp_wrapper"
+
+
 def _async_targets(method: str) -> tuple:
     """The generic async Target of ``method`` (any attention with the handoff protocol) and each
-    adapter's named one (``<arch>_async_<method>_cp_wrapper``)."""
-    return (f"{WRAPPERS_MODULE}.async_{method}_cp_wrapper",) + tuple(
-        f"hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_{method}_cp_wrapper"
-        for a in ASYNC_ADAPTERS)
+    adapter's named one."""
+    return (f"{WRAPPERS_MODULE}.{async_entry_name(method)}",) + tuple(
+        f"{adapter_module(a)}.{async_entry_name(method, a)}" for a in ASYNC_ADAPTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +105,8 @@ class CPMethod:
     title: str                       # words for messages and docs
     kind: str = "attention"
     aliases: tuple = ()
-    strategy: Optional[str] = None   # class name in .strategies
+    strategy: Optional[str] = None   # class name in .strategies.<strategy_module>
+    strategy_module: Optional[str] = None
     batch_policy: str = "all_gather"  # shard_batch_for_cp policy
     layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
     length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
@@ -105,6 +117,8 @@ class CPMethod:
     degree_doc: str = ""
     async_targets: tuple = ()        # model-specific async variants (`_target_` paths)
     async_reason: str = ""           # why there is none / which models
+    async_param: Optional[str] = None  # the async Targets' pipeline-depth parameter (default None)
+    async_doc: str = ""              # one line: what the async variant launches and where it waits
     offers: tuple = ()               # Offer per style
 
 
@@ -115,43 +129,54 @@ _NO_FLEX = ("not offered: no flex entry point has been written and parity-tested
 METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
-        batch_policy="all_gather", head_rule="gqa", head_doc="any GQA ratio (Hq % Hk == 0)",
+        strategy_module="all_gather", batch_policy="all_gather", head_rule="gqa",
+        head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
         async_targets=_async_targets("colossal"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="kv_chunks",
+        async_doc="K/V AllGather launched at the K/V handoffs in ``kv_chunks`` sequence chunks, pipelined "
+                  "through the attention (LSE merge); ReduceScatter per chunk in backward",
         offers=(Offer("hf", "sdpa_hf_cp_wrapper", "sdpa_hf"), Offer("qkv", "sdpa_qkv_cp_wrapper", "sdpa_qkv"),
                 Offer("flex_hf", "flex_hf_cp_wrapper", "flex_hf"),
                 Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
     CPMethod(
-        name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", batch_policy="ulysses",
+        name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", strategy_module="ulysses",
+        batch_policy="ulysses",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
                  "accepted",
         degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
         async_targets=_async_targets("ulysses"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V seq->head A2A launched at their handoffs, Q in ``q_chunks`` pipelined sequence chunks, "
+                  "each chunk's output head->seq A2A launched after its attention; inverse A2As in backward",
         offers=(Offer("hf", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_ulysses"),
                 Offer("qkv", "sdpa_qkv_ulysses_cp_wrapper", "sdpa_qkv_ulysses"),
                 Offer("flex_hf", "flex_hf_ulysses_cp_wrapper", "flex_hf_ulysses"),
                 Offer("flex_qkv", "flex_qkv_ulysses_cp_wrapper", "flex_qkv_ulysses"))),
     CPMethod(
-        name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", batch_policy="hybrid",
+        name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", strategy_module="hybrid",
+        batch_policy="hybrid",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
                  "replicated) accepted",
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
         async_targets=_async_targets("hybrid"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V ulysses A2A chained into the colossal AllGather on the comm thread; Q / output ulysses "
+                  "A2A per pipelined ``q_chunks`` chunk; backward mirrors every stage",
         offers=(Offer("hf", "sdpa_hf_hybrid_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid")))),
     CPMethod(
         name="load_balance", title="Head-Tail load balance", aliases=("head_tail",), strategy="HeadTailStrategy",
-        batch_policy="load_balance", layout="head_tail", length_factor=2, head_rule="gqa",
-        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
+        strategy_module="head_tail", batch_policy="load_balance", layout="head_tail", length_factor=2,
+        head_rule="gqa",        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("load_balance"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V AllGather launched at their handoffs; Q of both Head-Tail branches dispatched in "
+                  "``q_chunks`` pipelined chunks, each chunk's combine launched after its attention",
         offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Head-Tail")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Head-Tail")))),
@@ -311,6 +336,19 @@ def entry_meta(entry: str) -> dict:
     return {"method": m, "style": STYLES[o.style], "offer": o}
 
 
+def async_methods() -> list:
+    """The attention rows with async variants, in catalogue order."""
+    return [m for m in attention_methods() if m.async_targets]
+
+
+def entry_params(method: CPMethod, is_async: bool = False) -> tuple:
+    """(required, optional) named parameters of the method's entry points after the five mesh
+    parameters: the degree parameter (required) and, async, the pipeline depth (default None)."""
+    required = (method.degree_param,) if method.degree == "param" else ()
+    optional = (method.async_param,) if is_async and method.async_param else ()
+    return required, optional
+
+
 def builtin_modules() -> tuple:
     """Modules whose import registers the built-in YAML names (in catalogue order)."""
     out = []
@@ -335,6 +373,20 @@ def _async_cell(m: CPMethod) -> str:
     adapters = [n for n in names if not n.startswith("async_")]
     return "; ".join(f"`{n}`" for n in generic) + (
         f" + adapters {', '.join(f'`{n}`' for n in adapters)}" if adapters else "")
+
+
+def entry_table_markdown() -> str:
+    """The list of sync entry points docs/wrappers.md prints (regenerate it with this function)."""
+    lines = ["| registry name | `_target_` function | method (strategy) | style | named params |",
+             "|---|---|---|---|---|"]
+    for m, o in offers("attention"):
+        required, _ = entry_params(m)
+        params = ", ".join(f"`{p}` (required)" for p in required) or (
+            "— (degree = cp_size)" if m.degree == "cp" else "—")
+        reg = f"`{o.registry_name}`" if o.registry_name else "— (Target only)"
+        lines.append(f"| {reg} | `{o.entry}` | {m.name} (`{m.strategy}`) | {STYLES[o.style].description} | "
+                     f"{params} |")
+    return "\n".join(lines)
 
 
 def support_matrix_markdown() -> str:

@@ -9,18 +9,16 @@ Hybrid, or None (cp 1). No process group is ever created here.
 """
 from __future__ import annotations
 
+import importlib
+
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import catalogue
-from .all_gather import AllGatherStrategy
 from .base import ContextParallelStrategy
-from .head_tail import HeadTailStrategy
-from .hybrid import HybridStrategy
-from .ulysses import UlyssesStrategy
 
-# the catalogue's ``strategy`` names -> classes (a test checks every attention row has one)
-STRATEGY_CLASSES = {cls.__name__: cls for cls in (AllGatherStrategy, UlyssesStrategy, HybridStrategy,
-                                                  HeadTailStrategy)}
+# the catalogue's ``strategy`` names -> classes, each read from its row's ``strategy_module``
+STRATEGY_CLASSES = {m.strategy: getattr(importlib.import_module(f"{__package__}.{m.strategy_module}"), m.strategy)
+                    for m in catalogue.attention_methods()}
 
 
 def _is_mesh_context(obj) -> bool:
