@@ -2,6 +2,5 @@
 from .config import AcceleratorConfig
 from .errors import CPConfigError, PreflightError
 from .mesh import MeshContext, MeshSizes
-from .sharding_config import ModuleShardingSpec, parse_plan_overrides
-from .sharding_applier import TPGradInfo, apply_sharding_plan
-from .sharding_planner import ShardingPlan, ShardingPlanner
+from .plan import (ModuleShardingSpec, PlanOverrideResolver, ShardingPlan, ShardingPlanner, TPGradInfo,
+                   apply_sharding_plan, parse_plan_overrides)

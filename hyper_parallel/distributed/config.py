@@ -1,7 +1,7 @@
 """AcceleratorConfig: topology degrees only. The CP *method* never lives here.
 
 ``accelerator.cp_size`` is the CP degree; the method of every attention boundary is declared
-in ``plan_overrides`` (see :mod:`hyper_parallel.distributed.sharding_config`). Generic CP
+in ``plan_overrides`` (see :mod:`hyper_parallel.distributed.plan.spec`). Generic CP
 algorithm keys (``cp.algorithm``, ``schedule``, ``ulysses_degree``, ``load_balance``,
 ``async_fallback`` ...) are rejected with a pointer to the plan_overrides way.
 """

@@ -198,7 +198,7 @@ def load_section(cls, data, path: str, *, forbidden: Mapping[str, str] | None = 
 
     Refuses a non-mapping, keys in ``forbidden`` (``{key: why}``, with ``forbidden_fix``) and
     unknown keys; every given field is checked with :func:`check_value`, then the instance's
-    ``_check(path)`` hook (cross-field rules) runs when the class defines one.
+    ``check_fields(path)`` hook (cross-field rules) runs when the class defines one.
     """
     if data is None:
         data = {}
@@ -220,8 +220,8 @@ def load_section(cls, data, path: str, *, forbidden: Mapping[str, str] | None = 
         if f.name in data:
             kwargs[f.name] = _field_value(data[f.name], hints[f.name], f, f"{path}.{f.name}")
     obj = cls(**kwargs)
-    if hasattr(obj, "_check"):
-        obj._check(path)
+    if hasattr(obj, "check_fields"):
+        obj.check_fields(path)
     return obj
 
 
@@ -232,8 +232,8 @@ def check_section(obj, path: str) -> None:
         if f.init and "help" in f.metadata:
             setattr(obj, f.name, _field_value(getattr(obj, f.name), hints[f.name], f, f"{path}.{f.name}",
                                               recheck=True))
-    if hasattr(obj, "_check"):
-        obj._check(path)
+    if hasattr(obj, "check_fields"):
+        obj.check_fields(path)
 
 
 def _field_value(value, tp, f: dataclasses.Field, path: str, recheck: bool = False):

@@ -1,9 +1,10 @@
-"""DistributedSetup: process group -> agreed config -> resolved CP plan -> MeshContext.
+"""DistributedSetup: process group -> agreed sharding plan -> MeshContext.
 
 Order matters for fail-fast: the process group is initialized first, then every check runs
 inside :func:`agree_or_raise` (no collective inside a check), so a bad config on any rank
-fails all ranks together before the first real collective. Meshes (including every Hybrid
-sub-mesh a declared wrapper needs) are built once, here.
+fails all ranks together before the first real collective. The plan is built once per run,
+here (:class:`~.plan.ShardingPlanner`), and the meshes — including every Hybrid sub-mesh a
+declared wrapper needs — are derived from it; the trainer applies this same plan.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..platform import Platform, get_platform, init_distributed, set_default_tim
 from .config import AcceleratorConfig
 from .errors import CPConfigError
 from .mesh import MeshConfigError, MeshContext
-from .plan_resolver import PlanOverrideResolver, ResolvedPlan
+from .plan import ShardingPlan, ShardingPlanner
 from .preflight import agree_or_raise
 
 log = logging.getLogger("hyper_parallel.setup")
@@ -27,7 +28,7 @@ log = logging.getLogger("hyper_parallel.setup")
 class DistributedSetup:
     platform: Platform
     mesh: MeshContext
-    plan: ResolvedPlan
+    plan: ShardingPlan
 
     def summary(self) -> str:
         return f"{self.mesh.summary()}\n{self.plan.summary()}"
@@ -44,7 +45,7 @@ def check_world(accel: AcceleratorConfig) -> None:
 
 def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
                       platform: Platform | None = None) -> DistributedSetup:
-    """Validate (agreed across ranks), then build meshes. Prints the topology on rank 0.
+    """Plan (agreed across ranks), then build the meshes the plan needs. Prints both on rank 0.
 
     ``accel.comm_timeout_s`` (when set) becomes the collective timeout first, so the preflight
     agreement, every later hyper_parallel collective and every mesh sub-group use it.
@@ -54,11 +55,13 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
         set_default_timeout(accel.comm_timeout_s)
     init_distributed(platform)
 
-    def check() -> ResolvedPlan:
+    def check() -> ShardingPlan:
         check_world(accel)
-        return PlanOverrideResolver(plan_overrides, accel.cp_size).resolve(model)
+        return ShardingPlanner(plan_overrides).plan(
+            model, tp_size=accel.tp_size, cp_size=accel.cp_size, ep_size=accel.ep_size,
+            sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel)
 
-    plan = agree_or_raise(check, what="CP preflight")
+    plan = agree_or_raise(check, what="sharding plan")
     mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
     setup = DistributedSetup(platform, mesh, plan)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
+from ..distributed.plan import apply_sharding_plan
 from ..distributed.preflight import agree_or_raise
 from ..platform import get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
@@ -44,6 +45,13 @@ __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad
            "clean_param_name", "bind_local_device"]
 
 log = logging.getLogger("hyper_parallel.trainer")
+
+
+def _bf16_policy():
+    """FSDP2's bf16 mixed precision: bf16 parameters in compute, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 class BaseTrainer:
@@ -130,7 +138,8 @@ class BaseTrainer:
         return install_tiled_head(model, chunk_size=lc.chunk_size, ignore_index=self.cfg.data.ignore_index)
 
     def parallelize(self, model: nn.Module):
-        """TP placement -> declared CP wrappers -> activation checkpointing -> FSDP2 (applier).
+        """Apply the run's plan (built once in :func:`setup_distributed`): TP placement -> declared
+        CP wrappers -> activation checkpointing -> FSDP2 (:func:`apply_sharding_plan`).
 
         A single rank with no parallelism and fp32 keeps the plain HF model (activation
         checkpointing through HF's non-reentrant gradient checkpointing). ``mixed_precision:
@@ -138,40 +147,27 @@ class BaseTrainer:
         master weights — on every topology, a 1-rank FSDP mesh included, so CP=1 and CP>1 run
         the same bf16 arithmetic.
         """
-        acc = self.cfg.accelerator
+        plan = self.setup.plan
         ac = self.cfg.schedule.activation_checkpointing
         bf16 = self.cfg.schedule.mixed_precision == "bf16"
         materialize_fn = (lambda m: materialize(m, self.device)) if is_meta_model(model) else None
-        if self.mesh.world_size == 1 and acc.tp_size == 1 and self.cp_size == 1 and not bf16:
+        if self.mesh.world_size == 1 and plan.tp_size == 1 and plan.cp_size == 1 and not bf16:
             if materialize_fn is not None:
                 materialize_fn(model)
             if ac:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model, None
-        from ..distributed.sharding_applier import apply_sharding_plan
-        from ..distributed.sharding_planner import ShardingPlanner
-
-        # agreed across ranks like the preflight: a planning error on one rank (say a TP-local
-        # head check) fails every rank here, before TP / FSDP issue their first collective
-        plan = agree_or_raise(lambda: ShardingPlanner(plan_overrides=self.cfg.plan_overrides).plan(
-            model, self.mesh, tp_size=acc.tp_size, cp_size=acc.cp_size, ep_size=acc.ep_size,
-            sequence_parallel=acc.sequence_parallel, loss_parallel=acc.loss_parallel), what="sharding plan")
-        mp_policy = None
-        if bf16:
-            if self.fsdp is False:
-                raise CPConfigError("schedule.mixed_precision", "bf16 is FSDP2's mixed-precision policy, but "
-                                    f"{type(self).__name__}.fsdp is False", fix="enable FSDP or drop bf16")
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16 and self.fsdp is False:
+            raise CPConfigError("schedule.mixed_precision", "bf16 is FSDP2's mixed-precision policy, but "
+                                f"{type(self).__name__}.fsdp is False", fix="enable FSDP or drop bf16")
         # CP preflight proof (accelerator.cp_preflight_proof): before FSDP, on the probe batch
         # sharded by this trainer's batch contract; a refusal fails every rank before the first step
         proof = ({"pad_token_id": self.cfg.data.pad_token_id, "ignore_index": self.cfg.data.ignore_index}
-                 if acc.cp_preflight_proof else False)
-        model, tp_grad_info = apply_sharding_plan(model, plan, self.mesh, mode="production",
-                                                  fsdp=True if bf16 else self.fsdp, mp_policy=mp_policy,
-                                                  activation_checkpointing=ac, preflight_proof=proof,
-                                                  materialize=materialize_fn)
+                 if self.cfg.accelerator.cp_preflight_proof else False)
+        model, tp_grad_info = apply_sharding_plan(
+            model, plan, self.mesh, mode="production", fsdp=True if bf16 else self.fsdp,
+            mp_policy=_bf16_policy() if bf16 else None, activation_checkpointing=ac, preflight_proof=proof,
+            materialize=materialize_fn)
         self.sharding_plan = plan
         self.cp_policy = plan.batch_policy
         return model, tp_grad_info

@@ -8,7 +8,7 @@ against it, ``hyper-train --help`` prints it, and the field reference in docs/tr
 generated from it (``python -m hyper_parallel.trainer.field_docs --write-docs``; a test fails when
 they drift). ``accelerator`` is :class:`~hyper_parallel.distributed.config.AcceleratorConfig`
 (topology degrees only); ``plan_overrides`` is parsed by
-:func:`~hyper_parallel.distributed.sharding_config.parse_plan_overrides` (the CP method of each
+:func:`~hyper_parallel.distributed.plan.spec.parse_plan_overrides` (the CP method of each
 attention). Type rules are in :mod:`hyper_parallel.distributed.config_schema`.
 
 The YAML file and every ``a.b.c=value`` override go through the same path: YAML text -> plain
@@ -29,7 +29,7 @@ import yaml
 from ..distributed.config import AcceleratorConfig
 from ..distributed.config_schema import FieldInfo, check_section, describe_fields, load_section, option
 from ..distributed.errors import CPConfigError
-from ..distributed.sharding_config import parse_plan_overrides
+from ..distributed.plan.spec import parse_plan_overrides
 
 MIXED_PRECISION = (None, "bf16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -102,7 +102,7 @@ class DataConfig:
     pad_token_id: int = option(0, ge=0, help="id written into padding (it carries no loss and is never attended to)")
     ignore_index: int = option(-100, help="label value of targets that carry no loss")
 
-    def _check(self, path: str) -> None:
+    def check_fields(self, path: str) -> None:
         if self.min_doc_len is not None and self.min_doc_len > self.seq_len:
             raise CPConfigError(f"{path}.min_doc_len", f"{self.min_doc_len} exceeds data.seq_len={self.seq_len}",
                                 fix="use min_doc_len <= seq_len")
@@ -141,7 +141,7 @@ class OptimizerConfig:
                                                     "still logged)")
     foreach: bool | None = option(None, help="torch.optim foreach implementation (null: torch default)")
 
-    def _check(self, path: str) -> None:
+    def check_fields(self, path: str) -> None:
         for i, beta in enumerate(self.betas):
             if not 0 <= beta < 1:
                 raise CPConfigError(f"{path}.betas[{i}]", f"must be in [0, 1), got {beta!r}")

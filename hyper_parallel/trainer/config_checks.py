@@ -5,10 +5,9 @@ the model config (``model.py``), which itself imports the schema."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Sequence
 
 from ..distributed.errors import CPConfigError
+from ..distributed.plan.resolver import check_plan_targets
 from .config import TrainerConfig
 
 
@@ -26,7 +25,7 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
       ``num_key_value_heads``), a rotary ``head_dim`` is even, and ``max_position_embeddings``
       covers ``data.seq_len``;
     * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
-      ``cp_size: 1`` skips (:func:`resolve_plan_targets`).
+      ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`).
     """
     _check_device(cfg.accelerator.device_type)
     if cfg.logging.tensorboard:
@@ -37,7 +36,7 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
                                 fix="pip install tensorboard (pinned in constraints.txt), or set it to false") from None
     _check_attn_implementation(cfg.model.attn_implementation)
     _check_model_config(cfg)
-    resolve_plan_targets(cfg.plan_overrides, cfg.source)
+    check_plan_targets(cfg.plan_overrides, cfg.source)
     return cfg
 
 
@@ -136,44 +135,3 @@ def _config_error_field(message: str, kwargs: dict, architecture: str) -> str:
             return field if field.startswith("model.") else f"model.config.{field}"
     return "model.config"
 
-
-def resolve_plan_targets(specs: Sequence, source: str | Path | None = None) -> None:
-    """Import every ``_target_`` and look up every registry name of ``plan_overrides`` (also in an
-    entry that ``cp_size: 1`` skips), with the checks of the plan resolver (an ``@inner_wrapper``,
-    its named parameters). A ``_target_`` whose module is not importable is looked for next to
-    the config file ``source``: in its directory, then each parent directory, the first directory
-    holding the module's file (``a/b/c.py`` or ``a/b/c/__init__.py`` for ``a.b.c``) is put on
-    ``sys.path`` — so ``examples/cp/custom_wrapper.yaml`` finds ``examples.cp.custom_wrapper_example``
-    from any working directory."""
-    from ..distributed.plan_resolver import PlanOverrideResolver
-
-    resolver = PlanOverrideResolver(specs, cp_size=2)
-    for spec in specs:
-        for ref, field in ((spec.inner_wrapper, "inner_wrapper"), (spec.local_compute_fn, "local_compute_fn")):
-            if ref is None:
-                continue
-            if ref.target is not None and source is not None:
-                _add_module_dir(ref.target, Path(source))
-            if field == "inner_wrapper":
-                resolver._resolve_wrapper(spec, ref, spec.match)
-            elif ref.target is not None:
-                resolver._import(spec.field(field), ref.target, spec.match)
-
-
-def _add_module_dir(target: str, source: Path) -> None:
-    import importlib.util
-    import sys
-
-    parts = target.split(".")
-    try:
-        if importlib.util.find_spec(parts[0]) is not None:
-            return
-    except (ImportError, ValueError):
-        return
-    for base in [source.resolve().parent, *source.resolve().parent.parents]:
-        for cut in range(len(parts) - 1, 0, -1):
-            rel = Path(*parts[:cut])
-            if (base / rel.with_suffix(".py")).is_file() or (base / rel / "__init__.py").is_file():
-                if str(base) not in sys.path:
-                    sys.path.insert(0, str(base))
-                return

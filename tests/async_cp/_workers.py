@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 from tests.wrappers._workers import _COMMON, WINDOW, arch_config, attention_batch, cp_forward_backward, mesh_ctx
 
 ADAPTERS = {a: f"hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_"

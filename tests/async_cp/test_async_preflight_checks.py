@@ -33,7 +33,7 @@ def test_planner_rejects_tp_local_head_split(qwen3_moe_tp_plan, wrapper, cp, par
     heads than the degree (a rank would compute nothing), rejected at plan time. At degree 2 the
     TP-local 2/1 heads are accepted (even query split, the KV head replicated)."""
     from hyper_parallel.distributed.errors import CPConfigError
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     model = _model()
     ShardingPlanner(_specs(wrapper, **params)).plan(model, tp_size=1, cp_size=cp)   # fine without TP
@@ -44,7 +44,7 @@ def test_planner_rejects_tp_local_head_split(qwen3_moe_tp_plan, wrapper, cp, par
 
 
 def test_planner_accepts_tp_local_colossal(qwen3_moe_tp_plan):
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     plan = ShardingPlanner(_specs("qwen3_moe_async_colossal_cp_wrapper")).plan(_model(), tp_size=2, cp_size=2)
     assert plan.batch_policy == "all_gather"

@@ -130,7 +130,7 @@ def test_batch_policies_read_the_catalogue(cp):
 def test_strategy_factory_reads_the_catalogue():
     """cp 1 (no group): every non-degree method and alias builds its row's class; the class's
     policy name and padding multiple are the row's."""
-    from hyper_parallel.distributed.sharding_planner import METHOD_POLICY
+    from hyper_parallel.distributed.plan.rules import METHOD_POLICY
 
     for m in catalogue.attention_methods():
         cls = STRATEGY_CLASSES[m.strategy]

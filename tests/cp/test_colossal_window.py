@@ -283,8 +283,8 @@ MODEL_TOL = 1e-5         # fp32: logits max |cp - cp1|; grads max |g_cp - g_cp1|
 def model_cases_cp4(cases):
     """Tiny random transformers models (window 5 < L) with Colossal at cp 4 vs the CP=1 model:
     logits / gradient errors, and the tags of the collectives the attention issued."""
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.wrappers import _workers as W
 
     mesh = W.mesh_ctx(4)

@@ -165,8 +165,8 @@ def mixer_case(arch: str, attn: str, mixer: str, cp: int, kinds=("plain", "paddi
                S: int = 30, proof: bool = True) -> dict:
     """Plan (attention + mixer declared), apply with the preflight proof, then parity per batch kind."""
     from hyper_parallel.distributed.context_parallel.model_proof import prove_cp_model
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     t0 = time.perf_counter()
     model, ref = build(arch).float().train(), build(arch).float().train()
@@ -195,8 +195,8 @@ def broken_halo_case(cp: int = 2) -> dict:
     runs, so backward stays symmetric). The proof must refuse it naming the conv as a declared
     method that differs, and the parity step must see the error."""
     from hyper_parallel.distributed.context_parallel import mixers
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     real = mixers.halo_exchange
 
@@ -345,7 +345,7 @@ def test_mamba2_state_passing_exact(ranks):
 
 # ---------------------------------------------------------------------------- refusals (plan time, local)
 def _plan(arch: str, plan_overrides: list, cp: int = 2):
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     return ShardingPlanner(plan_overrides=plan_overrides).plan(build_model(arch), None, cp_size=cp)
 

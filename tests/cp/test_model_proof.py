@@ -102,8 +102,8 @@ def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None =
     import torch.distributed as dist
 
     from hyper_parallel.distributed.context_parallel.model_proof import prove_cp_model
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     t0 = time.perf_counter()
     model = build_model(kind)
@@ -132,8 +132,8 @@ def proof_case(kind: str, wrapper="sdpa_hf", cp: int = 2, bad_rank: int | None =
 
 def refused_in_apply(kind: str) -> tuple:
     """apply_sharding_plan(preflight_proof=True) refuses and rolls the CP install back."""
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     model = build_model(kind)
     before = {n: m.__dict__.get("forward") for n, m in model.named_modules()}

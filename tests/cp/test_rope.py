@@ -130,9 +130,9 @@ def _build(rope_type: str, method: str, rotary=None, hook: bool = True):
     in both; ``hook=False`` leaves the rotary modules as they are (the failure this fixes)."""
     from unittest import mock
 
-    from hyper_parallel.distributed import sharding_applier
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan import applier as sharding_applier
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.wrappers import _workers as W
 
     cp, wrapper = METHODS[method]

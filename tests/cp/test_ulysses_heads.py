@@ -148,8 +148,8 @@ def _batch(kind: str, S: int, vocab: int):
 
 def heads_parity(cp: int, cases) -> list:
     """cases: [(method, arch, Hq, Hk, kinds, S)] -> one dict per (case, kind) on this rank."""
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     out = []
     for i, (method, arch, hq, hk, kinds, S) in enumerate(cases):

@@ -11,8 +11,8 @@ import torch
 
 from hyper_parallel.distributed.context_parallel.interception import CPInterceptionError
 from hyper_parallel.distributed.errors import CPConfigError
-from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 from tests.wrappers._workers import cp_forward_backward, mesh_ctx
 
 _DENSE = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

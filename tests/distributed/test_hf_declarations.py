@@ -9,7 +9,7 @@ import os
 import pytest
 
 from hyper_parallel.distributed.errors import CPConfigError
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 from hyper_parallel.distributed.tensor_parallel import check_tp_plan, find_decoder_layers, get_tp_plan
 from hyper_parallel.distributed.tp_plan_translation import translate_tp_plan
 

@@ -64,6 +64,26 @@ def _imports(name: str, path: str, is_pkg: bool, mods: dict):
                     yield mod, a.name, node.lineno
 
 
+def _private_members(path: str) -> set:
+    """Private (not dunder) names a file's classes define: methods and class-body assignments."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    out = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in cls.body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else [
+                t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+            out |= {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return out
+
+
+def _private_attribute_uses(path: str) -> list:
+    """(line, attr) for every ``<expr>._attr`` (not dunder) on anything but ``self`` / ``cls``."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    return [(node.lineno, node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+
+
 def _graph(root: str = ROOT, pkg: str = PKG):
     mods = _modules(root)
     edges: dict = {m: set() for m in mods}
@@ -71,6 +91,7 @@ def _graph(root: str = ROOT, pkg: str = PKG):
     for name, (path, is_pkg) in mods.items():
         if path is None:
             continue
+        src_pkg = name if is_pkg else name.rpartition(".")[0]
         for target, attr, line in _imports(name, path, is_pkg, mods):
             if not target.startswith(pkg):
                 continue
@@ -80,10 +101,22 @@ def _graph(root: str = ROOT, pkg: str = PKG):
                 continue
             edges[name].add(target)
             if attr and attr.startswith("_") and not attr.startswith("__"):
-                src_pkg = name if is_pkg else name.rpartition(".")[0]
                 dst_pkg = target if mods[target][1] else target.rpartition(".")[0]
                 if src_pkg != dst_pkg and (name, target, attr) not in ALLOWED_PRIVATE_IMPORTS:
                     private.append(f"{name}:{line} imports private {attr} from {target}")
+    # a private member of a class of another package, used where no class of this package defines it
+    members: dict = {}          # package -> private member names its classes define
+    for name, (path, is_pkg) in mods.items():
+        if path is not None:
+            members.setdefault(name if is_pkg else name.rpartition(".")[0], set()).update(_private_members(path))
+    for name, (path, is_pkg) in mods.items():
+        if path is None:
+            continue
+        src_pkg = name if is_pkg else name.rpartition(".")[0]
+        for line, attr in _private_attribute_uses(path):
+            owners = sorted(p for p, names in members.items() if attr in names)
+            if owners and src_pkg not in owners and (name, owners[0], attr) not in ALLOWED_PRIVATE_IMPORTS:
+                private.append(f"{name}:{line} uses private member {attr} of a class of {owners[0]}")
     return edges, private
 
 
@@ -155,11 +188,14 @@ def test_lazy_import_cycle_and_private_name_are_found(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("def f():\n    from .sub.c import _hidden\n    return _hidden\n")
-    (pkg / "sub" / "c.py").write_text("import toy.a\n_hidden = 1\n")
+    (pkg / "sub" / "c.py").write_text("import toy.a\n_hidden = 1\n\nclass R:\n    def _resolve(self):\n"
+                                      "        pass\n")
+    (pkg / "d.py").write_text("from .sub.c import R\n\ndef g(r):\n    return r._resolve()\n")
     edges, private = _graph(str(pkg), "toy")
     assert edges["toy.b"] == {"toy.sub.c"} and edges["toy.sub.c"] == {"toy.a"}
     assert _cycles(edges) == [["toy.a", "toy.b", "toy.sub.c"]]
-    assert private == ["toy.b:2 imports private _hidden from toy.sub.c"]
+    assert sorted(private) == ["toy.b:2 imports private _hidden from toy.sub.c",
+                               "toy.d:4 uses private member _resolve of a class of toy.sub"], private
 
 
 def test_no_import_cycle():

@@ -6,7 +6,7 @@ import pytest
 from hyper_parallel.distributed.context_parallel.registry import WrapperSignatureError, inner_wrapper
 from hyper_parallel.distributed.errors import CPConfigError
 from hyper_parallel.distributed.infrastructure import check_world
-from hyper_parallel.distributed.plan_resolver import PlanOverrideResolver
+from hyper_parallel.distributed.plan.resolver import PlanOverrideResolver
 from hyper_parallel.trainer.config import TrainerConfig
 from hyper_parallel.trainer.model import build_model
 

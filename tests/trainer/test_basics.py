@@ -45,7 +45,7 @@ def test_config_errors_name_the_field(override, field):
 @pytest.mark.parametrize("name", sorted(os.path.basename(p) for p in
                                          __import__("glob").glob(os.path.join(ROOT, "examples", "train_*.yaml"))))
 def test_example_configs_resolve(name):
-    from hyper_parallel.distributed.plan_resolver import PlanOverrideResolver
+    from hyper_parallel.distributed.plan.resolver import PlanOverrideResolver
 
     cfg = TrainerConfig.from_yaml(os.path.join(ROOT, "examples", name))
     model = HyperAutoModel.from_config(cfg.model)

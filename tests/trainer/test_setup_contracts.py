@@ -51,7 +51,7 @@ def plan_fails_on_rank_1(cfg: dict):
     import torch.distributed as dist
 
     from hyper_parallel.distributed.errors import CPConfigError
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     original = ShardingPlanner.plan
     if dist.get_rank() == 1:

@@ -12,8 +12,8 @@ import torch
 from hyper_parallel.distributed.context_parallel.batch import gather_from_cp, shard_batch_for_cp
 from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
 from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
-from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
 from . import _models
 

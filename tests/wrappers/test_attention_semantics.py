@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from hyper_parallel.distributed.errors import CPConfigError
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
 from . import _models, _workers as W, attention_matrix as M
 

@@ -9,8 +9,8 @@ TOL_BF16 = 5e-2  # bf16 logits, max abs vs the CP=1 model under the same autocas
 def autocast_parity():
     from hyper_parallel.distributed.context_parallel.batch import gather_from_cp, shard_batch_for_cp
     from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
-    from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-    from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
     from tests.wrappers import _models
 

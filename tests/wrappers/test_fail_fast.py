@@ -12,9 +12,9 @@ from hyper_parallel.distributed.context_parallel.model_spec import (register_cp_
                                                                     unregister_cp_model_spec)
 from hyper_parallel.distributed.context_parallel.registry import get_registered, registered_names
 from hyper_parallel.distributed.errors import CPConfigError
-from hyper_parallel.distributed.sharding_applier import apply_sharding_plan
-from hyper_parallel.distributed.sharding_config import ModuleShardingSpec
-from hyper_parallel.distributed.sharding_planner import ShardingPlanner
+from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+from hyper_parallel.distributed.plan.spec import ModuleShardingSpec
+from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
 from . import _models, _workers as W
 

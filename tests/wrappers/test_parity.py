@@ -67,7 +67,7 @@ def test_design_yaml_cp4(ranks, yaml_file, overrides):
 
 def test_design_3_2_python_api(ranks):
     """The design's Python snippet: mapping-form plan_overrides with ModuleShardingSpec."""
-    from hyper_parallel.distributed.sharding_config import ModuleShardingSpec
+    from hyper_parallel.distributed.plan.spec import ModuleShardingSpec
 
     overrides = {"model.layers.*.self_attn": ModuleShardingSpec(inner_target="self", inner_wrapper="sdpa_hf",
                                                                 region_dispatch=False)}

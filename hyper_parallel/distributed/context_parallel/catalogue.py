@@ -9,7 +9,7 @@ length multiple), its head rule and degree rule, sync/async, and for every calli
   and the modules that register built-in names (:func:`builtin_modules`);
 * :mod:`.strategies.factory` — name/alias resolution, strategy class, degree rule;
 * :mod:`.batch` — the padding policies and their length multiple (:func:`batch_policies`);
-* :mod:`..sharding_planner` — one batch policy per model (:func:`batch_policy_for`), which methods
+* :mod:`..plan.planner` — one batch policy per model (:func:`batch_policy_for`), which methods
   reorder the sequence (``layout``) and cannot be mixed;
 * :mod:`.wrappers` — the entry points (:func:`entry_meta`), the head and degree checks
   (:func:`check_degree`, :func:`head_split`);

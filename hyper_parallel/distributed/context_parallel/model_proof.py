@@ -107,7 +107,7 @@ class _MISSING_T:
 _NOTSET = _MISSING_T()
 
 #: "this module had no instance ``forward`` before CP replaced it" — the value the applier records
-#: as ``__hp_cp_prev_forward__`` (sharding_applier imports it from here)
+#: as ``__hp_cp_prev_forward__`` (the plan applier imports it from here)
 NO_INSTANCE_FORWARD = _MISSING_T()
 
 
@@ -751,9 +751,9 @@ def prove_cp_model(model: nn.Module, plan, mesh, *, seq_len: Optional[int] = Non
     """Prove on a probe input that ``model`` (with ``plan`` applied) computes under CP what it
     computes without CP, layer by layer; raise :class:`CPConfigError` naming the first module
     that differs. Collective: call it on **every** rank (world group), after
-    :func:`~..sharding_applier.apply_sharding_plan`, before the first step.
+    :func:`~..plan.applier.apply_sharding_plan`, before the first step.
 
-    ``plan``: the :class:`~..sharding_planner.ShardingPlan`; ``mesh``: the MeshContext (or the
+    ``plan``: the :class:`~..plan.planner.ShardingPlan`; ``mesh``: the MeshContext (or the
     1-D cp mesh). ``seq_len``: probe S (default: see module doc; ``max_seq_len`` caps it).
     ``packed``: None = include the packed row when the batch contract accepts ``seq_lens``,
     True = require it, False = omit it. ``upcast``: run a bf16/fp16 (non-DTensor) model in fp32

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib.util
 import logging
-from typing import Any, Callable
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
-from .context_parallel.model_spec import find_attention_boundaries
-from .context_parallel.registry import (WrapperInfo, get_registered, import_target,
+from ..context_parallel.model_spec import find_attention_boundaries
+from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
                                         registered_names, wrapper_info)
-from .errors import CPConfigError
-from .sharding_config import ModuleShardingSpec, TargetRef
+from ..errors import CPConfigError
+from .spec import ModuleShardingSpec, TargetRef
 
 log = logging.getLogger("hyper_parallel.plan")
 
@@ -66,51 +69,92 @@ class ResolvedPlan:
         return "\n".join(lines)
 
 
+def resolve_wrapper(spec: ModuleShardingSpec, ref: TargetRef, fqn: str) -> tuple:
+    """``(fn, WrapperInfo, params)`` of an ``inner_wrapper`` reference: the registry name or
+    ``_target_`` resolves to an ``@inner_wrapper`` whose named parameters are exactly those
+    given (unknown or missing ones refused). Needs no model and no ``cp_size``; no collective."""
+    field = spec.field("inner_wrapper")
+    if ref.name is not None:
+        fn = get_registered(ref.name)
+        if fn is None:
+            raise CPConfigError(field, f"unknown inner_wrapper name {ref.name!r}", module=fqn,
+                                fix=f"use one of {registered_names()} or a {{_target_: ...}} mapping")
+    else:
+        fn = import_callable(field, ref.target, fqn)
+    info = wrapper_info(fn)
+    if info is None:
+        raise CPConfigError(field, f"{ref.describe()} is not decorated with @inner_wrapper", module=fqn,
+                            fix="decorate it with hyper_parallel.distributed.context_parallel.inner_wrapper")
+    unknown = sorted(set(ref.params) - set(info.named_params))
+    if unknown:
+        raise CPConfigError(f"{field}.{unknown[0]}",
+                            f"{info.qualname} has no parameter(s) {unknown} (it takes {list(info.named_params)})",
+                            module=fqn, fix="remove the key or fix its spelling")
+    missing = [p for p in info.required_params if p not in ref.params]
+    if missing:
+        raise CPConfigError(f"{field}.{missing[0]}", f"{info.qualname} requires parameter(s) {missing}",
+                            module=fqn, fix=f"add {missing[0]}: <value> under inner_wrapper")
+    return fn, info, dict(ref.params)
+
+
+def import_callable(field: str, path: str, fqn: str) -> Any:
+    """Import a ``_target_`` path; an ImportError becomes a CPConfigError naming ``field``."""
+    try:
+        return import_target(path)
+    except ImportError as exc:
+        raise CPConfigError(f"{field}._target_", f"cannot import {path!r}: {exc}", module=fqn,
+                            fix="check the dotted path (package.module.callable)") from exc
+
+
+def check_plan_targets(specs: Sequence, source: str | Path | None = None) -> None:
+    """Resolve every ``_target_`` and registry name of ``plan_overrides`` without a model — also in
+    an entry that ``cp_size: 1`` skips — with :func:`resolve_wrapper`'s checks. A ``_target_``
+    whose module is not importable is looked for next to the config file ``source``: in its
+    directory, then each parent, the first holding the module's file (``a/b/c.py`` or
+    ``a/b/c/__init__.py`` for ``a.b.c``) is put on ``sys.path`` (so ``examples/cp/custom_wrapper.yaml``
+    finds ``examples.cp.custom_wrapper_example`` from any working directory)."""
+    for spec in specs:
+        for ref, field in ((spec.inner_wrapper, "inner_wrapper"), (spec.local_compute_fn, "local_compute_fn")):
+            if ref is None:
+                continue
+            if ref.target is not None and source is not None:
+                _add_module_dir(ref.target, Path(source))
+            if field == "inner_wrapper":
+                resolve_wrapper(spec, ref, spec.match)
+            elif ref.target is not None:
+                import_callable(spec.field(field), ref.target, spec.match)
+
+
+def _add_module_dir(target: str, source: Path) -> None:
+    parts = target.split(".")
+    try:
+        if importlib.util.find_spec(parts[0]) is not None:
+            return
+    except (ImportError, ValueError):
+        return
+    for base in [source.resolve().parent, *source.resolve().parent.parents]:
+        for cut in range(len(parts) - 1, 0, -1):
+            rel = Path(*parts[:cut])
+            if (base / rel.with_suffix(".py")).is_file() or (base / rel / "__init__.py").is_file():
+                if str(base) not in sys.path:
+                    sys.path.insert(0, str(base))
+                return
+
+
 class PlanOverrideResolver:
+    """Binds the ``when: cp`` entries to one model's modules at one ``cp_size`` (:meth:`resolve`)."""
+
     def __init__(self, specs: list[ModuleShardingSpec], cp_size: int):
         self.specs = list(specs)
         self.cp_size = cp_size
 
-    # -- method lookup ----------------------------------------------------------------
-    def _resolve_wrapper(self, spec: ModuleShardingSpec, ref: TargetRef, fqn: str):
-        field = spec.field("inner_wrapper")
-        if ref.name is not None:
-            fn = get_registered(ref.name)
-            if fn is None:
-                raise CPConfigError(field, f"unknown inner_wrapper name {ref.name!r}", module=fqn,
-                                    fix=f"use one of {registered_names()} or a {{_target_: ...}} mapping")
-        else:
-            fn = self._import(field, ref.target, fqn)
-        info = wrapper_info(fn)
-        if info is None:
-            raise CPConfigError(field, f"{ref.describe()} is not decorated with @inner_wrapper", module=fqn,
-                                fix="decorate it with hyper_parallel.distributed.context_parallel.inner_wrapper")
-        unknown = sorted(set(ref.params) - set(info.named_params))
-        if unknown:
-            raise CPConfigError(f"{field}.{unknown[0]}",
-                                f"{info.qualname} has no parameter(s) {unknown} (it takes {list(info.named_params)})",
-                                module=fqn, fix="remove the key or fix its spelling")
-        missing = [p for p in info.required_params if p not in ref.params]
-        if missing:
-            raise CPConfigError(f"{field}.{missing[0]}", f"{info.qualname} requires parameter(s) {missing}",
-                                module=fqn, fix=f"add {missing[0]}: <value> under inner_wrapper")
-        return fn, info, dict(ref.params)
-
     def _declares_mixer(self, spec: ModuleShardingSpec, fqn: str) -> bool:
         """True when ``spec`` declares a token-mixer method (``@inner_wrapper(mixer=True)``, see
-        :mod:`.context_parallel.mixers`): those may be installed on non-attention modules."""
+        :mod:`..context_parallel.mixers`): those may be installed on non-attention modules."""
         if spec.inner_wrapper is None:
             return False
-        _fn, info, _params = self._resolve_wrapper(spec, spec.inner_wrapper, fqn)
+        _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, fqn)
         return bool(getattr(info, "mixer", False))
-
-    @staticmethod
-    def _import(field: str, path: str, fqn: str) -> Any:
-        try:
-            return import_target(path)
-        except ImportError as exc:
-            raise CPConfigError(f"{field}._target_", f"cannot import {path!r}: {exc}", module=fqn,
-                                fix="check the dotted path (package.module.callable)") from exc
 
     # -- main -----------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> ResolvedPlan:
@@ -197,13 +241,13 @@ class PlanOverrideResolver:
                                         f"({[n for n, _ in module.named_children()][:6]})")
             inner = names[inner_fqn]
         if spec.inner_wrapper is not None:
-            fn, info, params = self._resolve_wrapper(spec, spec.inner_wrapper, fqn)
+            fn, info, params = resolve_wrapper(spec, spec.inner_wrapper, fqn)
             kind = "inner_wrapper"
             communicates = info.communicates
         else:
             ref = spec.local_compute_fn
             field = spec.field("local_compute_fn")
-            fn = get_registered(ref.name) if ref.name else self._import(field, ref.target, fqn)
+            fn = get_registered(ref.name) if ref.name else import_callable(field, ref.target, fqn)
             if fn is None or not callable(fn):
                 raise CPConfigError(field, f"{ref.describe()} is not a callable", module=fqn)
             info, params, kind = wrapper_info(fn), dict(ref.params), "local_compute_fn"

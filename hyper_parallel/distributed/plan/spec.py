@@ -10,14 +10,15 @@ YAML form (every key is checked; unknown keys are rejected)::
       # local_compute_fn: {_target_: my.fn}   # exclusive with inner_wrapper
 
 The Python API accepts a mapping ``{fqn_glob: ModuleShardingSpec(...)}`` (design 3.2) or a
-list of specs with ``match`` set.
+list of specs with ``match`` set; :func:`parse_plan_overrides` is the one place either form is
+normalised.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from .errors import CPConfigError
+from ..errors import CPConfigError
 
 SPEC_KEYS = ("match", "when", "inner_target", "inner_wrapper", "local_compute_fn", "region_dispatch")
 WHEN_VALUES = ("cp",)
@@ -114,23 +115,30 @@ class ModuleShardingSpec:
 
 
 def parse_plan_overrides(value: Any) -> list[ModuleShardingSpec]:
-    """Parse the YAML list (or the Python mapping form) into specs with ``match`` set."""
+    """Parse ``plan_overrides`` into specs with ``match`` and ``index`` set: the YAML list (dicts or
+    specs; a spec keeps an index it already has) or the Python mapping form ``{glob: spec}``,
+    whose entries that declare a CP method default to ``when: cp`` (the design's snippet omits it)."""
     if value is None:
         return []
     if isinstance(value, Mapping):
         specs = []
         for i, (pattern, spec) in enumerate(value.items()):
             if isinstance(spec, ModuleShardingSpec):
-                spec = dataclasses.replace(spec, match=spec.match or pattern, index=i)
+                when = spec.when or ("cp" if spec.declares_cp_method else None)
+                spec = dataclasses.replace(spec, match=spec.match or pattern, index=i, when=when)
             else:
-                spec = ModuleShardingSpec.from_dict({"match": pattern, **dict(spec)}, i)
+                spec = dict(spec)
+                if "when" not in spec and (spec.get("inner_wrapper") is not None
+                                           or spec.get("local_compute_fn") is not None):
+                    spec["when"] = "cp"
+                spec = ModuleShardingSpec.from_dict({"match": pattern, **spec}, i)
             specs.append(spec)
         return specs
     if isinstance(value, Sequence) and not isinstance(value, str):
         out = []
         for i, item in enumerate(value):
             if isinstance(item, ModuleShardingSpec):
-                out.append(dataclasses.replace(item, index=i))
+                out.append(item if item.index is not None else dataclasses.replace(item, index=i))
             else:
                 out.append(ModuleShardingSpec.from_dict(item, i))
         return out

@@ -36,13 +36,13 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from .context_parallel.interception import applying
-from .context_parallel.meta import cp_batch_context, current_cp_batch_meta
-from .context_parallel.model_proof import NO_INSTANCE_FORWARD
-from .context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
-from .errors import CPConfigError
-from .sharding_planner import ShardingPlan
-from .tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
+from ..context_parallel.interception import applying
+from ..context_parallel.meta import cp_batch_context, current_cp_batch_meta
+from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
+from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
+from ..errors import CPConfigError
+from .planner import ShardingPlan
+from ..tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
 
 log = logging.getLogger("hyper_parallel.apply")
 
@@ -246,7 +246,7 @@ def _reshard(model) -> None:
 
 
 def _prove(model, plan: ShardingPlan, mesh, preflight_proof) -> None:
-    from .context_parallel.model_proof import prove_cp_model
+    from ..context_parallel.model_proof import prove_cp_model
 
     prove_cp_model(model, plan, mesh, **(preflight_proof if isinstance(preflight_proof, dict) else {}))
 
