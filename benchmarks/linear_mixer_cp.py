@@ -37,7 +37,7 @@ CFG = dict(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_la
            linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
            layer_types=["linear_attention"], num_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
            shared_expert_intermediate_size=64, use_cache=False)
-MIXERS = "hyper_parallel.distributed.context_parallel.mixers"
+GDN = "hyper_parallel.models.qwen3_next.gated_deltanet"
 COMM_OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven")
 
 
@@ -88,7 +88,7 @@ def bench_rank(seqs: list, reps: int, threads: int) -> dict:
             for method in ("ulysses", "state_passing"):
                 mod = Qwen3NextGatedDeltaNet(cfg, 0)
                 mod.load_state_dict(base.state_dict())
-                mod.forward = import_target(f"{MIXERS}.gated_deltanet_{method}_cp_wrapper")(mod, mesh, None,
+                mod.forward = import_target(f"{GDN}.gated_deltanet_{method}_cp_wrapper")(mod, mesh, None,
                                                                                             mesh.cp_mesh, None)
                 times, comm, moved = [], [], 0
                 for i in range(reps + 1):

@@ -43,7 +43,8 @@ MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "l
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
          "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses",
          "gdn_sp": "gated_deltanet_state_passing", "m2_sp": "mamba2_state_passing",
-         "gdn_sp_target": {"_target_": MIXERS + "gated_deltanet_state_passing_cp_wrapper"}}
+         "gdn_sp_target": {"_target_": "hyper_parallel.models.qwen3_next.gated_deltanet."
+                                       "gated_deltanet_state_passing_cp_wrapper"}}
 
 
 def entries(arch: str, attn: str, mixer: str) -> list:
@@ -194,7 +195,7 @@ def broken_halo_case(cp: int = 2) -> dict:
     """Negative control: LFM2 + short_conv_halo whose received halo is zeroed (the exchange still
     runs, so backward stays symmetric). The proof must refuse it naming the conv as a declared
     method that differs, and the parity step must see the error."""
-    from hyper_parallel.distributed.context_parallel import mixers
+    from hyper_parallel.distributed.context_parallel.mixers import halo as mixers
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
@@ -290,19 +291,19 @@ def dropped_state_case(arch: str, mixer: str) -> dict:
     """Negative control: the state-passing method with the incoming state dropped (the exchange still
     runs, so backward stays symmetric) must be visibly wrong on a plain batch (one document spanning
     both ranks)."""
-    from hyper_parallel.distributed.context_parallel import mixers
+    from hyper_parallel.distributed.context_parallel.mixers import state_passing as mixers
 
-    real = mixers._exchange_states
+    real = mixers.exchange_states
 
     def dropped(*a, **kw):
         anchor, s_in = real(*a, **kw)
         return anchor, None if s_in is None else s_in * 0
 
-    mixers._exchange_states = dropped
+    mixers.exchange_states = dropped
     try:
         return mixer_case(arch, "colossal", mixer, 2, kinds=("plain",), S=30, proof=False)
     finally:
-        mixers._exchange_states = real
+        mixers.exchange_states = real
 
 
 def test_gated_deltanet_state_passing_exact(ranks):

@@ -33,6 +33,8 @@ __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE",
 
 WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
+GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
+MAMBA2_MODULE = "hyper_parallel.models.falcon_h1.mamba2"
 # models whose adapter implements the async handoff protocol (models/<arch>/adapter/distributed/)
 ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
@@ -180,7 +182,7 @@ METHODS: dict = {m.name: m for m in (
         offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Head-Tail")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Head-Tail")))),
-    # token-mixer methods (context_parallel/mixers.py): declared on a non-attention module, contiguous
+    # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, contiguous
     # layout only; WrapperInfo.method is "custom" and mixer=True
     CPMethod(
         name="sequence_gather", title="sequence gather (any mixer)", kind="mixer", batch_policy="all_gather",
@@ -194,19 +196,18 @@ METHODS: dict = {m.name: m for m in (
         name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next)", kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="linear key and value heads divisible by cp_size",
-        offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses",
-                      module=MIXERS_MODULE),)),
+        offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses", module=GDN_MODULE),)),
     CPMethod(
         name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next)", kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
         offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
-                      module=MIXERS_MODULE),)),
+                      module=GDN_MODULE),)),
     CPMethod(
         name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1)", kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
-        offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MIXERS_MODULE),)),
+        offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}
@@ -413,9 +414,9 @@ def support_matrix_markdown() -> str:
     lines.append("")
     lines.extend(f"[{i}] {n}" for i, n in enumerate(notes, 1))
     lines.append("")
-    lines.append("Token-mixer methods (`context_parallel/mixers.py`, contiguous layout, batch policy all_gather):")
+    lines.append("Token-mixer methods (contiguous layout, batch policy all_gather):")
     lines.append("")
     for m in mixer_methods():
         o = m.offers[0]
-        lines.append(f"* `{o.registry_name}` (`{o.entry}`): {m.title}; heads: {m.head_doc}")
+        lines.append(f"* `{o.registry_name}` (`{o.module}.{o.entry}`): {m.title}; heads: {m.head_doc}")
     return "\n".join(lines)

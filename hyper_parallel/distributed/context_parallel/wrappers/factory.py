@@ -80,7 +80,6 @@ def async_entry(method: catalogue.CPMethod, module: str, *, arch: Optional[str] 
     (protocol, probe, features, heads / degree); no collective."""
     name = catalogue.async_entry_name(method.name, arch)
     required, optional = catalogue.entry_params(method, True)
-    named = required + optional
 
     def forward_of(target_module):
         return prepare(target_module, name) if prepare is not None else None

@@ -1,0 +1,1 @@
+"""falcon_h1 model code under CP (everything specific to this model family)."""
