@@ -41,9 +41,10 @@ def _assert_bit_equal(on: dict, off: dict) -> None:
         assert torch.equal(on["params"][name], off["params"][name]), name
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_trainer_offload_is_bit_exact(ranks, cp):
-    kw = dict(cp=cp, steps=2, ga=2, ac=True, seq_len=64, min_doc_len=16)
+@pytest.mark.parametrize("cp,mp", [(1, None), (2, None), (1, "bf16")])
+def test_trainer_offload_is_bit_exact(ranks, cp, mp):
+    """CP=1: transformers' gradient checkpointing; CP=2 and bf16 (FSDP2 on a 1-rank mesh): the applier's."""
+    kw = dict(cp=cp, mp=mp, steps=2, ga=2, ac=True, seq_len=64, min_doc_len=16)
     cfg_off = W.make_cfg("llama", **kw)
     cfg_on = W.make_cfg("llama", schedule__activation_offload=True, **kw)
     batches = W.make_batches(cfg_off)
@@ -90,3 +91,8 @@ def test_refused_where_it_cannot_work():
     check_activation_offload(sched)
     with pytest.raises(CPConfigError, match="schedule.activation_offload.*tensor parallelism"):
         check_activation_offload(sched, tp_size=2)
+
+
+def test_trainer_refuses_offload_without_checkpointing(ranks):
+    [err] = ranks(1).run(W.build_error, W.make_cfg("llama", schedule__activation_offload=True))
+    assert err[0] == "CPConfigError" and "schedule.activation_offload" in err[1] and "activation_checkpointing" in err[1]
