@@ -47,4 +47,5 @@ def test_causal_pairs_and_recompute():
     assert base.hardware == base.model and ac.model == base.model
     assert ac.hardware == pytest.approx(base.model + base.matmul_fwd + base.attention_fwd)
     mlp = llama_step_flops(CFG, 1, 32, recompute_mlp=True)
-    assert mlp.hardware - mlp.model == 2 * 32 * CFG["num_hidden_layers"] * 3 * CFG["hidden_size"] * CFG["intermediate_size"]
+    h, i, n_layers = CFG["hidden_size"], CFG["intermediate_size"], CFG["num_hidden_layers"]
+    assert mlp.hardware - mlp.model == 2 * 32 * n_layers * 3 * h * i
