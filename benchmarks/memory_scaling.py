@@ -20,6 +20,15 @@ Writes ``benchmarks/results/memory_scaling.json`` (+ ``.png``): per point the pe
 per-token memory and the CP=C / CP=1 ratio per rank at the same sequence — of the resident set and,
 where the trainer recorded it (CPU: ``peak_tensor_gb_per_rank``, the counting allocator of
 ``platform/host_memory.py``), of the tensor storage, the figure a device allocator's peak gives.
+**FLOPs and the machine's limit** (``benchmarks/step_flops.py``): at start the ``torch.mm`` rate of
+fp32 and bf16 (1024³, best of ~1 s) is measured with the intra-op thread count each rank gets
+(``cpu_count // cp``); per point the step's model and hardware FLOPs are counted (the formula is in
+``step_flops.py``: ``6·N·tokens``-style matmuls plus the causal attention core, plus what activation
+checkpointing / the tiled loss / the tiled MLP recompute) and printed with the rate the last step
+reached and its fraction of ``cp`` x the per-rank fp32 (and bf16) ``torch.mm`` rate. The trainer runs
+fp32 here, so the fp32 fraction is the one that bounds it. ``--gemm-seconds 0`` skips the measurement.
+``--activation-offload``: ``schedule.activation_offload`` (with ``--ac``).
+
 ``--merge a.json b.json --out c.json`` combines earlier runs (e.g. a longer sequence run later) without
 running anything.
 """
@@ -39,6 +48,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_name  # noqa: E402
+from step_flops import gemm_rate, llama_step_flops  # noqa: E402
 MODELS = {
     "llama_h256": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False),
@@ -58,7 +68,7 @@ def _corpus(path: str, n_bytes: int) -> str:
 
 
 def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, out_dir: str,
-            method: str = "sdpa_hf", tiled_mlp: int = 0) -> dict:
+            method: str = "sdpa_hf", tiled_mlp: int = 0, offload: bool = False) -> dict:
     corpus = _corpus(os.path.join(os.path.dirname(out_dir), "corpus.txt"), seq * (steps + 2))
     cfg = {
         "model": {"architecture": "llama", "config": dict(MODELS[model], max_position_embeddings=max(seq, 4096)),
@@ -67,6 +77,7 @@ def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, ou
                  "micro_batch_size": 1, "seed": 0},
         "optimizer": {"name": "adamw", "lr": 1e-3},
         "schedule": {"steps": steps, "warmup_steps": 0, "activation_checkpointing": ac,
+                     "activation_offload": offload,
                      "tiled_mlp": bool(tiled_mlp), "tiled_mlp_chunk_size": tiled_mlp or 2048},
         "accelerator": {"cp_size": cp},
         "plan_overrides": [],
@@ -81,15 +92,17 @@ def _config(model: str, cp: int, seq: int, steps: int, ac: bool, tiled: bool, ou
 
 
 def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: bool, timeout: float,
-              method: str = "sdpa_hf", host_malloc: str = "fixed", tiled_mlp: int = 0) -> dict:
+              method: str = "sdpa_hf", host_malloc: str = "fixed", tiled_mlp: int = 0, offload: bool = False,
+              gemm: dict | None = None) -> dict:
     """One trainer run; returns peak memory per rank (GB) or the failure."""
     with tempfile.TemporaryDirectory(prefix="hp_mem_") as tmp:
         path = os.path.join(tmp, "cfg.yaml")
         with open(path, "w") as fh:
-            yaml.safe_dump(_config(model, cp, seq, steps, ac, tiled, os.path.join(tmp, "run"), method, tiled_mlp), fh)
+            yaml.safe_dump(_config(model, cp, seq, steps, ac, tiled, os.path.join(tmp, "run"), method, tiled_mlp,
+                                   offload), fh)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}",
                "-m", "hyper_parallel.trainer.cli", path]
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // cp)))
+        env = dict(os.environ, OMP_NUM_THREADS=str(rank_threads(cp)))
         if host_malloc == "glibc":
             env["HYPER_PARALLEL_MMAP_THRESHOLD"] = "0"
         t0, ru0 = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -114,7 +127,50 @@ def run_point(model: str, cp: int, seq: int, *, steps: int, ac: bool, tiled: boo
             "peak_gb_max_rank": max(peaks), "mb_per_token_max_rank": max(peaks) * 1024 / seq,
             "total_gb_all_ranks": sum(peaks), "wall_s": wall, "loss": steps_log[-1]["loss"],
             **({} if tensor_peaks is None else {"tensor_peak_gb_per_rank": tensor_peaks,
-                                                "tensor_peak_gb_max_rank": max(tensor_peaks)}), **cpu}
+                                                "tensor_peak_gb_max_rank": max(tensor_peaks)}), **cpu,
+            "activation_offload": offload,
+            **step_rate(model, cp, seq, steps_log[-1]["time_s"], ac=ac, tiled=tiled, tiled_mlp=tiled_mlp, gemm=gemm)}
+
+
+def rank_threads(cp: int) -> int:
+    """Intra-op threads of each of ``cp`` ranks on this machine (its OMP_NUM_THREADS)."""
+    return max(1, (os.cpu_count() or 2) // cp)
+
+
+def measure_gemm(cps, seconds: float) -> dict:
+    """``{threads: {"fp32": FLOP/s, "bf16": FLOP/s}}`` of ``torch.mm`` (1024³) for each rank thread
+    count of ``cps`` (:func:`step_flops.gemm_rate`); ``{}`` when ``seconds`` is 0."""
+    if seconds <= 0:
+        return {}
+    import torch
+
+    out = {}
+    for threads in sorted({rank_threads(cp) for cp in cps}):
+        out[threads] = {name: gemm_rate(dtype, threads=threads, seconds=seconds)
+                        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        print(f"torch.mm 1024^3 with {threads} thread(s): fp32 {out[threads]['fp32'] / 1e9:.1f} GFLOP/s, "
+              f"bf16 {out[threads]['bf16'] / 1e9:.1f} GFLOP/s", flush=True)
+    return out
+
+
+def step_rate(model: str, cp: int, seq: int, step_s: float, *, ac: bool, tiled: bool, tiled_mlp: int,
+              gemm: dict | None) -> dict:
+    """The step's FLOPs (model and hardware, :func:`step_flops.llama_step_flops`, micro-batch 1), the
+    rate the step of ``step_s`` seconds reached over all ``cp`` ranks, and its fraction of ``cp`` x
+    the per-rank ``torch.mm`` rate of ``gemm`` (fp32 and bf16)."""
+    f = llama_step_flops(MODELS[model], 1, seq, recompute_layers=ac, recompute_head=tiled,
+                         recompute_mlp=bool(tiled_mlp))
+    out = {"step_flops_model": f.model, "step_flops_hardware": f.hardware,
+           # the attention core's part: forward + backward (2.5x) + the recompute under AC
+           "step_flops_attention_share": (3.5 + ac) * f.attention_fwd / f.hardware,
+           "achieved_gflops_hardware": f.hardware / step_s / 1e9, "achieved_gflops_model": f.model / step_s / 1e9}
+    rates = (gemm or {}).get(rank_threads(cp))
+    if rates:
+        out["rank_threads"] = rank_threads(cp)
+        out["mm_gflops_per_rank"] = {k: v / 1e9 for k, v in rates.items()}
+        for name, rate in rates.items():
+            out[f"fraction_of_mm_{name}"] = f.hardware / step_s / (cp * rate)
+    return out
 
 
 def linear_fit(points: list[dict], budget_gb: float, field: str = "peak_gb_max_rank") -> list[dict]:
@@ -242,6 +298,17 @@ def search_longest(model: str, cp: int, budget_gb: float, *, start: int, steps: 
             "points": points}
 
 
+def flops_line(p: dict) -> str:
+    """The point's FLOPs, the rate its last step reached and the fraction of the torch.mm rate."""
+    line = (f"step {p['step_flops_hardware'] / 1e9:.1f} GFLOP hardware ({p['step_flops_model'] / 1e9:.1f} model), "
+            f"{p['achieved_gflops_hardware']:.1f} GFLOP/s over {p['cp']} rank(s)")
+    if "fraction_of_mm_fp32" in p:
+        line += (f" = {100 * p['fraction_of_mm_fp32']:.1f}% of {p['cp']} x torch.mm fp32 "
+                 f"({p['mm_gflops_per_rank']['fp32']:.1f} GFLOP/s/rank; bf16 torch.mm "
+                 f"{p['mm_gflops_per_rank']['bf16']:.1f} GFLOP/s/rank, {100 * p['fraction_of_mm_bf16']:.0f}% of it)")
+    return line
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -249,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
+    ap.add_argument("--activation-offload", action="store_true", help="schedule.activation_offload (needs --ac)")
+    ap.add_argument("--gemm-seconds", type=float, default=1.0,
+                    help="seconds per torch.mm rate measurement at start (0: none, no fractions)")
     ap.add_argument("--method", default="sdpa_hf", help="CP wrapper for CP > 1: a registry name (sdpa_hf = "
                     "Colossal, sdpa_hf_ulysses) or a _target_ path (hyper_parallel.distributed.context_parallel."
                     "wrappers.sdpa_hf_load_balance_cp_wrapper = Head-Tail)")
@@ -281,10 +351,13 @@ def main(argv=None) -> int:
         plot(merged, args.out.replace(".json", ".png"))
         print(f"wrote {args.out}")
         return 0
-    result = {"cpu": cpu_name(), "steps": args.steps, "ac": args.ac, "tiled_loss": tiled, "method": args.method,
+    result = {"cpu": cpu_name(), "steps": args.steps, "ac": args.ac, "activation_offload": args.activation_offload,
+              "load_average_at_start": list(os.getloadavg()), "tiled_loss": tiled, "method": args.method,
               "command": " ".join(["python", "benchmarks/memory_scaling.py"] + list(argv if argv is not None
                                                                                    else sys.argv[1:])),
               "points": [], "search": []}
+    gemm = measure_gemm(args.cps, args.gemm_seconds)
+    result["mm_gflops_per_rank_by_threads"] = {str(t): {k: v / 1e9 for k, v in r.items()} for t, r in gemm.items()}
     if args.search:
         for model in args.models:
             for cp in args.cps:
@@ -299,13 +372,15 @@ def main(argv=None) -> int:
                 for cp in args.cps:
                     for policy, tmlp in [(p, t) for p in args.host_malloc for t in args.tiled_mlp]:
                         p = run_point(model, cp, seq, steps=args.steps, ac=args.ac, tiled=tiled,
-                                      timeout=args.timeout, method=args.method, host_malloc=policy, tiled_mlp=tmlp)
+                                      timeout=args.timeout, method=args.method, host_malloc=policy, tiled_mlp=tmlp,
+                                      offload=args.activation_offload, gemm=gemm)
                         result["points"].append(p)
                         _save(args.out, result)      # after every point: a long run killed midway keeps its points
                         msg = (f"peak/rank {p['peak_gb_max_rank']:.2f} GB ({p['mb_per_token_max_rank']:.3f} MB/token), "
                                f"all ranks {p['total_gb_all_ranks']:.2f} GB, CPU user/sys "
                                f"{p['cpu_user_s']:.0f}/{p['cpu_sys_s']:.0f} s, step s "
-                               f"{'/'.join(f'{t:.1f}' for t in p['step_time_s'])}, {p['wall_s']:.0f}s") \
+                               f"{'/'.join(f'{t:.1f}' for t in p['step_time_s'])}, {p['wall_s']:.0f}s; "
+                               + flops_line(p)) \
                             if p["ok"] else f"FAILED: {p['error'][-300:]}"
                         print(f"{model:12} seq={seq:>6} cp={cp} malloc={policy} tiled_mlp={tmlp}: {msg}", flush=True)
         summarize(result, args.budget_gb)

@@ -31,6 +31,7 @@ from ..platform import get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
 from ..platform.host_memory import configure_host_allocator, reset_host_tensor_peak, track_host_tensors
 from . import checkpoint as ckpt
+from .activation_offload import check_activation_offload, install_activation_offload
 from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
@@ -76,6 +77,7 @@ class BaseTrainer:
             if cfg.schedule.save_every else None), what="output paths", same_error=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
+        check_activation_offload(cfg.schedule, cfg.accelerator.tp_size)   # local: the same error on every rank
         torch.manual_seed(cfg.schedule.seed)
         if model is None:  # agreed: a bad model config on one rank fails every rank here
             # built on the meta device: parallelize() shards it, then each rank materializes its shards
@@ -104,6 +106,8 @@ class BaseTrainer:
                           if self.cfg.schedule.tiled_mlp else [])
         self.capture_logits = False      # run_step sets it when a probe asks for the logits
         self.model, self.tp_grad_info = self.parallelize(model)
+        self.activation_offload = (install_activation_offload(self.model, self.platform)
+                                   if cfg.schedule.activation_offload else [])
         self.uses_fsdp = _has_fsdp(self.model)
         self.tp_partial_params = tp_partial_params(self.model, self.sharding_plan, self.tp_grad_info)
         self.grad_scale = float(self.mesh.fsdp_mesh.size()) if self.uses_fsdp else 1.0

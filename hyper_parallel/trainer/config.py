@@ -154,6 +154,10 @@ class ScheduleConfig:
     grad_accum_steps: int = option(1, ge=1, help="micro-batches per optimizer step")
     seed: int = option(0, help="global torch seed")
     activation_checkpointing: bool = option(False, help="recompute each decoder layer in backward")
+    activation_offload: bool = option(False, help="keep the activations saved at activation-checkpoint boundaries "
+                                                  "(each decoder layer's input) in host memory, pinned on an "
+                                                  "accelerator, prefetched for backward on a side stream (exact; "
+                                                  "needs activation_checkpointing; refused with tp_size > 1)")
     tiled_mlp: bool = option(False, help="each decoder layer's dense MLP in chunks of tiled_mlp_chunk_size local "
                                          "tokens, recomputed in backward: its [S_local, intermediate] activations "
                                          "are never saved (exact; refused for MoE blocks and with tp_size > 1)")
