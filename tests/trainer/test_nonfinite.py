@@ -97,3 +97,18 @@ def test_cli_exits_4_without_a_done_line(tmp_path, capsys):
     assert "done:" not in captured.out
     assert "hyper-train: training stopped at step" in captured.err and "Last good checkpoint: none saved yet" \
         in captured.err
+
+
+def test_cli_skip_reports_the_skips_and_the_last_applied_loss(tmp_path, capsys):
+    """With on_nonfinite: skip the done line counts the skipped steps and never ends in nan."""
+    from hyper_parallel.trainer.cli import main
+
+    code = main([W.ROOT + "/examples/train_cp1.yaml", "optimizer.name=sgd", "optimizer.lr=1e30",
+                 "optimizer.grad_clip=null", "schedule.steps=3", "schedule.warmup_steps=0",
+                 "schedule.on_nonfinite=skip", "schedule.max_nonfinite_skips=5", "data.seq_len=32",
+                 f"logging.out_dir={tmp_path / 'run'}", "logging.plot=false", "logging.progress=false",
+                 f"data.path={W.CORPUS}", f"model.config_file={W.MODELS['llama'][1]}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "done: 3 steps (2 non-finite step(s) skipped" in out, out[-2000:]
+    done = next(line for line in out.splitlines() if line.startswith("done:"))
+    assert "nan" not in done.lower().replace("non-finite", ""), done
