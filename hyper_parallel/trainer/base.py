@@ -38,9 +38,9 @@ from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_d
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize, tokenizer_vocab
 from .nonfinite import NonFiniteError, NonFiniteGuard
-from .token_id_checks import checked_token_ids
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
+from .token_id_checks import checked_token_ids
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
 __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
