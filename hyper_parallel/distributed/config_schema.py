@@ -18,11 +18,13 @@ Type rules (the same for a YAML file, a ``from_dict`` mapping and a ``a.b.c=valu
   while YAML 1.2 reads a float); ``bool``: ``true``/``false`` only; ``str``: a string;
 * ``dict``: a mapping (a list is refused); ``tuple[float, float]``: a list of two numbers (a
   scalar or a mapping is refused); ``X | None``: ``null`` or an ``X``;
-* ``ge`` / ``gt`` bounds and ``choices`` are checked after the type.
+* a float must be finite (``.nan`` / ``.inf`` are refused);
+* ``ge`` / ``gt`` / ``le`` / ``lt`` bounds and ``choices`` are checked after the type.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -39,15 +41,16 @@ _NONE = type(None)
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None, gt: float | None = None,
-           choices: tuple | None = None, case_insensitive: bool = False, default_factory: Any = dataclasses.MISSING,
+           le: float | None = None, lt: float | None = None, choices: tuple | None = None, case_insensitive: bool = False, default_factory: Any = dataclasses.MISSING,
            shown_default: str | None = None, parse: Callable[[Any, str], Any] | None = None,
            type_name: str | None = None, fixed: Any = dataclasses.MISSING,
            fixed_reason: str | None = None) -> Any:
-    """A dataclass field with its schema: ``help`` (one line), bounds ``ge``/``gt``, ``choices``
+    """A dataclass field with its schema: ``help`` (one line), bounds ``ge``/``gt`` (lower) and
+    ``le``/``lt`` (upper), ``choices``
     (compared lower-cased with ``case_insensitive``), ``shown_default`` (how docs show the default),
     ``parse(value, path)`` (a custom parser replacing the type rules; must raise CPConfigError),
     ``type_name`` (how docs show the type), ``fixed`` (the only allowed value, with ``fixed_reason``)."""
-    meta = {"help": help, "ge": ge, "gt": gt, "choices": choices, "case_insensitive": case_insensitive,
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "case_insensitive": case_insensitive,
             "shown_default": shown_default, "parse": parse, "type_name": type_name, "fixed": fixed,
             "fixed_reason": fixed_reason}
     if default_factory is not dataclasses.MISSING:
@@ -99,6 +102,18 @@ def _got(value) -> str:
 
 
 def _bounds(meta: Mapping) -> str:
+    low = (f"{meta['ge']:g} <= " if meta.get("ge") is not None else
+           f"{meta['gt']:g} < " if meta.get("gt") is not None else "")
+    high = (f"{meta['le']:g}" if meta.get("le") is not None else
+            f"{meta['lt']:g}" if meta.get("lt") is not None else "")
+    if high:   # both ends: "in [0, 1]" / "in (0, 1)"; an upper end only: "<= 1"
+        op = "<=" if meta.get("le") is not None else "<"
+        if low:
+            left = "[" if meta.get("ge") is not None else "("
+            right = "]" if meta.get("le") is not None else ")"
+            lo = meta["ge"] if meta.get("ge") is not None else meta["gt"]
+            return f" in {left}{lo:g}, {high}{right}"
+        return f" {op} {high}"
     if meta.get("ge") is not None:
         return f" >= {meta['ge']:g}"
     if meta.get("gt") is not None:
@@ -125,6 +140,8 @@ def _fix(tp, meta) -> str | None:
         return "write a mapping, e.g. {hidden_size: 64}"
     if meta.get("choices"):
         return f"use one of {[c for c in meta['choices'] if c is not None]}"
+    if tp is bool:
+        return "write true or false (YAML 1.2: yes/no/on/off are strings, not booleans)"
     return None
 
 
@@ -154,6 +171,8 @@ def check_value(value, tp, meta: Mapping, path: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _type_error(tp, meta, path, value, optional)
         out = float(value)
+        if not math.isfinite(out):
+            raise CPConfigError(path, f"must be a finite number, got {out!r}", fix="write a finite number")
     elif tp is str:
         if isinstance(value, os.PathLike):  # pathlib.Path from Python callers
             value = os.fspath(value)
@@ -177,7 +196,9 @@ def check_value(value, tp, meta: Mapping, path: str):
 
 def _check_bounds(value, meta: Mapping, path: str, optional: bool) -> None:
     ge, gt, choices = meta.get("ge"), meta.get("gt"), meta.get("choices")
-    if ge is not None and value < ge or gt is not None and not value > gt:
+    le, lt = meta.get("le"), meta.get("lt")
+    if (ge is not None and value < ge or gt is not None and not value > gt
+            or le is not None and value > le or lt is not None and not value < lt):
         kind = "an integer" if isinstance(value, int) else "a number"
         raise CPConfigError(path, f"must be {kind}{_bounds(meta)}{' or null' if optional else ''}, got {value!r}")
     if choices:

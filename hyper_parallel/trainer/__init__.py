@@ -13,9 +13,13 @@ def __getattr__(name):  # the trainer classes import the distributed stack lazil
         from .text import TextTrainer
 
         return TextTrainer
+    if name == "NonFiniteError":
+        from .nonfinite import NonFiniteError
+
+        return NonFiniteError
     raise AttributeError(name)
 
 
 __all__ = ["TrainerConfig", "HyperAutoModel", "build_model", "BaseTrainer", "TextTrainer",
            "StepProbe", "StepResult", "mean_global_loss", "GlobalLoss", "token_loss_sum",
-           "clip_grad_norm_global"]
+           "clip_grad_norm_global", "NonFiniteError"]

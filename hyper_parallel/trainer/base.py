@@ -35,11 +35,14 @@ from .activation_offload import check_activation_offload, install_activation_off
 from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
+from .config_warnings import config_warnings
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize, tokenizer_vocab
+from .nonfinite import NonFiniteError, NonFiniteGuard
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
+from .token_id_checks import checked_token_ids
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
 __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
@@ -78,13 +81,17 @@ class BaseTrainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         check_activation_offload(cfg.schedule, cfg.accelerator.tp_size)   # local: the same error on every rank
+        if self.is_main:
+            for line in config_warnings(cfg, self.platform.device_type):
+                log.warning("%s", line)
         torch.manual_seed(cfg.schedule.seed)
         if model is None:  # agreed: a bad model config on one rank fails every rank here
             # built on the meta device: parallelize() shards it, then each rank materializes its shards
             # (a vocabulary smaller than data.tokenizer's is resized up to it)
-            model = agree_or_raise(lambda: HyperAutoModel.from_config(cfg.model, meta=True,
-                                                                      vocab_size=tokenizer_vocab(cfg)),
-                                   what="model build")
+            # token ids checked against the built vocabulary here too (the CLI checks them at config
+            # load): an id past the embedding would fail one rank inside the preflight's collective
+            model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
+                cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))), what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
@@ -115,6 +122,8 @@ class BaseTrainer:
         self.scheduler = self.build_scheduler()
         self.data = self.build_data()
         self.step = 0
+        self.last_checkpoint = None   # the newest checkpoint saved or resumed from (the stop message names it)
+        self.nonfinite = NonFiniteGuard(cfg)   # schedule.on_nonfinite; counts this run's skipped steps
         out_dir = Path(cfg.logging.out_dir)
         self.run_log = RunLog(out_dir, json_name=cfg.logging.json_log, plot_name=cfg.logging.plot_file,
                               is_main=self.is_main, meta=self._log_meta(),
@@ -265,7 +274,9 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ loop
     def train(self, steps: int | None = None) -> list[StepResult]:
-        """Run until ``schedule.steps`` (or ``steps``) optimizer steps are done."""
+        """Run until ``schedule.steps`` (or ``steps``) optimizer steps are done. A step whose loss or
+        gradient norm is NaN/Inf raises :class:`~.nonfinite.NonFiniteError` on every rank, or with
+        ``schedule.on_nonfinite: skip`` is logged as skipped (bounded by ``max_nonfinite_skips``)."""
         total = self.cfg.schedule.steps if steps is None else steps
         ga = self.cfg.schedule.grad_accum_steps
         lcfg, scfg = self.cfg.logging, self.cfg.schedule
@@ -273,13 +284,23 @@ class BaseTrainer:
                        desc=f"train cp={self.cp_size}")
         results = []
         last_saved = None   # step of the last checkpoint written by this loop
+        guard = self.nonfinite
         try:
             while self.step < total:
                 maybe_inject_fault(self.rank, self.step + 1, "step")  # test hook (platform/faults.py)
                 res = self.train_step(self.data.next_micro_batches(ga))
                 results.append(res)
+                try:
+                    skipped = guard.check(res, self.last_checkpoint)
+                except NonFiniteError:
+                    self.run_log.append({**res.record(), "stopped": True})
+                    raise
+                if skipped and self.is_main:
+                    log.warning("step %d: loss %s, grad norm %s: update skipped (schedule.on_nonfinite: skip, "
+                                "%d of %d)", res.step, res.loss, res.grad_norm, guard.skipped,
+                                scfg.max_nonfinite_skips)
                 held_out = self.maybe_evaluate(total)
-                self.run_log.append({**res.record(), **held_out})
+                self.run_log.append({**res.record(), **skipped, **held_out})
                 if held_out and self.is_main:
                     line = (f"step {res.step}: eval loss {held_out['eval_loss']:.4f} "
                             f"ppl {held_out['eval_ppl']:.2f} ({held_out['eval_tokens']} tokens)")
@@ -327,6 +348,7 @@ class BaseTrainer:
                                    extra={"config": self.cfg.to_dict(), "data_state": self.data.state_dict()},
                                    keep_last=self.cfg.schedule.keep_last)
         self.run_log.write(plot=False)
+        self.last_checkpoint = out
         if self.is_main:
             log.info("saved checkpoint %s", out)
         return out
@@ -348,6 +370,7 @@ class BaseTrainer:
         if meta.get("scheduler"):
             self.scheduler.load_state_dict(meta["scheduler"])
         self.run_log.load_previous(self.step)
+        self.last_checkpoint = Path(path)
         return meta
 
 

@@ -11,7 +11,9 @@ Single process when launched directly (world size 1); multi-rank under torchrun:
 Overrides are YAML-parsed (``accelerator.cp_size=2``, ``optimizer.lr=3e-4``, ``plan_overrides=[]``)
 and checked by the schema exactly like the file. The config is loaded and checked on every rank
 and agreed before anything else runs. Exit codes: 0 done,
-2 configuration error (message names the YAML field), 3 a peer rank stopped or died (one line:
+2 configuration error (message names the YAML field), 4 training stopped at a step whose loss or
+gradient norm was NaN/Inf (one line: the step, the last good checkpoint, the fix; see
+``schedule.on_nonfinite``), 3 a peer rank stopped or died (one line:
 the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
 stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
 129 the launcher (torchrun) is gone (one line; the rank stops within a second instead of training
@@ -32,6 +34,7 @@ from pathlib import Path
 USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
+NONFINITE_EXIT = 4
 TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
 
 
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
     from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report
+    from .nonfinite import NonFiniteError
     from .text import TextTrainer
 
     code = 0
@@ -147,11 +151,18 @@ def main(argv=None) -> int:
         results = trainer.train()
         if is_main:
             log = trainer.run_log
-            if results:
-                first, last = trainer.run_log.records[0], results[-1]
+            applied = [r for r in results if not r.nonfinite]   # skipped steps carry a NaN/Inf loss
+            if applied:
+                first = next(r for r in trainer.run_log.records if not r.get("nonfinite"))
+                last = applied[-1]
                 tps = sum(r.tokens_per_s for r in results) / len(results)
-                print(f"done: {trainer.step} steps, loss {first['loss']:.4f} -> {last.loss:.4f}, "
+                skipped = (f" ({trainer.nonfinite.skipped} non-finite step(s) skipped, see {log.jsonl_path})"
+                           if trainer.nonfinite.skipped else "")
+                print(f"done: {trainer.step} steps{skipped}, loss {first['loss']:.4f} -> {last.loss:.4f}, "
                       f"mean {tps:,.0f} tokens/s, {last.valid_tokens} valid tokens/step", flush=True)
+            elif results:
+                print(f"done: {trainer.step} steps, every one skipped as non-finite (see {log.jsonl_path})",
+                      flush=True)
             else:
                 print(f"done: nothing to do (already at step {trainer.step})", flush=True)
             print(f"log: {log.json_path}", flush=True)
@@ -162,6 +173,10 @@ def main(argv=None) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
         code = 2
+    except NonFiniteError as exc:   # raised on every rank at the same step: rank 0 reports it once
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"hyper-train: {exc}", file=sys.stderr, flush=True)
+        code = NONFINITE_EXIT
     except BaseException as exc:  # noqa: BLE001 - only peer failures are handled here (DCP's
         # CheckpointException is a BaseException); anything else keeps its traceback
         failure = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else diagnose(exc, rank=_rank())

@@ -34,6 +34,8 @@ from ..distributed.plan.spec import parse_plan_overrides
 MIXED_PRECISION = (None, "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
+NONFINITE_POLICIES = ("stop", "skip")
+MAX_NONFINITE_SKIPS = 3
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -134,9 +136,9 @@ class DataConfig:
 class OptimizerConfig:
     name: str = option("adamw", choices=OPTIMIZERS, case_insensitive=True, help="optimizer")
     lr: float = option(1e-3, gt=0, help="peak learning rate")
-    weight_decay: float = option(0.0, ge=0, help="decoupled weight decay (AdamW) / L2 (SGD)")
+    weight_decay: float = option(0.0, ge=0, le=1, help="decoupled weight decay (AdamW) / L2 (SGD)")
     betas: tuple[float, float] = option((0.9, 0.95), help="AdamW (beta1, beta2)")
-    eps: float = option(1e-8, gt=0, help="AdamW epsilon")
+    eps: float = option(1e-8, gt=0, lt=1, help="AdamW epsilon")
     grad_clip: float | None = option(1.0, gt=0, help="max global gradient 2-norm (null: no clipping; the norm is "
                                                     "still logged)")
     foreach: bool | None = option(None, help="torch.optim foreach implementation (null: torch default)")
@@ -172,9 +174,22 @@ class ScheduleConfig:
                                                     "(older ones are removed after each save); null: keep all")
     lr_schedule: str = option("constant", choices=LR_SCHEDULES,
                               help="after warm-up: constant, or cosine down to min_lr_ratio x lr")
-    min_lr_ratio: float = option(0.1, ge=0, help="cosine floor, as a fraction of optimizer.lr")
+    min_lr_ratio: float = option(0.1, ge=0, le=1, help="cosine floor, as a fraction of optimizer.lr")
     checkpoint_dir: str | None = option(None, shown_default="<logging.out_dir>/checkpoints",
                                         help="where step_<N>/ checkpoint directories go")
+    on_nonfinite: str = option("stop", choices=NONFINITE_POLICIES,
+                               help="a step whose loss or gradient norm is NaN/Inf (on any rank): stop = end the "
+                                    "run at that step naming the last good checkpoint; skip = apply no update "
+                                    "for it (the LR schedule still advances), log it and go on, up to "
+                                    "max_nonfinite_skips times")
+    max_nonfinite_skips: int = option(MAX_NONFINITE_SKIPS, ge=1,
+                                      help="with on_nonfinite: skip, the run stops at the next non-finite step "
+                                           "after this many skipped ones")
+
+    def check_fields(self, path: str) -> None:
+        if self.on_nonfinite != "skip" and self.max_nonfinite_skips != MAX_NONFINITE_SKIPS:
+            raise CPConfigError(f"{path}.max_nonfinite_skips", "applies to schedule.on_nonfinite: skip only",
+                                fix="set schedule.on_nonfinite: skip or remove it")
 
 
 @dataclasses.dataclass
@@ -331,10 +346,17 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
 
 # ----------------------------------------------------------------------------- YAML + overrides
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's SafeLoader plus YAML 1.2 floats: ``3e-4`` / ``1E5`` (exponent without a dot)
-    are floats, as in YAML 1.2 and JSON, not strings."""
+    """PyYAML's SafeLoader read the YAML 1.2 way where 1.1 differs in a way that changes a value:
+    ``3e-4`` / ``1E5`` (exponent without a dot) are floats, as in YAML 1.2 and JSON, not strings;
+    only ``true`` / ``false`` (any case) are booleans — ``yes`` / ``no`` / ``on`` / ``off`` stay
+    strings, so a boolean field given one of them is refused by the schema naming the field."""
 
 
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 

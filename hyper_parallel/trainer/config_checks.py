@@ -9,6 +9,8 @@ import re
 from ..distributed.errors import CPConfigError
 from ..distributed.plan.resolver import check_plan_targets
 from .config import TrainerConfig
+from .hf_config_keys import check_config_keys
+from .token_id_checks import check_token_ids
 
 
 def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
@@ -18,12 +20,17 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
 
     * ``accelerator.device_type``: the device exists on this machine (cuda on a CPU-only machine);
     * ``logging.tensorboard``: the ``tensorboard`` package is installed;
-    * ``model.attn_implementation``: one transformers knows (``eager`` or a registered attention);
+    * ``model.attn_implementation``: one transformers knows (``eager`` or a registered attention)
+      whose package is installed (flash-attn, kernels);
+    * every key of ``model.config`` / ``config_file`` is a field of the architecture's config class
+      (:mod:`.hf_config_keys`, the nearest known name in the message);
     * the HF model config (``model.config`` over ``config_file``, or ``model.path``'s config.json)
       builds, its activation is one transformers has, heads divide (``hidden_size`` by
       ``num_attention_heads`` without an explicit ``head_dim``, ``num_attention_heads`` by
       ``num_key_value_heads``), a rotary ``head_dim`` is even, and ``max_position_embeddings``
       covers ``data.seq_len``;
+    * ``data.pad_token_id``, the config's pad/bos/eos ids and (``data.source: files``) the
+      tokenizer's eos id are below the model's vocabulary (:mod:`.token_id_checks`);
     * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
       ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`).
     """
@@ -35,7 +42,9 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
             raise CPConfigError("logging.tensorboard", "is true but the tensorboard package is not installed",
                                 fix="pip install tensorboard (pinned in constraints.txt), or set it to false") from None
     _check_attn_implementation(cfg.model.attn_implementation)
-    _check_model_config(cfg)
+    text, given = _check_model_config(cfg)
+    if text is not None:
+        check_token_ids(cfg, text, given, _tokenizer(cfg))
     check_plan_targets(cfg.plan_overrides, cfg.source)
     return cfg
 
@@ -52,30 +61,74 @@ def _check_device(device_type: str | None) -> None:
                             fix=f"use device_type: {detect_device_type()} (or null: auto-detect)") from None
 
 
+#: attention implementations that need a package of their own (module name, pip name)
+_ATTN_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                  "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (FlashAttention-3 hopper build)")}
+
+
 def _check_attn_implementation(name: str) -> None:
+    """``name`` is one transformers knows and whose package is installed: ``flash_attention_2`` /
+    ``_3`` need flash-attn, a Hub kernel (``org/repo``) needs ``kernels``."""
+    import importlib.util
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    field = "model.attn_implementation"
+    if "/" in name:   # a Hub kernel: transformers loads it through the kernels package
+        if importlib.util.find_spec("kernels") is None:
+            raise CPConfigError(field, f"{name!r} is a Hub kernel, which needs the 'kernels' package (not "
+                                "installed)", fix="pip install kernels, or use attn_implementation: sdpa")
+        return
     known = ["eager", *(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k)]
     if name not in known:
-        raise CPConfigError("model.attn_implementation", f"unknown attention implementation {name!r}",
+        raise CPConfigError(field, f"unknown attention implementation {name!r}",
                             fix=f"use one of {known} (the CP wrappers intercept sdpa)")
+    module, pip_name = _ATTN_PACKAGES.get(name, (None, None))
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise CPConfigError(field, f"{name} needs the '{module}' package, which is not installed",
+                            fix=f"pip install {pip_name} (CUDA only), or use attn_implementation: sdpa")
 
 
-def _check_model_config(cfg: TrainerConfig) -> None:
+def _tokenizer(cfg: TrainerConfig):
+    """``data.tokenizer`` loaded (``data.source: files``), else None."""
+    if cfg.data.source != "files" or not cfg.data.tokenizer:
+        return None
+    from .data_sources import load_tokenizer
+
+    return load_tokenizer(cfg.data.tokenizer)
+
+
+def _checkpoint_text_config(path: str):
+    """The text config of a local checkpoint's config.json, or None when it does not load (the
+    build reports that, naming model.path)."""
+    import transformers
+
+    try:
+        hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - reported by the build
+        return None
+    return getattr(hf, "get_text_config", lambda: hf)()
+
+
+def _check_model_config(cfg: TrainerConfig):
     """The HF config of ``cfg.model`` (built, never the model) against the rules of
-    :func:`check_run_config`."""
+    :func:`check_run_config`; returns (its text config or None, the kwargs the YAML gave)."""
     import transformers
     from transformers.activations import ACT2FN
 
     from .model import _hf_config_kwargs
 
     m = cfg.model
-    if m.path:
-        return   # a local checkpoint's config.json is read (and checked by transformers) at the build
+    if m.path:   # a local checkpoint's config.json is checked by transformers at the build
+        return _checkpoint_text_config(m.path), {}
     if not m.architecture:
         raise CPConfigError("model.architecture", "is required when model.path is not given",
                             fix="set e.g. architecture: llama with a small config")
     kwargs = _hf_config_kwargs(m)
+    config_cls = transformers.CONFIG_MAPPING[m.architecture] if m.architecture in transformers.CONFIG_MAPPING \
+        else None   # (the lazy mapping's .get() answers None for every key)
+    if config_cls is not None:
+        check_config_keys(m.architecture, config_cls, kwargs, m.config or {}, m.config_file)
     try:
         hf = transformers.AutoConfig.for_model(m.architecture, **kwargs)
     except Exception as exc:  # noqa: BLE001 - transformers' own validators raise several kinds
@@ -117,6 +170,7 @@ def _check_model_config(cfg: TrainerConfig) -> None:
         raise CPConfigError("model.config.max_position_embeddings", f"{max_pos} is below data.seq_len={seq_len} "
                             f"in {where}: positions past it have no embedding",
                             fix=f"set max_position_embeddings >= {seq_len} or shorten data.seq_len")
+    return text, kwargs
 
 
 _CONFIG_MESSAGE_FIELDS = (("Unrecognized model", "model.architecture"),

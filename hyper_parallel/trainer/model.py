@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import yaml
 
 from ..distributed.errors import CPConfigError
-from .config import ModelConfig
+from .config import ModelConfig, load_yaml_text
 from .paths import REPO_ROOT, resolve_path  # noqa: F401  (REPO_ROOT: public name of this module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -38,7 +37,7 @@ def _hf_config_kwargs(cfg: ModelConfig) -> dict:
         if not path.exists():
             raise CPConfigError("model.config_file", f"{path} does not exist")
         text = path.read_text()
-        loaded = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        loaded = json.loads(text) if path.suffix == ".json" else load_yaml_text(text, "model.config_file")
         kwargs = {**loaded, **kwargs}
     return kwargs
 

@@ -3,7 +3,8 @@
   global micro-batches -> CP shard (every CP size, CP=1 a group of one) -> N = valid targets of
   the step over dp_cp_mesh -> per micro-batch, in cp_batch_context: forward -> local loss sum ->
   loss = sum / N * grad_scale [+ MoE router loss, see router_loss.py] -> backward -> gradient reductions (dp_cp SUM without FSDP, TP
-  partial gradients) -> global-norm clipping -> optimizer + LR scheduler step
+  partial gradients) -> global-norm clipping -> optimizer + LR scheduler step (a NaN/Inf loss or
+  gradient norm on any rank: no optimizer update on any rank, see nonfinite.py)
 
 The trainer supplies the pieces (:class:`~hyper_parallel.trainer.base.BaseTrainer` hooks:
 ``prepare_batch``, ``batch_context``, ``autocast``, ``compute_loss``, ``gather_logits``,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from ..platform import all_gather
 from ..platform.faults import maybe_inject_fault
 from .grad_utils import clip_grad_norm_global
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
+from .nonfinite import agree_nonfinite
 from .router_loss import router_aux_from_stats, router_spec
 
 __all__ = ["StepProbe", "StepResult", "run_step"]
@@ -51,6 +54,7 @@ class StepResult:
     logits: list | None = None
     grads: dict | None = None
     params: dict | None = None
+    nonfinite: bool = False   # loss or grad norm NaN/Inf on some rank: the update was not applied
 
     def record(self) -> dict:
         return {"step": self.step, "loss": self.loss, "valid_tokens": self.valid_tokens,
@@ -61,7 +65,8 @@ class StepResult:
                 **({} if self.peak_tensor_gb_per_rank is None else
                    {"peak_tensor_gb_per_rank": self.peak_tensor_gb_per_rank}),
                 **({} if self.router_loss is None else {"router_loss": self.router_loss,
-                                                        "expert_load": self.expert_load})}
+                                                        "expert_load": self.expert_load}),
+                **({"nonfinite": True} if self.nonfinite else {})}
 
 
 def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None) -> StepResult:
@@ -125,8 +130,12 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     grad_norm = clip_grad_norm_global(params, cfg.optimizer.grad_clip, cfg.optimizer.foreach)
     lr = float(trainer.optimizer.param_groups[0]["lr"])
-    trainer.optimizer.step()
-    trainer.scheduler.step()
+    nonfinite = agree_nonfinite(loss_value, grad_norm, trainer.device)   # the same on every rank
+    if not nonfinite:
+        trainer.optimizer.step()
+    with warnings.catch_warnings():   # a skipped first step: torch warns of scheduler before optimizer
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step", category=UserWarning)
+        trainer.scheduler.step()      # lr stays a function of the step number, skipped or not
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.step += 1
     full_params = trainer.named_full("param") if probe and probe.params else None
@@ -142,4 +151,4 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     tensor_peaks = None if any(t < 0 for _, t in gathered) else [round(t / 2**30, 4) for _, t in gathered]
     return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
                       tensor_peaks,
-                      router_value, expert_load, logits_out, grads, full_params)
+                      router_value, expert_load, logits_out, grads, full_params, nonfinite)

@@ -46,6 +46,10 @@ MUTATIONS = {
     "min_lr_ratio -1": (["schedule.min_lr_ratio=-1"], None, "schedule.min_lr_ratio"),
     "min_lr_ratio 'x'": (["schedule.min_lr_ratio=x"], None, "schedule.min_lr_ratio"),
     "plot 'no'": (["logging.plot='no'"], None, "logging.plot"),
+    "plot yes (YAML 1.1 boolean)": (["logging.plot=yes"], None, "logging.plot"),
+    "min_lr_ratio 1.5": (["schedule.min_lr_ratio=1.5"], None, "schedule.min_lr_ratio"),
+    "HF config key typo": (["model.config.num_hiden_layers=1"], None, "model.config.num_hiden_layers"),
+    "pad_token_id past the vocabulary": (["data.pad_token_id=1000000"], None, "data.pad_token_id"),
     "section twice": ([], lambda t: t + "\nmodel:\n  seed: 3\n", "model"),
     "key twice": ([], lambda t: t.replace("model:\n", "model:\n  seed: 1\n  seed: 2\n", 1), "model.seed"),
     "key twice in an override": (["model.config={hidden_size: 64, hidden_size: 32}"], None, "model.config.hidden_size"),
@@ -77,7 +81,7 @@ def _outcome(example: str, kind: str, tmp: Path):
 
 
 def test_every_example_with_every_mutation_is_a_config_error_naming_the_field(tmp_path):
-    """len(EXAMPLES) x len(MUTATIONS) cases (19 x 26 today); prints the tally."""
+    """len(EXAMPLES) x len(MUTATIONS) cases (25 x 30 today); prints the tally."""
     assert len(EXAMPLES) >= 15
     for example in EXAMPLES:   # the unmutated examples load (the sweep is not refusing everything)
         load_config([str(ROOT / example)])
