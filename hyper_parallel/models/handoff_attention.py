@@ -5,7 +5,7 @@ These attentions compute ``q = q_proj -> [q_norm] -> RoPE``, the same for ``k``,
 one attention-interface call and ``o_proj``; HF runs the Q branch first. Async CP needs the
 reverse: K and V must be ready (and their collectives launched) *before* the Q branch so the
 collectives overlap it, forward and backward. :func:`handoff_forward` is HF's forward in that
-order with the four handoff calls inserted (design 4.4)::
+order with the four handoff calls inserted (docs/async_cp.md)::
 
     k = RoPE(k_norm?(k_proj(h)))    -> cp_k_handoff      (launch K)
     v = v_proj(h)                   -> cp_v_handoff      (launch V: overlaps nothing of K's

@@ -1,6 +1,6 @@
 """Exact tiled LM-head cross-entropy: ``lm_head`` + (softcap / scale) + cross-entropy in token chunks.
 
-Contract (issue 14 item 1, design 4.6 "local logits/loss, never gathered"):
+Contract (local logits and loss, never gathered):
 
 ``tiled_lm_loss(hidden [N, H], weight [V, H], bias [V] | None, targets [N] int64, *, ignore_index,
 chunk_size, logit_scale=None, logit_divisor=None, softcap=None) -> loss [N] float32``

@@ -1,6 +1,6 @@
 """Exact tiled MLP: a token-wise module applied in sequence chunks, recomputed chunk by chunk in backward.
 
-Contract (issue 14 item 2; the tiled MLP of Arctic Long Sequence Training):
+Contract (the tiled MLP of Arctic Long Sequence Training):
 
 ``tiled_mlp(fn, x [B, S, H], params, *, chunk_size) -> y [B, S, H_out]``
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints read and written shard by shard (issue 18).
+"""Hugging Face checkpoints read and written shard by shard.
 
 ``save_hf(trainer_or_model, out_dir, *, tokenizer_dir=None)`` writes a directory that plain
 ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads: ``model-0000i-of-0000N

@@ -1,4 +1,4 @@
-"""Loss contract (design section 4.6): local sums in, global mean out.
+"""Loss contract: local sums in, global mean out.
 
 Every rank computes, on its own tokens only,
 

@@ -1,4 +1,4 @@
-"""The MoE router load-balancing loss of the model's own objective, exact under CP and DP (issue 24).
+"""The MoE router load-balancing loss of the model's own objective, exact under CP and DP.
 
 Transformers' MoE causal LMs (Qwen3-MoE, Mixtral, ...) add, when their config sets
 ``output_router_logits: true``, ``router_aux_loss_coef * aux`` to the token loss, with

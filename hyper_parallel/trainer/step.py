@@ -1,4 +1,4 @@
-"""One optimizer step (design section 2.3), in the order the design states it::
+"""One optimizer step, in the order the design states it::
 
   global micro-batches -> CP shard (every CP size, CP=1 a group of one) -> N = valid targets of
   the step over dp_cp_mesh -> per micro-batch, in cp_batch_context: forward -> local loss sum ->

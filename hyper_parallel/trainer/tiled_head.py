@@ -1,4 +1,4 @@
-"""The model's LM head as a tiled loss (issue 14): no ``[S_local, vocab]`` logits in training.
+"""The model's LM head as a tiled loss: no ``[S_local, vocab]`` logits in training.
 
 :func:`install_tiled_head` replaces the forward of the model's output embedding (``lm_head``) with
 one that, while a :meth:`TiledHead.targets` context is active, computes the per-token

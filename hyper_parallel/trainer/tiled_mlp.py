@@ -1,4 +1,4 @@
-"""The decoder layers' MLPs as tiled MLPs (issue 14 item 2, ``schedule.tiled_mlp``).
+"""The decoder layers' MLPs as tiled MLPs (``schedule.tiled_mlp``).
 
 :func:`install_tiled_mlp` replaces the forward of each decoder layer's ``mlp`` (instance attribute:
 parameter names, FSDP2 units and checkpoints are unchanged) with

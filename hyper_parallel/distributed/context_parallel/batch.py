@@ -1,4 +1,4 @@
-"""CP batch contract (design 4.2): a global collated batch -> this CP rank's local shard + meta.
+"""CP batch contract (docs/strategies/batch_contract.md): a global collated batch -> this CP rank's local shard + meta.
 
 Order of work (no collective anywhere; cp rank/size come from the mesh):
   1. validate fields (training only: no ``past_key_values``/``use_cache=True``; no 4-D mask;

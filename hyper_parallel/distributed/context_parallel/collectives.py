@@ -1,4 +1,4 @@
-"""Differentiable CP collectives (design 3.5): Colossal AllGather, Ulysses A2A, Hybrid, Head-Tail.
+"""Differentiable CP collectives: Colossal AllGather, Ulysses A2A, Hybrid, Head-Tail.
 
 Every collective goes through :mod:`hyper_parallel.platform` (the only caller of
 ``torch.distributed`` collectives) on a group handed in by the caller — a 1-D ``DeviceMesh``

@@ -3,7 +3,7 @@
 The planner identifies boundaries (attention modules, decoder layers) and TP placements; it
 never picks a CP method — each attention boundary's method is exactly what ``plan_overrides``
 declares (:class:`~.resolver.PlanOverrideResolver`), then the refusals of :mod:`.rules` that
-need the whole plan or the topology. Usage (design 3.2)::
+need the whole plan or the topology. Usage::
 
     plan = ShardingPlanner(plan_overrides={
         "model.layers.*.self_attn": ModuleShardingSpec(inner_target="self", inner_wrapper="sdpa_hf",

@@ -7,7 +7,7 @@ local only, no collective, nothing modified:
   parallelism and EP are not applied in Phase 1;
 * :func:`tp_layer_plan` — a TP plan exists for the architecture and divides the layers;
 * :func:`check_target` — a registered model spec's allowed wrappers; an async wrapper is a model
-  adapter for this architecture (design 4.4); the wrapper's ``validate`` hook again with TP-local
+  adapter for this architecture; the wrapper's ``validate`` hook again with TP-local
   heads;
 * :func:`batch_policy` — one batch layout per model: Head-Tail (a reordering method) is on every
   attention or none, never with Ulysses/Hybrid; a token-mixer method needs the contiguous layout
@@ -176,7 +176,7 @@ def check_target(t: ResolvedCPTarget, spec, arch: Optional[str], cp_size: int, t
         if not adapters:
             raise CPConfigError(
                 _field(t), f"{info.qualname} is async but declares no model_adapter: async CP must be a "
-                "model-specific wrapper that owns its handoff/launch/wait contract (design 4.4)",
+                "model-specific wrapper that owns its handoff/launch/wait contract",
                 module=t.fqn, fix="use the sync wrapper, or an async wrapper written for this model "
                                   "(@inner_wrapper(is_async=True, model_adapter='<model_type>'))")
         if arch not in adapters:

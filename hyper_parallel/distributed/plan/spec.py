@@ -9,7 +9,7 @@ YAML form (every key is checked; unknown keys are rejected)::
       inner_wrapper: sdpa_hf      # registry name, or {_target_: dotted.path, **named_params}
       # local_compute_fn: {_target_: my.fn}   # exclusive with inner_wrapper
 
-The Python API accepts a mapping ``{fqn_glob: ModuleShardingSpec(...)}`` (design 3.2) or a
+The Python API accepts a mapping ``{fqn_glob: ModuleShardingSpec(...)}`` or a
 list of specs with ``match`` set; :func:`parse_plan_overrides` is the one place either form is
 normalised.
 """

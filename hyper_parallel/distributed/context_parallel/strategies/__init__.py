@@ -1,4 +1,4 @@
-"""CP strategies behind :class:`ContextParallelStrategy` (design 3.3 / 4.3 / 4.4)."""
+"""CP strategies behind :class:`ContextParallelStrategy` (docs/strategies/)."""
 from .all_gather import AllGatherStrategy
 from .base import ContextParallelStrategy, engine_attention
 from .factory import build_strategy

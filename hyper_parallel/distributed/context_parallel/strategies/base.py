@@ -1,4 +1,4 @@
-"""ContextParallelStrategy: the runtime interface a CP wrapper calls (design section 3.3).
+"""ContextParallelStrategy: the runtime interface a CP wrapper calls.
 
 A strategy fixes one communication method; wrappers adapt a model's attention signature and
 pick exactly one strategy. Strategies never read global config and never depend on HF class

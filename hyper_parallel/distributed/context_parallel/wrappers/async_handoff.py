@@ -1,4 +1,4 @@
-"""The async handoff protocol (design 4.4) and the generic async CP installation.
+"""The async handoff protocol (docs/async_cp.md) and the generic async CP installation.
 
 **Protocol.** An attention that can run async CP exposes its real handoff modules::
 

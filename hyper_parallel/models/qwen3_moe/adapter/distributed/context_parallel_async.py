@@ -1,4 +1,4 @@
-"""Async CP wrappers for Qwen3-MoE attention (design 3.1.1 / 4.4) through the handoff protocol.
+"""Async CP wrappers for Qwen3-MoE attention through the handoff protocol (docs/async_cp.md).
 
 Public ``_target_`` paths (unchanged):
   hyper_parallel.models.qwen3_moe.adapter.distributed.context_parallel_async.qwen3_moe_async_colossal_cp_wrapper
