@@ -495,6 +495,39 @@ double softcap_arg(const c10::optional<double>& softcap) {
   return *softcap * kLog2e;
 }
 
+// The fields both passes share: Q and K^T, the geometry, positions / documents / tile summaries,
+// the KV-head map and the mask and score options. Each pass fills its own fields after it.
+void fill_problem(FwdArgs& a, const at::Tensor& Qs, const at::Tensor& KT, const Geometry& g,
+                  const PosPack& qp, const PosPack& kp, const std::pair<int64_t, int64_t>& kvmap,
+                  bool causal, int64_t win, double softcap2, const at::Tensor& alibi2, double scale) {
+  a.q = Qs.data_ptr();
+  a.kt = KT.data_ptr();
+  a.qpos = qp.pos.data();
+  a.qdoc = qp.doc.data();
+  a.kpos = kp.pos.data();
+  a.kdoc = kp.doc.data();
+  a.qti = qp.tiles.data();
+  a.kti = kp.tiles.data();
+  a.B = g.B;
+  a.Hq = g.Hq;
+  a.Hk = g.Hk;
+  a.kv_group = kvmap.first;
+  a.kv_offset = kvmap.second;
+  a.Sqp = g.Sqp;
+  a.Skp = g.Skp;
+  a.Dp = g.Dp;
+  a.Dv = g.Dvp;
+  a.Bq = g.Bq;
+  a.Bk = g.Bk;
+  a.nqt = g.nqt;
+  a.nkt = g.nkt;
+  a.causal = causal ? 1 : 0;
+  a.window = win;
+  a.softcap2 = softcap2;
+  a.alibi2 = alibi2.defined() ? alibi2.data_ptr() : nullptr;
+  a.sscale = scale * kLog2e;
+}
+
 // ---------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& q_pos,
@@ -564,36 +597,11 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
                    [&](int64_t x, int64_t y) { return item_cost(x) > item_cost(y); });
 
   FwdArgs a{};
-  a.q = Qs.data_ptr();
-  a.kt = KT.data_ptr();
+  fill_problem(a, Qs, KT, g, qp, kp, kvmap, causal, win, softcap2, alibi2, scale);
   a.v = Vp.data_ptr();
   a.out = obuf.data_ptr();
   a.lse = lbuf.data_ptr();
-  a.qpos = qp.pos.data();
-  a.qdoc = qp.doc.data();
-  a.kpos = kp.pos.data();
-  a.kdoc = kp.doc.data();
-  a.qti = qp.tiles.data();
-  a.kti = kp.tiles.data();
-  a.B = g.B;
-  a.Hq = g.Hq;
-  a.Hk = g.Hk;
-  a.kv_group = kvmap.first;
-  a.kv_offset = kvmap.second;
-  a.Sqp = g.Sqp;
-  a.Skp = g.Skp;
-  a.Dp = g.Dp;
-  a.Dv = g.Dvp;
-  a.Bq = g.Bq;
-  a.Bk = g.Bk;
-  a.nqt = g.nqt;
-  a.nkt = g.nkt;
-  a.causal = causal ? 1 : 0;
-  a.window = win;
-  a.softcap2 = softcap2;
   a.sink2 = sink2.defined() ? sink2.data_ptr() : nullptr;
-  a.alibi2 = alibi2.defined() ? alibi2.data_ptr() : nullptr;
-  a.sscale = scale * kLog2e;
   a.order = order.data();
   a.nitems = (int64_t)order.size();
   a.ext_gemm = select_gemm(kt, acc, bf16, &a.ext_release);
@@ -711,8 +719,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   at::Tensor dv_buf = direct_kv ? dv : at::empty({g.B, g.Hk, g.Skp, g.Dvp}, q.options().dtype(acc));
 
   BwdArgs a{};
-  a.q = Qs.data_ptr();
-  a.kt = KT.data_ptr();
+  fill_problem(a, Qs, KT, g, qp, kp, kvmap, causal, win, softcap2, alibi2, scale);
   a.k = Kp.data_ptr();
   a.vt = VT.data_ptr();
   a.dout = dOp.data_ptr();
@@ -729,30 +736,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   a.dv = dv_buf.data_ptr();
   // fp32/fp64 kernels accumulate dS^T (q * scale * log2 e), the bf16 kernels dS^T q.
   a.dk_scale = bf16 ? scale : kLn2;
-  a.qpos = qp.pos.data();
-  a.qdoc = qp.doc.data();
-  a.kpos = kp.pos.data();
-  a.kdoc = kp.doc.data();
-  a.qti = qp.tiles.data();
-  a.kti = kp.tiles.data();
-  a.B = g.B;
-  a.Hq = g.Hq;
-  a.Hk = g.Hk;
-  a.kv_group = kvmap.first;
-  a.kv_offset = kvmap.second;
-  a.Sqp = g.Sqp;
-  a.Skp = g.Skp;
-  a.Dp = g.Dp;
-  a.Dv = g.Dvp;
-  a.Bq = g.Bq;
-  a.Bk = g.Bk;
-  a.nqt = g.nqt;
-  a.nkt = g.nkt;
-  a.causal = causal ? 1 : 0;
-  a.window = win;
-  a.softcap2 = softcap2;
-  a.alibi2 = alibi2.defined() ? alibi2.data_ptr() : nullptr;
-  a.sscale = scale * kLog2e;
   a.nc = nc;
   a.nitems = units * nc;
   int64_t pairs = 0;

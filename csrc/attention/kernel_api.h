@@ -52,6 +52,10 @@ typedef void (*TileGemmFn)(int64_t M, int64_t N, int64_t K, const void* A, int64
                            const void* B, int64_t ldb, float* C, int64_t ldc, int acc);
 typedef void (*TileGemmReleaseFn)();
 
+// One attention problem for the kernels: the forward's arguments, filled once by the host
+// (fill_problem in attention_cpu.cpp); the backward's BwdArgs extends it (as flash-attention's
+// backward params extend the forward's), leaving the forward-only fields (v, out, lse, sink2,
+// order) null.
 struct FwdArgs {
   const void* q;
   const void* kt;
@@ -62,24 +66,27 @@ struct FwdArgs {
   const TileInfo *qti, *kti;  // [B, nqt], [B, nkt]
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
   int64_t kv_group, kv_offset;  // query head h reads KV head (h + kv_offset) / kv_group
-                                //   (plain GQA: kv_group = Hq / Hk, kv_offset = 0)
+                                //   (plain GQA: kv_group = Hq / Hk, kv_offset = 0); the backward
+                                //   sums into KV head j the query heads kv_query_heads(j, ...)
   int causal;
   int64_t window;        // > 0: left sliding window, key visible only if k_pos > q_pos - window
   double softcap2;       // > 0: softcap * log2(e); scores S (log2 domain) -> c tanh(S / c)
+                         //   (the backward multiplies dS by 1 - tanh^2)
   const void* sink2;     // null, or [Hq] sink logits * log2(e) (float; double for fp64): one
                          //   extra softmax-denominator term per head with no value; lse includes it
   const void* alibi2;    // null, or [Hq] ALiBi slopes * log2(e) (float; double for fp64):
-                         //   S[i, j] += slope * (k_pos[j] - q_pos[i]) before the mask
+                         //   S[i, j] += slope * (k_pos[j] - q_pos[i]) before the mask (a constant
+                         //   bias: no gradient)
   double sscale;         // bf16 kernels only: scale * log2(e) applied to S (q is unscaled)
-  const int64_t* order;  // work items (b * Hq + h) * nqt + qt, heaviest first
-  int64_t nitems;
+  const int64_t* order;  // forward work items (b * Hq + h) * nqt + qt, heaviest first
+  int64_t nitems;        // forward: items in `order`; backward: B * Hk * nc
   int64_t* counter;      // shared work-queue cursor (atomic)
   TileGemmFn ext_gemm;   // null: built-in micro-kernels (always null for fp64)
   TileGemmReleaseFn ext_release;
 };
 
-struct BwdArgs {
-  const void *q, *kt, *k, *vt, *dout;  // dout [B, Hq, Sqp, Dv]
+struct BwdArgs : FwdArgs {
+  const void *k, *vt, *dout;  // dout [B, Hq, Sqp, Dv]
   const void *qv, *dov;  // bf16 kernels without ext_gemm: q / dout as pairs along queries
   const void *qt, *dot;  // with ext_gemm only: q / dout transposed per query tile,
                          //   [B, Hq, nqt, Dp|Dv, Bq] (fp32, or bf16 for the bf16 kernels); the
@@ -93,21 +100,8 @@ struct BwdArgs {
                       //   dk_scale * dS^T Qs and P^T dO (with nothing padded, the outputs)
   double dk_scale;    // ln 2 for the fp32/fp64 kernels (q pre-scaled by scale * log2 e),
                       //   `scale` for the bf16 kernels (unscaled q)
-  const int32_t *qpos, *qdoc, *kpos, *kdoc;
-  const TileInfo *qti, *kti;
-  int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
-  int64_t kv_group, kv_offset;  // see FwdArgs: KV head j gets the gradients of the query heads
-                                //   kv_query_heads(j, ...) gives
-  int causal;
-  int64_t window;    // see FwdArgs
-  double softcap2;   // see FwdArgs; the backward multiplies dS by 1 - tanh^2
-  const void* alibi2;  // see FwdArgs (a constant bias: no gradient, dS unchanged)
-  double sscale;     // bf16 kernels only (see FwdArgs)
-  int64_t nc;        // key-tile chunks per (b, kv head): chunk c owns key tiles c, c+nc, ...
-  int64_t nitems;    // B * Hk * nc, item = (b * Hk + kvh) * nc + c
-  int64_t* counter;
-  TileGemmFn ext_gemm;  // see FwdArgs
-  TileGemmReleaseFn ext_release;
+  int64_t nc;         // key-tile chunks per (b, kv head): chunk c owns key tiles c, c+nc, ...
+                      //   (item = (b * Hk + kvh) * nc + c)
 };
 
 // The query heads [*lo, *hi) that read KV head kvh under the map h -> (h + kv_offset) / kv_group
