@@ -39,7 +39,10 @@ ATTN = {   # name -> inner_wrapper
     "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
 }
 MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "lfm2": "*[0-9].conv",
-             "falcon_h1": "*.mamba", "falcon_h1_rms": "*.mamba"}
+             "falcon_h1": "*.mamba", "falcon_h1_rms": "*.mamba", "bamba": "*.mamba", "granitemoehybrid": "*.mamba",
+             "zamba2": "*.mamba", "nemotron_h": "model.layers.0.mixer"}
+#: the attention modules' match where it is not "*.self_attn" (NemotronH names every mixer "mixer")
+ATTN_FQN = {"nemotron_h": "model.layers.1.mixer"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
          "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses",
          "gdn_sp": "gated_deltanet_state_passing", "m2_sp": "mamba2_state_passing",
@@ -49,16 +52,60 @@ MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "se
 
 def entries(arch: str, attn: str, mixer: str) -> list:
     base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
-    return [{**base, "match": "*.self_attn", "inner_wrapper": ATTN[attn]},
+    return [{**base, "match": ATTN_FQN.get(arch, "*.self_attn"), "inner_wrapper": ATTN[attn]},
             {**base, "match": MIXER_FQN[arch], "inner_wrapper": MIXER[mixer]}]
 
 
 # ============================================================================ rank functions
-def build(arch: str):
-    """test_model_proof's tiny models, plus Qwen3-Next with 4 linear key heads (Gated DeltaNet
-    Ulysses at cp 4)."""
+def build_mamba2_family(arch: str):
+    """A tiny random Bamba / NemotronH / Granite 4 / Zamba2 (first layer Mamba2, second attention;
+    4 SSM heads in 2 groups, chunk 16)."""
     import transformers as T
 
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  attn_implementation="sdpa", num_hidden_layers=2)
+    ssm = dict(mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)
+    if arch == "bamba":
+        cfg = T.BambaConfig(**common, **ssm, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                            mamba_n_groups=2, mamba_chunk_size=16)
+    elif arch == "nemotron_h":
+        cfg = T.NemotronHConfig(**common, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16,
+                                ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, head_dim=16)
+    elif arch == "granitemoehybrid":
+        cfg = T.GraniteMoeHybridConfig(**common, **ssm, layer_types=["mamba", "attention"], mamba_n_heads=4,
+                                       mamba_d_head=32, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    else:
+        cfg = T.Zamba2Config(**common, **ssm, layers_block_type=["mamba", "hybrid"], n_mamba_heads=4,
+                             mamba_headdim=32, mamba_ngroups=2, chunk_size=16, attention_head_dim=16)
+    return T.AutoModelForCausalLM.from_config(cfg)
+
+
+def make_state_visible(model) -> None:
+    """A slow SSM decay (A = -0.5, dt ~ softplus(-2); default init forgets within ~15 tokens) and a
+    mixer output not ~1e-4 of the residual stream, so a test can tell whether the state crossed a
+    rank edge."""
+    from hyper_parallel.distributed.context_parallel.catalogue import MAMBA2_FAMILIES
+
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__ in MAMBA2_FAMILIES:
+                mod.A_log.fill_(-0.6931)
+                mod.dt_bias.fill_(-2.0)
+                mod.in_proj.weight.mul_(10.0)
+                mod.out_proj.weight.mul_(30.0)
+
+
+def build(arch: str):
+    """test_model_proof's tiny models, plus Qwen3-Next with 4 linear key heads (Gated DeltaNet
+    Ulysses at cp 4) and the Mamba2 families."""
+    import transformers as T
+
+    if arch in ("bamba", "nemotron_h", "granitemoehybrid", "zamba2"):
+        model = build_mamba2_family(arch)
+        make_state_visible(model)
+        return model
     if arch.startswith("falcon_h1"):
         if arch == "falcon_h1_rms":      # Falcon-H1 with the gated RMS norm after the scan, 2 SSM groups
             torch.manual_seed(0)
@@ -69,15 +116,7 @@ def build(arch: str):
             model = T.AutoModelForCausalLM.from_config(cfg)
         else:
             model = build_model(arch)
-        # make the SSM state visible in the logits, so a test can tell whether it crossed a rank edge:
-        # a slow decay (default init: A = -1..-H, dt ~ 1.3: the state is ~0 after 15 tokens; here
-        # A = -0.5, dt ~ softplus(-2)) and a mixer output not ~1e-4 of the residual stream
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mamba.A_log.fill_(-0.6931)
-                layer.mamba.dt_bias.fill_(-2.0)
-                layer.mamba.in_proj.weight.mul_(10.0)
-                layer.mamba.out_proj.weight.mul_(30.0)
+        make_state_visible(model)
         return model
     if arch != "qwen3_next_h4":
         return build_model(arch)
@@ -343,6 +382,28 @@ def test_mamba2_state_passing_exact(ranks):
     ], timeout=600.0))
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
+
+def test_mamba2_state_passing_families_exact(ranks):
+    """The same method on the other transformers Mamba2 mixers (Bamba, NemotronH, Granite 4, Zamba2:
+    ``in_proj`` -> conv -> scan -> gated group RMS norm -> ``out_proj``; 4 heads in 2 SSM groups,
+    chunk 16): cp 2 with plain / padded / packed rows for each, cp 4 for Bamba, and the incoming
+    state dropped (negative control) visibly wrong."""
+    t0 = time.perf_counter()
+    _check(ranks(2).run(mixer_cases, [
+        (("bamba", "colossal", "m2_sp", 2), {"S": 45}),
+        (("nemotron_h", "ulysses", "m2_sp", 2), {"S": 45}),
+        (("granitemoehybrid", "colossal", "m2_sp", 2), {"S": 45, "proof": False}),
+        (("zamba2", "colossal", "m2_sp", 2), {"S": 45, "proof": False}),
+    ], timeout=600.0))
+    _check(ranks(4).run(mixer_cases, [
+        (("bamba", "colossal", "m2_sp", 4), {"kinds": ("plain", "padding", "packed"), "S": 66, "proof": False}),
+    ], timeout=600.0))
+    for res in ranks(2).run(dropped_state_case, "nemotron_h", "m2_sp", timeout=300.0):
+        step = res["steps"][0]
+        print(f"nemotron_h m2_sp with the incoming state dropped (negative control): logits rel "
+              f"{step['logits_rel']:.2e}, grads {step['grads']:.2e}")
+        assert step["logits_rel"] > 10 * TOL or step["grads"] > 10 * TOL, step
+    print(f"wall {time.perf_counter() - t0:.1f}s")
 
 # ---------------------------------------------------------------------------- refusals (plan time, local)
 def _plan(arch: str, plan_overrides: list, cp: int = 2):
