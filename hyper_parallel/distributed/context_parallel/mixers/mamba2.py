@@ -146,6 +146,8 @@ def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_me
     del mesh, tp_mesh, ep_mesh
     m = target_module
     spec = mamba2_spec_for(m)
+    if spec is None:        # installed without the plan-time validation
+        validate_mamba2_state_passing(m, cp_size=0)
     original = m.forward
     name = hidden_param(m)
     fqn = current_fqn()
