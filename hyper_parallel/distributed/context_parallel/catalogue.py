@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional
 
-__all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE",
+__all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE", "MAMBA2_FAMILIES",
            "get_method", "attention_methods", "mixer_methods", "method_names", "wrapper_styles",
            "batch_policies", "method_policies", "batch_policy_for", "check_degree", "head_split", "offers",
            "entry_meta", "async_methods", "entry_params", "adapter_module", "async_entry_name",
@@ -34,7 +34,16 @@ __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE",
 WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
-MAMBA2_MODULE = "hyper_parallel.models.falcon_h1.mamba2"
+MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
+#: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
+MAMBA2_FAMILIES = {
+    "FalconH1Mixer": "falcon_h1",
+    "BambaMixer": "bamba",
+    "NemotronHMamba2Mixer": "nemotron_h",
+    "GraniteMoeHybridMambaLayer": "granitemoehybrid",
+    "Zamba2MambaMixer": "zamba2",
+}
 # models whose adapter implements the async handoff protocol (models/<arch>/adapter/distributed/)
 ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
@@ -204,7 +213,8 @@ METHODS: dict = {m.name: m for m in (
         offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
                       module=GDN_MODULE),)),
     CPMethod(
-        name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1)", kind="mixer",
+        name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1, Bamba, NemotronH, Granite 4, Zamba2)",
+        kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),

@@ -1,0 +1,1 @@
+"""bamba model code under CP (everything specific to this model family)."""

@@ -1,0 +1,1 @@
+"""granitemoehybrid model code under CP (everything specific to this model family)."""

@@ -1,0 +1,1 @@
+"""nemotron_h model code under CP (everything specific to this model family)."""

@@ -1,0 +1,1 @@
+"""zamba2 model code under CP (everything specific to this model family)."""
