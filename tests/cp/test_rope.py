@@ -343,7 +343,7 @@ def test_length_contract_and_runtime_checks():
         assert torch.equal(cos[:, :30], ref(x, pos)[0][:, 31:].expand(2, -1, -1))
         with pytest.raises(CPRopeError, match="not this rank's slice"):
             rot(x[:, :31], torch.arange(31)[None])                # HF's default: restarts at 0
-        with pytest.raises(CPRopeError, match="3-D/multimodal"):
+        with pytest.raises(CPRopeError, match="3-D RoPE positions"):
             rot(x[:, :31], local["position_ids"][None].expand(3, -1, -1))
 
 

@@ -15,6 +15,7 @@ The returned forward carries ``__hp_undo__`` (config restorers), ``__hp_strategy
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Callable, Optional
 
@@ -28,7 +29,7 @@ from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, 
 from ..meta import CPBatchMeta, current_cp_batch_meta
 from ..strategies import build_strategy
 from .heads import module_heads, unrepeat_kv
-from .preflight import check_call, probe
+from .preflight import check_call, check_core_call, probe
 from .validate_mode import (check_repeat_kv, compare, hf_module_reference, rank_group, valid_query_rows,
                             validate_qkv_attention)
 
@@ -92,7 +93,10 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
 
 
 def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False,
-                  module: Optional[nn.Module] = None):
+                  module: Optional[nn.Module] = None, core: bool = False):
+    """The handler of one wrapped module. ``module``: an HF-style module (its calls are checked with
+    :func:`check_call`); ``core``: a ``*_qkv`` SDPA core (:func:`check_core_call`: a mask is refused,
+    ``is_causal`` is carried — False runs full attention over the global keys)."""
     checked = [None]      # the meta whose documents were checked against the model's mask
 
     def handler(call: AttentionCall) -> torch.Tensor:
@@ -103,6 +107,9 @@ def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check
                                 "CP wrappers need local tensors (TP plans must use use_local_output=True)")
         if module is not None:
             check_call(call, module, f"module '{owner}'", at="at the call")
+        elif core:
+            if not check_core_call(call, f"module '{owner}'", at="at the call") and meta.causal:
+                meta = dataclasses.replace(meta, causal=False)     # this call only: full attention
         else:
             if call.dropout_p:
                 raise ValueError(f"module '{owner}': attention dropout_p={call.dropout_p} is not supported by CP")
@@ -158,7 +165,8 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
             route = "sdpa"            # no routable HF config: only a direct SDPA call can be caught
     group = rank_group(cp_mesh)
     handler = make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
-                            module=target_module if style in ("hf", "flex_hf") else None)
+                            module=target_module if style in ("hf", "flex_hf") else None,
+                            core=style == "qkv" and primitive == "sdpa")
     interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface,
                    "hf_any": intercept_hf_any}[primitive]
     sig = inspect.signature(original)
