@@ -27,6 +27,7 @@ from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, 
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
 from ..meta import CPBatchMeta, current_cp_batch_meta
+from ..semantics import mixer_hint
 from ..strategies import build_strategy
 from .heads import module_heads, unrepeat_kv
 from .preflight import check_call, check_core_call, probe
@@ -164,6 +165,7 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
                 raise
             route = "sdpa"            # no routable HF config: only a direct SDPA call can be caught
     group = rank_group(cp_mesh)
+    cp_size = strategy.cp_size
     handler = make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
                             module=target_module if style in ("hf", "flex_hf") else None,
                             core=style == "qkv" and primitive == "sdpa")
@@ -177,8 +179,16 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
                 sig.bind(*args, **kwargs)
             except TypeError as exc:
                 raise TypeError(f"module '{owner}': {name} could not bind forward(q, k, v, ...): {exc}") from None
-        with interceptor(owner, target_module, handler):
-            out = original(*args, **kwargs)
+        scope = None
+        try:
+            with interceptor(owner, target_module, handler) as scope:
+                out = original(*args, **kwargs)
+        except CPInterceptionError as exc:
+            if style != "hf" or scope is None or scope.count:
+                raise
+            # misfire of an HF-style module: most often a token mixer named like attention
+            raise CPInterceptionError(f"{exc}; if it mixes tokens without softmax attention: "
+                                      f"{mixer_hint(target_module, cp_size, owner)}") from None
         if validate_mode and style in ("hf", "flex_hf"):
             meta = current_cp_batch_meta()
             ref = hf_module_reference(original, target_module, route, args, kwargs, meta, group, owner,
