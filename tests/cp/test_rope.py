@@ -144,7 +144,8 @@ def _build(rope_type: str, method: str, rotary=None, hook: bool = True):
     plan = ShardingPlanner(plan_overrides=_entry(wrapper)).plan(model, mesh, cp_size=cp)
     with mock.patch.object(sharding_applier, "install_cp_rope", sharding_applier.install_cp_rope if hook
                            else (lambda *a, **k: [])):
-        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+        # hook=False is the broken negative control: the default proof would refuse it at apply
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=hook)
     return model, ref, mesh, plan
 
 
