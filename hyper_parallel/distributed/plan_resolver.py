@@ -179,9 +179,8 @@ class PlanOverrideResolver:
             for fqn in boundaries:
                 if fqn not in owner and is_token_mixer(names[fqn]):
                     raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
-                                        "no softmax-attention call (accelerator.cp_size="
-                                        f"{self.cp_size}; it mixes tokens along the sequence and has no CP method "
-                                        "declared)", module=fqn,
+                                        "no SDPA or attention-interface call, and no CP method is declared for it "
+                                        f"(accelerator.cp_size={self.cp_size})", module=fqn,
                                         fix=mixer_hint(names[fqn], self.cp_size, fqn))
                 if fqn not in owner:
                     raise CPConfigError("plan_overrides", f"attention boundary has no CP method declared "

@@ -218,7 +218,8 @@ def test_api_refuses_by_default_with_the_semantic_named(ranks):
     assert "short_conv_halo" not in qwen3_next and "mamba2_state_passing" not in qwen3_next, qwen3_next
     for msg in (minimax_undeclared, minimax_declared):
         assert "MiniMaxLightningAttention" in msg and "model.layers.0.self_attn" in msg, msg
-        assert "not softmax attention" in msg and "inner_wrapper: sequence_gather" in msg, msg
+        assert "token mixer (e.g. linear attention), not softmax attention" in msg, msg
+        assert "inner_wrapper: sequence_gather" in msg, msg
         assert "attention boundary has no CP method" not in msg, msg
         named = {n for n in _mixer_names() if n in msg}
         assert named and named <= _mixer_names(), msg

@@ -79,9 +79,10 @@ def is_token_mixer(module: nn.Module) -> bool:
 
 
 def mixer_hint(module: nn.Module, cp_size: int, fqn: Optional[str] = None) -> str:
-    """``<class> is a token mixer ...: declare inner_wrapper: <methods>`` for a refusal message."""
+    """What to declare for a module that makes no SDPA / attention-interface call, for a refusal."""
     methods = mixer_methods_for(module, cp_size) or [m.name for m in catalogue.mixer_methods()]
     where = f"'{fqn}' ({type(module).__name__})" if fqn else type(module).__name__
-    return (f"{where} is a token mixer (e.g. linear attention), not softmax attention: declare a token-mixer "
+    return (f"if {where} is a token mixer (e.g. linear attention), not softmax attention, declare a token-mixer "
             f"method for it — inner_wrapper: {' | '.join(methods)} — with a match that selects only these "
-            "modules (not the softmax-attention layers)")
+            "modules (not the softmax-attention layers); an attention computed by its own matmuls needs a "
+            "model-specific CP wrapper")

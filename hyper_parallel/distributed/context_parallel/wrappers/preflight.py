@@ -201,8 +201,7 @@ def check_probe(primitive: str, module: nn.Module, who: str, *, cp_size: int = 2
         return
     if res.count == 0:
         extra = " call (nor an HF attention-interface call)" if primitive == "hf_any" else " call"
-        hint = ("; if it mixes tokens without softmax attention: " + mixer_hint(module, cp_size)
-                if primitive == "hf_any" else "")
+        hint = "; " + mixer_hint(module, cp_size) if primitive == "hf_any" else ""
         raise ValueError(
             f"{who}: a probe forward of {type(module).__name__} made no {what}{extra}, so the wrapper would "
             f"never run (misfire); check attn_implementation and inner_target{hint}")

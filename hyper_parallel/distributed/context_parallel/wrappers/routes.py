@@ -187,8 +187,7 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
             if style != "hf" or scope is None or scope.count:
                 raise
             # misfire of an HF-style module: most often a token mixer named like attention
-            raise CPInterceptionError(f"{exc}; if it mixes tokens without softmax attention: "
-                                      f"{mixer_hint(target_module, cp_size, owner)}") from None
+            raise CPInterceptionError(f"{exc}; {mixer_hint(target_module, cp_size, owner)}") from None
         if validate_mode and style in ("hf", "flex_hf"):
             meta = current_cp_batch_meta()
             ref = hf_module_reference(original, target_module, route, args, kwargs, meta, group, owner,
