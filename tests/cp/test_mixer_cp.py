@@ -260,7 +260,7 @@ def broken_halo_case(cp: int = 2) -> dict:
             refused = None
         except Exception as exc:  # noqa: BLE001 - the refusal is the subject
             refused = f"{type(exc).__name__}: {exc}"
-        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)   # the broken one
         return {"refused": refused, "step": parity_step(model, ref, mesh, plan, "plain", 30, 3)}
     finally:
         mixers.halo_exchange = real

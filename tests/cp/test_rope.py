@@ -144,7 +144,8 @@ def _build(rope_type: str, method: str, rotary=None, hook: bool = True):
     plan = ShardingPlanner(plan_overrides=_entry(wrapper)).plan(model, mesh, cp_size=cp)
     with mock.patch.object(sharding_applier, "install_cp_rope", sharding_applier.install_cp_rope if hook
                            else (lambda *a, **k: [])):
-        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+        # hook=False is the broken negative control: the default proof would refuse it at apply
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=hook)
     return model, ref, mesh, plan
 
 
@@ -343,7 +344,7 @@ def test_length_contract_and_runtime_checks():
         assert torch.equal(cos[:, :30], ref(x, pos)[0][:, 31:].expand(2, -1, -1))
         with pytest.raises(CPRopeError, match="not this rank's slice"):
             rot(x[:, :31], torch.arange(31)[None])                # HF's default: restarts at 0
-        with pytest.raises(CPRopeError, match="3-D/multimodal"):
+        with pytest.raises(CPRopeError, match="3-D RoPE positions"):
             rot(x[:, :31], local["position_ids"][None].expand(3, -1, -1))
 
 

@@ -72,7 +72,9 @@ class RepeatSDPACore(SDPACore):
 
 
 class FlexCore(nn.Module):
-    """``forward(q, k, v, block_mask=None, scale=None)`` core attention around flex_attention."""
+    """``forward(q, k, v, block_mask=None, scale=None)`` causal core attention around flex_attention:
+    without a ``block_mask`` it builds the causal one (flex_attention alone is full attention) — what
+    the ``flex_qkv*`` wrappers compute, so the preflight proof's reference (this forward) agrees."""
 
     def __init__(self, num_heads: int, num_key_value_heads: int):
         super().__init__()
@@ -80,8 +82,11 @@ class FlexCore(nn.Module):
         self.num_key_value_heads = num_key_value_heads
 
     def forward(self, q, k, v, block_mask=None, scale=None):
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        if block_mask is None:
+            block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, q.shape[2], k.shape[2],
+                                           device=q.device)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 

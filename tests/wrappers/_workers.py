@@ -69,7 +69,9 @@ def cp_parity(cfg_path: str, overrides=(), *, model_kind: str = "hf", mode: str 
     specs = cfg.plan_overrides if plan_overrides is None else plan_overrides
     mesh = mesh_ctx(acc.cp_size, acc.tp_size, dp_replicate=acc.dp_replicate_size)
     plan = ShardingPlanner(plan_overrides=specs).plan(model, mesh, tp_size=acc.tp_size, cp_size=acc.cp_size)
-    model, tp_info = apply_sharding_plan(model, plan, mesh, mode=mode, fsdp=fsdp, activation_checkpointing=ac)
+    # flex_hf: the proof's reference is HF's flex path, compiled per shape on CPU (slow); parity is checked below
+    model, tp_info = apply_sharding_plan(model, plan, mesh, mode=mode, fsdp=fsdp, activation_checkpointing=ac,
+                                         preflight_proof=model_kind != "flex_hf")
 
     vocab = model.config.vocab_size
     batch = global_batch(B, S, vocab, padding)
@@ -124,7 +126,8 @@ def validate_vs_production(cfg_path: str, overrides=(), *, model_kind: str = "hf
         model, _ = build_pair(cfg, model_kind)
         mesh = mesh_ctx(acc.cp_size, acc.tp_size)
         plan = ShardingPlanner(cfg.plan_overrides).plan(model, mesh, tp_size=acc.tp_size, cp_size=acc.cp_size)
-        model, _ = apply_sharding_plan(model, plan, mesh, mode=mode, fsdp=False)
+        model, _ = apply_sharding_plan(model, plan, mesh, mode=mode, fsdp=False,
+                                       preflight_proof=model_kind != "flex_hf")
         batch = global_batch(2, S, model.config.vocab_size)
         local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
         with cp_batch_context(local.meta):
@@ -186,7 +189,7 @@ def rollback_on_failure(cfg_path: str):
     before = [dict(l.self_attn.__dict__).get("forward") for l in model.model.layers]
     cfg_before = [l.self_attn.config for l in model.model.layers]
     try:
-        apply_sharding_plan(model, plan, mesh, fsdp=True)
+        apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)   # the FSDP step is the subject
     except Exception as exc:  # noqa: BLE001
         err = str(exc)
     else:

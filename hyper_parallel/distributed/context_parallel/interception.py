@@ -369,9 +369,15 @@ def hf_probe_inputs(module: nn.Module, seq: int = 2, rot_dim: Optional[int] = No
     if hidden is None:
         q_proj = getattr(module, "q_proj", None)
         hidden = getattr(q_proj, "in_features", None)
+    if hidden is None:      # no config / q_proj (e.g. a linear attention): its own width, else its first Linear's
+        hidden = getattr(module, "hidden_size", None) or next(
+            (m.in_features for m in module.children() if isinstance(m, nn.Linear)), None)
     head_dim = getattr(module, "head_dim", None)
     if head_dim is None and cfg is not None and getattr(cfg, "qk_rope_head_dim", None):
         head_dim = cfg.qk_rope_head_dim
+    if head_dim is None and cfg is not None:      # e.g. a linear attention keeping no head_dim of its own
+        heads = getattr(cfg, "num_attention_heads", None)
+        head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if hidden and heads else None)
     if hidden is None or head_dim is None:
         return None
     rot = rot_dim or head_dim

@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from ..errors import CPConfigError
 from ..preflight import agree_or_raise
+from .semantics import mixer_methods_for, uncarried_attention_semantics
 
 log = logging.getLogger("hyper_parallel.cp.proof")
 
@@ -79,6 +80,8 @@ PROOF_TOLERANCE = {
     torch.float16: 1e-2,
 }
 
+#: how to skip the proof, in YAML and through the API (the caller then vouches for the model)
+OPT_OUT = "accelerator.cp_preflight_proof: false (API: apply_sharding_plan(..., preflight_proof=False))"
 FIX = "declare a CP method for it in plan_overrides, or use accelerator.cp_size: 1"
 REASON_UNDECLARED = "mixes tokens along the sequence but is not declared for CP"
 REASON_DECLARED = ("declared CP method differs from the module's own computation "
@@ -176,7 +179,7 @@ def _vocab(model: nn.Module) -> int:
     if not v:
         raise CPConfigError("accelerator.cp_preflight_proof", f"cannot find the vocabulary size of "
                             f"{type(model).__name__} to build the probe input",
-                            fix="set accelerator.cp_preflight_proof: false, or give the model a config.vocab_size")
+                            fix=f"give the model a config.vocab_size, or set {OPT_OUT}")
     return int(v)
 
 
@@ -552,7 +555,7 @@ class _Prover:
                 "accelerator.cp_preflight_proof", f"CP preflight proof: the model's own forward (CP disabled) on "
                 f"the probe ({lay.R} rows x {lay.ref_len} tokens, input_ids/attention_mask/position_ids) raised "
                 f"{type(exc).__name__}: {exc}", fix="make the model run a plain forward on these inputs, or set "
-                "accelerator.cp_preflight_proof: false") from exc
+                f"{OPT_OUT}") from exc
         ref_logits = _first_tensor(out)
         if ref_logits is not None and usable(self.cp_logits, _full_tensor(ref_logits)):
             r = _full_tensor(ref_logits)
@@ -713,12 +716,16 @@ def _refusal(prover: _Prover, check: tuple, culprit) -> CPConfigError:
     else:
         fqn, cls = layer_fqn, type(names[layer_fqn]).__name__
     target = _covering(plan, fqn)
+    module = names.get(fqn)
     if target is not None:
         field = target.spec.field(target.kind)
         ref = target.spec.inner_wrapper if target.kind == "inner_wrapper" else target.spec.local_compute_fn
         cover = (f"covered by {target.spec.field()} (match={target.spec.match!r}, {target.kind}="
                  f"{ref.describe()})")
         reason = REASON_DECLARED
+        semantics = uncarried_attention_semantics(module) if module is not None else []
+        if semantics:
+            reason = f"the declared CP method does not carry what the module computes: {'; '.join(semantics)}"
         fix = ("fix or replace the declared CP method so that it computes what the module computes (e.g. a method "
                "that supports its mask/window), or use accelerator.cp_size: 1")
     else:
@@ -728,6 +735,10 @@ def _refusal(prover: _Prover, check: tuple, culprit) -> CPConfigError:
             f" (it contains the declared {inside[:2]}, but the difference is in its own computation)" if inside else "")
         reason = REASON_UNDECLARED
         fix = FIX
+        methods = mixer_methods_for(module, cp) if module is not None and fqn != layer_fqn else []
+        if methods:
+            fix = (f"{FIX} (token-mixer methods that accept {cls}: inner_wrapper: {' | '.join(methods)}, on a match "
+                   f"selecting these modules, e.g. '{_pattern(fqn)}')")
     within = "" if fqn == layer_fqn else f"; first differing submodule '{fqn}' ({cls})"
     if culprit is None and fqn == layer_fqn:
         within = f"; none of its submodules differs on identical inputs, so the layer's own forward ({cls})"
@@ -735,6 +746,15 @@ def _refusal(prover: _Prover, check: tuple, culprit) -> CPConfigError:
         field, f"{head}: first differing decoder layer '{layer_fqn}'{within}, {cover}: {reason}; max relative "
         f"error {rel:.3e} (tolerance {PROOF_TOLERANCE.get(_dtype(dtype), 1e-4):g} relative, {dtype})",
         module=fqn, fix=fix)
+
+
+def _pattern(fqn: str) -> str:
+    """``model.layers.0.conv`` -> ``*[0-9].conv``: a plan_overrides glob for every layer's copy that
+    does not also match a same-named grandchild (LFM2's ``conv.conv``)."""
+    parent, _, name = fqn.rpartition(".")
+    if not parent:
+        return fqn
+    return f"*[0-9].{name}" if parent.rpartition(".")[2].isdigit() else f"*.{name}"
 
 
 def _dtype(name: str):

@@ -168,7 +168,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
         raise CPRopeError(
             f"rotary module '{fqn}' got position_ids of shape {tuple(local.shape)}; under CP it needs this rank's "
             f"[{B}|1, {n}] slice of the batch's global positions (pass position_ids=local['position_ids'] from "
-            "shard_batch_for_cp; 3-D/multimodal positions are not supported)")
+            "shard_batch_for_cp; 3-D RoPE positions (multimodal mrope) are not supported)")
     want = meta.position_ids[:, lo:hi].to(device=local.device, dtype=local.dtype)
     if not torch.equal(local.expand_as(want), want):
         raise CPRopeError(
@@ -249,7 +249,26 @@ def _flatten(out) -> list:
     return [out]
 
 
+def _mrope_section(module: nn.Module, model_config):
+    """The multimodal (3-D) RoPE section of a rotary module or its config, else None."""
+    sec = getattr(module, "mrope_section", None)
+    if sec:
+        return sec
+    for cfg in (getattr(module, "config", None), model_config, getattr(model_config, "text_config", None)):
+        for attr in ("rope_parameters", "rope_scaling"):
+            rp = getattr(cfg, attr, None) if cfg is not None else None
+            if isinstance(rp, dict) and rp.get("mrope_section"):
+                return rp["mrope_section"]
+    return None
+
+
 def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, model_config) -> None:
+    sec = _mrope_section(module, model_config)
+    if sec is not None:
+        raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) takes 3-D RoPE positions (multimodal "
+                            f"mrope, mrope_section={list(sec)}): CP carries one global position per token, not the "
+                            "3-D (temporal, height, width) position ids", module=fqn,
+                            fix="use accelerator.cp_size: 1 for this model")
     sig = _positions_param(module)
     if sig is None:
         raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument: under CP "

@@ -24,6 +24,10 @@ If anything fails after the first CP install (another wrapper, a check, activati
 checkpointing, FSDP), every forward replaced by this call is restored before the error
 propagates (TP placement is not undone: rebuild the model after a TP failure).
 
+With cp > 1 the CP preflight proof (:func:`~.context_parallel.model_proof.prove_cp_model`) runs by
+default, so a model CP would compute wrongly (an undeclared token mixer, an attention semantic a
+method drops) is refused here instead of returning wrong numbers; ``preflight_proof=False`` opts out.
+
 Modes: ``production`` runs the CP path; ``validate`` additionally runs each wrapped module's
 original path on the CP-gathered input and raises on mismatch (see
 :mod:`~.context_parallel.wrappers`). Outputs and gradients are identical in both modes.
@@ -254,13 +258,18 @@ def _prove(model, plan: ShardingPlan, mesh, preflight_proof) -> None:
 def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, *, mode: str = "production",
                         fsdp: Optional[bool] = None, mp_policy=None, reshard_after_forward: bool = True,
                         activation_checkpointing: bool = False,
-                        preflight_proof=False,
+                        preflight_proof=True,
                         materialize: Optional[Callable[[nn.Module], object]] = None) -> tuple[nn.Module, TPGradInfo]:
     """Apply TP -> CP -> activation checkpointing -> FSDP2; return ``(model, tp_grad_info)``.
 
-    ``preflight_proof``: False, True, or a dict of :func:`~.context_parallel.model_proof.prove_cp_model`
-    options — when cp > 1, prove before FSDP (fp32 master weights) that the model computes under
-    CP what it computes without it; a refusal rolls the CP install back and raises on every rank.
+    ``preflight_proof``: True (default), False, or a dict of
+    :func:`~.context_parallel.model_proof.prove_cp_model` options — when cp > 1, prove before FSDP
+    (fp32 master weights; after ``materialize`` for a meta build) that the model computes under CP
+    what it computes without it; a refusal rolls the CP install back and raises
+    :class:`~.errors.CPConfigError` on every rank. The proof needs nothing from the caller (it
+    builds its own probe batch); a model it cannot run (no vocabulary size, a forward that does not
+    take ``input_ids``) is refused too, never applied unproved. ``preflight_proof=False`` is the
+    opt-out: the caller then vouches for every token mixer and attention semantic of the model.
 
     ``materialize``: for a model built on the ``meta`` device — ``materialize(model)`` runs after
     FSDP (last step), so each rank allocates and fills only its own shards (TP slices, FSDP
@@ -273,6 +282,10 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
     """
     if mode not in MODES:
         raise CPConfigError("mode", f"unknown apply mode {mode!r}", fix=f"use one of {MODES}")
+    if not isinstance(preflight_proof, (bool, dict)):
+        raise CPConfigError("preflight_proof", f"expected True, False or a dict of prove_cp_model options, got "
+                            f"{type(preflight_proof).__name__}", fix="pass True (default), False or a dict")
+    prove = preflight_proof is not False     # {} = the proof with its default options
     mesh = device_mesh
     if mesh is not None and not hasattr(mesh, "cp_mesh"):
         raise CPConfigError("device_mesh", f"expected the MeshContext (DistributedSetup.mesh), got "
@@ -311,7 +324,7 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         if activation_checkpointing:
             _apply_ac(model, plan, installed)
         # 3b. CP preflight proof (collective on every rank; before FSDP, so in the parameters' dtype)
-        if preflight_proof and plan.cp_size > 1 and materialize is None:
+        if prove and plan.cp_size > 1 and materialize is None:
             _prove(model, plan, mesh, preflight_proof)
         # 4. FSDP2 / HSDP
         use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
@@ -324,7 +337,7 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
             materialize(model)
             if plan.cp_size > 1:
                 _check_rope_unwrapped(model, plan.cp_size, installed)
-                if preflight_proof:
+                if prove:
                     _prove(model, plan, mesh, preflight_proof)
                     _reshard(model)   # the proof's forward left the FSDP root unsharded (full embedding/head)
     except BaseException:

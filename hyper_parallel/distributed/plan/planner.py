@@ -9,7 +9,8 @@ need the whole plan or the topology. Usage::
         "model.layers.*.self_attn": ModuleShardingSpec(inner_target="self", inner_wrapper="sdpa_hf",
                                                        region_dispatch=False, when="cp"),
     }).plan(model, mesh, tp_size=1, cp_size=2, ep_size=1, sequence_parallel=False, loss_parallel=False)
-    model, tp_grad_info = apply_sharding_plan(model, plan, mesh)
+    model, tp_grad_info = apply_sharding_plan(model, plan, mesh)   # proves the CP model (opt-out:
+                                                                   # preflight_proof=False)
 """
 from __future__ import annotations
 

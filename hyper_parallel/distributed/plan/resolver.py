@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch.nn as nn
 
 from ..context_parallel.model_spec import find_attention_boundaries
+from ..context_parallel.semantics import is_token_mixer, mixer_hint
 from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
                                         registered_names, wrapper_info)
 from ..errors import CPConfigError
@@ -220,6 +221,11 @@ class PlanOverrideResolver:
 
         if self.cp_size > 1:
             for fqn in boundaries:
+                if fqn not in owner and is_token_mixer(names[fqn]):
+                    raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
+                                        "no SDPA or attention-interface call, and no CP method is declared for it "
+                                        f"(accelerator.cp_size={self.cp_size})", module=fqn,
+                                        fix=mixer_hint(names[fqn], self.cp_size, fqn))
                 if fqn not in owner:
                     raise CPConfigError("plan_overrides", f"attention boundary has no CP method declared "
                                         f"(accelerator.cp_size={self.cp_size}; there is no default method)",

@@ -19,10 +19,11 @@ import torch.nn as nn
 
 from .. import catalogue
 from ..interception import AttentionCall, probe_module
+from ..semantics import mixer_hint, uncarried_attention_semantics
 from .heads import check_heads
 
-__all__ = ["check_style", "check_impl", "check_features", "check_core_features", "check_call", "probe",
-           "check_probe", "make_validate"]
+__all__ = ["check_style", "check_impl", "check_features", "check_core_features", "check_call",
+           "check_core_call", "probe", "check_probe", "make_validate"]
 
 _HF_PARAM = "hidden_states"
 _QKV_NAMES = (("q", "query", "q_states", "query_states"), ("k", "key", "k_states", "key_states"),
@@ -100,6 +101,10 @@ def check_features(module: nn.Module, who: str) -> None:
                 raise ValueError(
                     f"{who}: {where}.{attr}={val} ({name}): attention dropout > 0 is not supported by the CP "
                     f"attention (no dropout in the engine); set attention_dropout: 0.0 (attn_pdrop for GPT-2)")
+    for what in uncarried_attention_semantics(module):
+        raise ValueError(f"{who}: {name} computes {what}; no built-in CP attention method carries it, so CP "
+                         "would compute something else — refused. Use accelerator.cp_size: 1 for this model, "
+                         "or a model-specific CP wrapper that computes it")
     takes_alibi = "alibi" in inspect.signature(module.forward).parameters
     if (cfg is not None and getattr(cfg, "alibi", False) is True) or (
             takes_alibi and (cfg is None or not hasattr(cfg, "alibi"))):   # Bloom: always ALiBi
@@ -151,6 +156,32 @@ def check_call(call: AttentionCall, module: nn.Module, who: str, *, at: str) -> 
                                  "causal + padding + documents + window and refuses the bias")
 
 
+def check_core_call(call: AttentionCall, who: str, *, at: str) -> bool:
+    """A ``*_qkv`` core's SDPA call: refuse what CP cannot carry; return the call's causality.
+
+    ``is_causal`` is carried (True: causal on global positions; False: full attention over every
+    global key), padding and documents always come from the CP batch. A mask the caller or the
+    core passes (``attn_mask``) is refused: it is local to this rank's chunk, and what it encodes
+    (padding, documents, a bias, a custom pattern) cannot be read back from it. Attention dropout
+    and unknown arguments are refused. Local only: raises ValueError before any collective, the
+    same on every rank (the call's structure, not its values, decides)."""
+    if call.extra:
+        raise ValueError(f"{who}: the attention call passes {sorted(call.extra)} ({at}), which the CP attention "
+                         "does not understand; refused rather than dropped")
+    if call.dropout_p:
+        raise ValueError(f"{who}: attention dropout_p={call.dropout_p} ({at}) is not supported by the CP attention")
+    m = call.attn_mask
+    if m is not None:
+        desc = f"a {m.dtype} tensor of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+        raise ValueError(
+            f"{who}: its scaled_dot_product_attention call passes attn_mask ({desc}, {at}); the *_qkv wrappers "
+            "cannot carry a caller-given mask (it covers only this rank's chunk, and what it encodes cannot be "
+            "read from it). Fix: call SDPA without attn_mask — is_causal=True for causal or is_causal=False for "
+            "full attention — and give padding and packed documents through the CP batch (shard_batch_for_cp: "
+            "attention_mask / seq_lens), or write a custom wrapper for this mask")
+    return bool(call.is_causal)
+
+
 _PROBE_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -161,7 +192,7 @@ def probe(primitive: str, module: nn.Module, who: str):
     return cache[primitive]
 
 
-def check_probe(primitive: str, module: nn.Module, who: str) -> None:
+def check_probe(primitive: str, module: nn.Module, who: str, *, cp_size: int = 2) -> None:
     res = probe(primitive, module, who)
     what = {"sdpa": "torch.nn.functional.scaled_dot_product_attention",
             "hf_interface": "its HF attention interface",
@@ -170,9 +201,10 @@ def check_probe(primitive: str, module: nn.Module, who: str) -> None:
         return
     if res.count == 0:
         extra = " call (nor an HF attention-interface call)" if primitive == "hf_any" else " call"
+        hint = "; " + mixer_hint(module, cp_size) if primitive == "hf_any" else ""
         raise ValueError(
             f"{who}: a probe forward of {type(module).__name__} made no {what}{extra}, so the wrapper would "
-            "never run (misfire); check attn_implementation and inner_target")
+            f"never run (misfire); check attn_implementation and inner_target{hint}")
     if res.count > 1:
         raise ValueError(
             f"{who}: a probe forward of {type(module).__name__} made {res.count} {what} calls; the wrapper "
@@ -200,7 +232,7 @@ def make_validate(name: str, method: str, style: str):
             check_core_features(target_module, who)
         check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
         if probe and st.forward == "hf":
-            check_probe(primitive, target_module, who)
+            check_probe(primitive, target_module, who, cp_size=cp_size)
 
     validate.__qualname__ = f"validate[{name}]"
     return validate

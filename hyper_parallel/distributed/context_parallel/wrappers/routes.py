@@ -15,6 +15,7 @@ The returned forward carries ``__hp_undo__`` (config restorers), ``__hp_strategy
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Callable, Optional
 
@@ -26,9 +27,10 @@ from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, 
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
 from ..meta import CPBatchMeta, current_cp_batch_meta
+from ..semantics import mixer_hint
 from ..strategies import build_strategy
 from .heads import module_heads, unrepeat_kv
-from .preflight import check_call, probe
+from .preflight import check_call, check_core_call, probe
 from .validate_mode import (check_repeat_kv, compare, hf_module_reference, rank_group, valid_query_rows,
                             validate_qkv_attention)
 
@@ -92,7 +94,10 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
 
 
 def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False,
-                  module: Optional[nn.Module] = None):
+                  module: Optional[nn.Module] = None, core: bool = False):
+    """The handler of one wrapped module. ``module``: an HF-style module (its calls are checked with
+    :func:`check_call`); ``core``: a ``*_qkv`` SDPA core (:func:`check_core_call`: a mask is refused,
+    ``is_causal`` is carried — False runs full attention over the global keys)."""
     checked = [None]      # the meta whose documents were checked against the model's mask
 
     def handler(call: AttentionCall) -> torch.Tensor:
@@ -103,6 +108,9 @@ def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check
                                 "CP wrappers need local tensors (TP plans must use use_local_output=True)")
         if module is not None:
             check_call(call, module, f"module '{owner}'", at="at the call")
+        elif core:
+            if not check_core_call(call, f"module '{owner}'", at="at the call") and meta.causal:
+                meta = dataclasses.replace(meta, causal=False)     # this call only: full attention
         else:
             if call.dropout_p:
                 raise ValueError(f"module '{owner}': attention dropout_p={call.dropout_p} is not supported by CP")
@@ -157,8 +165,10 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
                 raise
             route = "sdpa"            # no routable HF config: only a direct SDPA call can be caught
     group = rank_group(cp_mesh)
+    cp_size = strategy.cp_size
     handler = make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
-                            module=target_module if style in ("hf", "flex_hf") else None)
+                            module=target_module if style in ("hf", "flex_hf") else None,
+                            core=style == "qkv" and primitive == "sdpa")
     interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface,
                    "hf_any": intercept_hf_any}[primitive]
     sig = inspect.signature(original)
@@ -169,8 +179,15 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
                 sig.bind(*args, **kwargs)
             except TypeError as exc:
                 raise TypeError(f"module '{owner}': {name} could not bind forward(q, k, v, ...): {exc}") from None
-        with interceptor(owner, target_module, handler):
-            out = original(*args, **kwargs)
+        scope = None
+        try:
+            with interceptor(owner, target_module, handler) as scope:
+                out = original(*args, **kwargs)
+        except CPInterceptionError as exc:
+            if style != "hf" or scope is None or scope.count:
+                raise
+            # misfire of an HF-style module: most often a token mixer named like attention
+            raise CPInterceptionError(f"{exc}; {mixer_hint(target_module, cp_size, owner)}") from None
         if validate_mode and style in ("hf", "flex_hf"):
             meta = current_cp_batch_meta()
             ref = hf_module_reference(original, target_module, route, args, kwargs, meta, group, owner,
