@@ -13,80 +13,18 @@ and its forward calls them in this contract (one call each per forward)::
     q, k, v = self.cp_attn_wait(q, k, v)     # the handoff outputs, unchanged
     out = attention_interface(self, q, k, v, ...)   # transformers' attention interface, once
 
-The handoff modules are identity :class:`HandoffPoint` / :class:`AttnWait` modules owned by the
-attention (no parameters, so checkpoints and TP/FSDP plans do not change). Compute placed
-between a launch and the wait is what the collective overlaps; the adapters put the K and V
-handoffs first and the Q branch (projection, norm, RoPE) after them.
-
-**Generic installation** (:func:`install_async`): forward hooks on the handoffs launch the
-method's collectives (:class:`~..async_collectives.AsyncCollective`, on the platform's comm
-thread) at their output; the hook on ``cp_attn_wait`` waits them and hands the communicated
-tensors to the attention call, which is routed (private config naming transformers' interface
-``hyper_parallel_cp``, as the sync ``*_hf`` wrappers) to the engine with global positions.
-Backward mirrors it: the wait node's backward launches the inverse collective, the launch
-node's backward (right before the projection's grad GEMM) waits it.
-
-**Query-side pipeline** (Ulysses, Hybrid, Head-Tail; ``q_chunks``, default
-:data:`DEFAULT_Q_CHUNKS`): the Q handoff launches G sequence chunks of the local query, one
-collective each (``q``, ``q.1``, ...; G = :func:`q_chunk_count`); ``cp_attn_wait`` waits K/V;
-the consumer waits chunk c, runs its attention (explicit global query positions, so masks,
-documents, window, softcap and sinks are exactly those of the unpipelined call) and launches its
-output collective (``out``, ``out.1``, ...: Ulysses/Hybrid head->seq A2A, Head-Tail combine)
-before waiting chunk c+1; the outputs are waited last and concatenated. Each chunk is an
-:class:`~..async_collectives.AsyncCollective`, so backward falls out of the mirror: the output
-wait nodes launch every dO exchange first, each chunk's dQ exchange is launched when its attention
-backward finishes (overlapping the next chunk's backward) and waited by the Q launch nodes,
-before the Q branch's backward. G = 1: one Q collective, the output waited right after it.
-
-**K/V pipeline** (Colossal; ``kv_chunks``, default :data:`DEFAULT_KV_CHUNKS`): the K and V
-handoffs split the local ``[B, Hk, L, D]`` into G sequence chunks of L/G rows (G =
-:func:`q_chunk_count` of L), each its own AllGather on the cp group (``k``, ``k.1``, ...; ``v``,
-``v.1``, ...), launched in the order ``K_0`` (K handoff), ``V_0, K_1, V_1, ...`` (V handoff), so
-chunk 0's keys and values leave first on the FIFO comm thread. Gathered chunk c ``[B, Hk, C*L/G,
-D]`` holds the global positions ``j*L + c*L/G + t`` (``j < C``, ``t < L/G``). The consumer waits
-chunk c, runs the engine with ``return_lse`` on it (the local query positions, chunk c's key
-positions, the batch meta's documents / padding, window and softcap; sinks in chunk 0 only) and
-merges it into the running result with :func:`hyper_parallel.ops.merge.merge_partial_attention`
-before waiting chunk c+1. Every query sees exactly the keys it sees unpipelined; only the fp
-rounding of the softmax normalisation changes. Backward falls out of autograd: the chunks'
-attention backwards run last chunk first and each chunk's wait node launches its dK/dV
-ReduceScatter as soon as that chunk's gradient is complete (overlapping the earlier chunks'
-backward); the launch nodes wait them at the K/V projections' backward. G = 1: one gather per
-tensor, waited at ``cp_attn_wait`` (the unpipelined order).
-
-**Gathered K/V are not kept for backward** (Colossal, Head-Tail, Hybrid; as the sync strategies):
-each engine call's saved K/V — the gathered pair or views of it — are kept as the local tensors the
-handoff sent, and backward runs the same forward collective again on the comm thread
-(:func:`..collectives.regather_saved_kv` with ``launch``; bitwise the forward's result; Hybrid re-runs
-its whole A2A + AllGather chain). With the K/V pipeline, reading chunk c's pair also starts chunk
-c-1's exchange, and every pair read starts the exchange of the pair created just before it (after
-chunk 0: the previous layer's last chunk; without the pipeline: the previous layer's pair), so it
-travels while this backward computes; only the first exchange of the backward is waited at once. Hybrid regathers
-only where no rank of the ulysses group re-selects KV heads locally (uneven layouts keep the
-engine's selected copy, as the sync Hybrid). ``keep_gathered_kv = True`` (module attribute) keeps them.
-
-**Preflight** (:func:`validate_async`, no collective): the protocol exists (else refused by
-name), the four modules are distinct and owned by this attention, and a probe forward (train
-mode, 2 tokens) proves each is called exactly once, the three handoffs before the wait and the
-wait before the single attention call, with outputs ``[B, H, S, D]`` of this module's heads
-(q: Hq, k/v: Hk) passed to ``cp_attn_wait`` unchanged; at least one owned compute module runs
-between the first communicated launch and the wait (else it is launch-then-wait: no overlap,
-refused as pseudo-async). Then the static refusals of the sync wrappers (attention dropout,
-ALiBi) and the method's head/degree rule (:func:`.heads.check_heads`). At every real call the
-same pseudo-async rule is checked again and the local shapes against the CP batch meta before
-the first launch. In ``validate`` apply mode the output is also compared with the module on the
-CP-gathered sequence (:mod:`.validate_mode`, as the sync ``*_hf`` wrappers).
-
-Head layouts: async Ulysses/Hybrid accept exactly the layouts the sync strategies accept
-(:func:`.heads.check_heads`): every ``Hq % Hk == 0`` with
-``Hq >= degree``. The per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`
-of the real (TP-local) heads, computed at the first launch of a forward: the Q/K/V exchanges take
-``heads=lay.q_heads`` / ``lay.kv_heads`` (KV heads replicated to every rank whose query heads use
-them; ``None`` for the even split), their backward is the adjoint (dK/dV: the copies' gradients
-summed, ``num_heads=Hk``), the consumer passes ``lay.kv_map_args`` (the engine's head map: the
-received KV heads are read in place) and ``lay.q_slice`` (sinks) as
-:func:`..strategies.ulysses.ulysses_group_attention` does, and the output goes back with the
-query heads.
+The handoffs are parameter-free identity modules (:class:`HandoffPoint`, :class:`AttnWait`).
+:func:`install_async` puts forward hooks on them that launch the method's collectives on the
+platform's comm thread (:class:`~..async_collectives.AsyncCollective`) and wait them at
+``cp_attn_wait``, where the attention call is routed to the engine with global positions; backward
+mirrors it (a wait node launches the inverse collective, the launch node waits it before the
+projection's grad GEMM). Query-side pipelining (``q_chunks``: Ulysses, Hybrid, Head-Tail) and the
+K/V pipeline (``kv_chunks``: Colossal) change when collectives run, never the result; gathered
+K/V are regathered in backward rather than kept. :func:`validate_async` is the preflight (no
+collective): the protocol exists, a probe forward proves the call order and shapes, compute runs
+between launch and wait (no pseudo-async), the static refusals and the head rule. Head layouts are
+those of the sync strategies (:func:`..strategies.ulysses_layout.ulysses_head_layout`). Every
+order, shape and volume: docs/async_cp.md.
 """
 from __future__ import annotations
 
