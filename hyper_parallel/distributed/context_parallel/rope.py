@@ -30,6 +30,7 @@ module installed by :func:`install_cp_rope` therefore
 The other arguments pass through (``x`` stays this rank's hidden states: transformers reads
 only its dtype and device). Memory and time: one ``[B|1, S_global, D]`` cos/sin pair per call,
 O(S·D); no S×S tensor; when every row holds the same positions the module runs on one row.
+Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
 
 3-D (multimodal mrope) positions ``[K, B|1, n]`` (Qwen3.5 / Qwen3-VL text models pass ``[3, B, n]``
 built from the 1-D ids): when the K rows are equal — text-only input, every row the token's 1-D
@@ -37,7 +38,6 @@ position — each is checked against this rank's slice as above and the module r
 positions repeated K times; rows that differ (real temporal/height/width ids of vision tokens) are
 refused (:class:`CPRopeError`): the CP batch carries one global position per token. The preflight
 probes such modules with ``[K, 1, L]`` text-only positions.
-Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
 
 The length that results (identical on every rank and to CP=1 given the same global batch):
 ``L = 1 + max(position_ids)`` over every row and every real token of the global batch —
