@@ -40,7 +40,8 @@ ATTN = {   # name -> inner_wrapper
     "hybrid": {"_target_": WRAPPERS + "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2},
     "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
 }
-MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "lfm2": "*[0-9].conv",
+MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "qwen3_5": "*.linear_attn",
+             "qwen3_5_moe": "*.linear_attn", "lfm2": "*[0-9].conv",
              "falcon_h1": "*.mamba", "falcon_h1_rms": "*.mamba", "bamba": "*.mamba", "granitemoehybrid": "*.mamba",
              "zamba2": "*.mamba", "nemotron_h": "model.layers.0.mixer"}
 #: the attention modules' match where it is not "*.self_attn" (NemotronH names every mixer "mixer")
@@ -84,6 +85,25 @@ def build_mamba2_family(arch: str):
     return T.AutoModelForCausalLM.from_config(cfg)
 
 
+def build_qwen3_5(arch: str):
+    """A tiny random Qwen3.5 text model (``qwen3_5``: dense MLP; ``qwen3_5_moe``: sparse MoE):
+    layers linear / full / linear attention (Gated DeltaNet with 2 key, 4 value heads; gated full
+    attention with 3-D (mrope) RoPE positions built from the 1-D ids)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  attn_implementation="sdpa", head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"])
+    if arch == "qwen3_5_moe":
+        cfg = T.Qwen3_5MoeTextConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=32)
+    else:
+        cfg = T.Qwen3_5TextConfig(**common, intermediate_size=64)
+    return T.AutoModelForCausalLM.from_config(cfg)
+
+
 def make_state_visible(model) -> None:
     """A slow SSM decay (A = -0.5, dt ~ softplus(-2); default init forgets within ~15 tokens) and a
     mixer output not ~1e-4 of the residual stream, so a test can tell whether the state crossed a
@@ -120,6 +140,8 @@ def build(arch: str):
             model = build_model(arch)
         make_state_visible(model)
         return model
+    if arch.startswith("qwen3_5"):
+        return build_qwen3_5(arch)
     if arch != "qwen3_next_h4":
         return build_model(arch)
     torch.manual_seed(0)

@@ -344,8 +344,38 @@ def test_length_contract_and_runtime_checks():
         assert torch.equal(cos[:, :30], ref(x, pos)[0][:, 31:].expand(2, -1, -1))
         with pytest.raises(CPRopeError, match="not this rank's slice"):
             rot(x[:, :31], torch.arange(31)[None])                # HF's default: restarts at 0
-        with pytest.raises(CPRopeError, match="3-D RoPE positions"):
+        with pytest.raises(CPRopeError, match="3-D RoPE positions only for a module with mrope_section"):
             rot(x[:, :31], local["position_ids"][None].expand(3, -1, -1))
+
+
+def test_3d_mrope_positions_text_only():
+    """Qwen3.5's text rotary (mrope_section, positions [3, B, n]): text-only 3-D positions (every row
+    the token's 1-D position) give the slice of the CP=1 output; rows that differ are refused by name."""
+    import transformers
+
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.distributed.context_parallel.rope import CPRopeError, check_rotary_modules, install_cp_rope
+
+    cfg = transformers.Qwen3_5TextConfig(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_hidden_layers=1, intermediate_size=64,
+                                         layer_types=["full_attention"])
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    ref = copy.deepcopy(model.model.rotary_emb)
+    assert check_rotary_modules(model, 2) == ["model.rotary_emb"]
+    assert install_cp_rope(model) == ["model.rotary_emb"]
+    rot, S = model.model.rotary_emb, 61
+    x = torch.zeros(2, S, 64)
+    want = ref(x, torch.arange(S)[None].expand(3, 1, -1))[0]
+    local = shard_batch_for_cp(global_batch("padding", S, 50), (1, 2))
+    three = local["position_ids"][None].expand(3, -1, -1)
+    with cp_batch_context(local.meta):
+        cos, _ = rot(x[:, :31], three)
+        assert torch.equal(cos[:, :30], want[:, 31:].expand(2, -1, -1))
+        mm = three.clone()
+        mm[1] += 1
+        with pytest.raises(CPRopeError, match=r"3-D RoPE positions of shape \(3, 2, 31\) whose rows differ"):
+            rot(x[:, :31], mm)
 
 
 def test_trainer_dynamic_ntk_steps_of_different_lengths(ranks):

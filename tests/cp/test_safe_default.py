@@ -274,20 +274,18 @@ def test_sdpa_qkv_non_causal_exact_and_mask_refused(ranks):
     print(f"total {time.perf_counter() - t0:.1f}s")
 
 
-def test_3d_rope_positions_refused_by_name():
-    """A rotary module taking 3-D (multimodal mrope) positions is refused by the RoPE preflight that
-    apply_sharding_plan runs first (cp > 1), naming '3-D RoPE positions' (local, no ranks)."""
-    import pytest
+def test_3d_rope_positions_pass_preflight_text_only():
+    """A rotary module taking 3-D (multimodal mrope) positions passes the RoPE preflight that
+    apply_sharding_plan runs first (cp > 1): it is probed with text-only [3, 1, L] positions; real
+    multimodal rows are refused at run time (tests/cp/test_rope.py, local, no ranks)."""
     import transformers as T
 
     from hyper_parallel.distributed.context_parallel.rope import check_rotary_modules
-    from hyper_parallel.distributed.errors import CPConfigError
 
     cfg = T.Qwen3VLTextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "mrope_section": [2, 3, 3], "mrope_interleaved": True})
     model = T.Qwen3VLTextModel(cfg)
-    with pytest.raises(CPConfigError, match=r"3-D RoPE positions \(multimodal mrope, mrope_section=\[2, 3, 3\]\)"):
-        check_rotary_modules(model, 2)
+    assert check_rotary_modules(model, 2) == ["rotary_emb"]
     assert check_rotary_modules(model, 1) == []

@@ -202,12 +202,12 @@ METHODS: dict = {m.name: m for m in (
         head_rule="module", head_doc="none (kernel - 1 halo tokens from the previous rank)",
         offers=(Offer("hf", "short_conv_halo_cp_wrapper", "short_conv_halo", module=MIXERS_MODULE),)),
     CPMethod(
-        name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next)", kind="mixer",
+        name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next, Qwen3.5)", kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="linear key and value heads divisible by cp_size",
         offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses", module=GDN_MODULE),)),
     CPMethod(
-        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next)", kind="mixer",
+        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next, Qwen3.5)", kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
         offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",

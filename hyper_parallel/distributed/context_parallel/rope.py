@@ -32,6 +32,13 @@ only its dtype and device). Memory and time: one ``[B|1, S_global, D]`` cos/sin 
 O(S·D); no S×S tensor; when every row holds the same positions the module runs on one row.
 Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
 
+3-D (multimodal mrope) positions ``[K, B|1, n]`` (Qwen3.5 / Qwen3-VL text models pass ``[3, B, n]``
+built from the 1-D ids): when the K rows are equal — text-only input, every row the token's 1-D
+position — each is checked against this rank's slice as above and the module runs on the global
+positions repeated K times; rows that differ (real temporal/height/width ids of vision tokens) are
+refused (:class:`CPRopeError`): the CP batch carries one global position per token. The preflight
+probes such modules with ``[K, 1, L]`` text-only positions.
+
 The length that results (identical on every rank and to CP=1 given the same global batch):
 ``L = 1 + max(position_ids)`` over every row and every real token of the global batch —
 padding tokens of the user's batch (``attention_mask == 0``) included, as transformers
@@ -153,13 +160,18 @@ def _slice_outputs(out, lo: int, hi: int, total: int, rows: Optional[int], fqn: 
     raise CPRopeError(f"rotary module '{fqn}' returned {type(out).__name__}; CP expects tensors or a tuple of them")
 
 
-def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn: str, args, kwargs):
-    """The CP path: original forward on the global positions, this rank's slice returned."""
+def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn: str, args, kwargs,
+             three_d: bool = False):
+    """The CP path: original forward on the global positions, this rank's slice returned
+    (``three_d``: an mrope module, which also takes text-only ``[K, B|1, n]`` positions)."""
     bound = sig.bind(*args, **kwargs)
     local = bound.arguments.get("position_ids")
     if not isinstance(local, torch.Tensor):
         raise CPRopeError(f"rotary module '{fqn}' was called without position_ids under CP: pass "
                           "position_ids=local['position_ids'] from shard_batch_for_cp")
+    lead = None
+    if three_d and local.dim() == 3:              # 3-D (mrope) positions [K, B|1, n]: text-only rows carried
+        lead, local = local.shape[0], _text_rows(local, fqn)
     g = _global_positions(meta, local)
     B, n = g.shape[0], meta.local_seq_len
     lo, hi = meta.cp_rank * n, (meta.cp_rank + 1) * n
@@ -167,8 +179,10 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
     if local.dim() != 2 or local.shape[-1] != n or rows not in (1, B):
         raise CPRopeError(
             f"rotary module '{fqn}' got position_ids of shape {tuple(local.shape)}; under CP it needs this rank's "
-            f"[{B}|1, {n}] slice of the batch's global positions (pass position_ids=local['position_ids'] from "
-            "shard_batch_for_cp; 3-D RoPE positions (multimodal mrope) are not supported)")
+            f"[{B}|1, {n}] slice of the batch's global positions"
+            + (f", or that slice repeated as [K, {B}|1, {n}] 3-D (mrope) positions" if three_d else
+               " (3-D RoPE positions only for a module with mrope_section)")
+            + " (pass position_ids=local['position_ids'] from shard_batch_for_cp)")
     want = meta.position_ids[:, lo:hi].to(device=local.device, dtype=local.dtype)
     if not torch.equal(local.expand_as(want), want):
         raise CPRopeError(
@@ -177,18 +191,30 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
             "shard_batch_for_cp (without them transformers restarts every rank at 0)")
     if B > 1 and (g.stride(0) == 0 or torch.equal(g, g[:1].expand_as(g))):
         g = g[:1]                                 # one distinct row: computed once (as HF does for [1, S])
-    bound.arguments["position_ids"] = g
+    bound.arguments["position_ids"] = g if lead is None else g[None].expand(lead, *g.shape)
     out = original(*bound.args, **bound.kwargs)
     return _slice_outputs(out, lo, hi, meta.global_seq_len, rows, fqn)
 
 
-def _cp_forward(original: Callable, sig: inspect.Signature, fqn: str) -> Callable:
+def _text_rows(local: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Row 0 of 3-D positions ``[K, B|1, n]`` whose K rows are equal (text-only mrope input: every
+    row is the token's 1-D position); refuses rows that differ (multimodal positions)."""
+    if local.shape[0] < 1 or not torch.equal(local, local[:1].expand_as(local)):
+        raise CPRopeError(
+            f"rotary module '{fqn}' got 3-D RoPE positions of shape {tuple(local.shape)} whose rows differ "
+            "(multimodal temporal/height/width position ids): CP carries one global position per token, so only "
+            "text-only 3-D positions (every row the token's 1-D position) are supported; train multimodal "
+            "batches with accelerator.cp_size=1")
+    return local[0]
+
+
+def _cp_forward(original: Callable, sig: inspect.Signature, fqn: str, three_d: bool = False) -> Callable:
     @functools.wraps(original)
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
         if meta is None or meta.cp_size == 1:
             return original(*args, **kwargs)
-        return _cp_call(original, sig, meta, fqn, args, kwargs)
+        return _cp_call(original, sig, meta, fqn, args, kwargs, three_d)
 
     forward.__hp_cp_rope__ = fqn
     return forward
@@ -264,11 +290,7 @@ def _mrope_section(module: nn.Module, model_config):
 
 def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, model_config) -> None:
     sec = _mrope_section(module, model_config)
-    if sec is not None:
-        raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) takes 3-D RoPE positions (multimodal "
-                            f"mrope, mrope_section={list(sec)}): CP carries one global position per token, not the "
-                            "3-D (temporal, height, width) position ids", module=fqn,
-                            fix="use accelerator.cp_size: 1 for this model")
+    lead = len(sec) if sec is not None else None     # 3-D (mrope) module: probed with text-only [K, 1, L]
     sig = _positions_param(module)
     if sig is None:
         raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument: under CP "
@@ -285,6 +307,8 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
         for step, L in enumerate(lengths):
             x = _probe_x(module, model_config, L)
             pos = torch.arange(L, device=x.device)[None]
+            if lead is not None:
+                pos = pos[None].expand(lead, 1, L)
             try:
                 with torch.no_grad():
                     ref = _flatten(ref_mod(x, position_ids=pos, **extra))
@@ -292,11 +316,11 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
                     got = {}
                     for r in shards:
                         meta = CPBatchMeta(cp_rank=r, cp_size=cp_size, global_seq_len=L, local_seq_len=n,
-                                           key_doc=None, position_ids=pos, seq_len=L)
+                                           key_doc=None, position_ids=pos.reshape(-1, L)[:1], seq_len=L)
                         m = cp_mods[r]
-                        fwd = _cp_forward(m.forward, inspect.signature(m.forward), fqn)
+                        fwd = _cp_forward(m.forward, inspect.signature(m.forward), fqn, lead is not None)
                         with cp_batch_context(meta):
-                            got[r] = _flatten(fwd(x[:, r * n:(r + 1) * n], position_ids=pos[:, r * n:(r + 1) * n],
+                            got[r] = _flatten(fwd(x[:, r * n:(r + 1) * n], position_ids=pos[..., r * n:(r + 1) * n],
                                                   **extra))
             except (CPRopeError, RuntimeError, TypeError, ValueError, IndexError) as exc:
                 raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) could not be probed for CP at "
@@ -358,7 +382,8 @@ def install_cp_rope(model: nn.Module, replace_forward: Optional[Callable] = None
         if sig is None:
             raise CPConfigError(FIELD, f"rotary module ({type(module).__name__}) has no position_ids argument",
                                 module=fqn, fix=FIX)
-        fn = _cp_forward(module.forward, sig, fqn)
+        three_d = _mrope_section(module, getattr(model, "config", None)) is not None
+        fn = _cp_forward(module.forward, sig, fqn, three_d)
         if replace_forward is None:
             module.forward = fn
         else:

@@ -1,4 +1,4 @@
-"""Qwen3-Next's Gated DeltaNet (``Qwen3NextGatedDeltaNet``) under CP: two exact mixer methods.
+"""Qwen3-Next's and Qwen3.5's Gated DeltaNet (``GDN_CLASSES``) under CP: two exact mixer methods.
 
 ``gated_deltanet_ulysses``: the token-wise projections on the local tokens, a sequence->head
 all-to-all of q/k/v and the b/a gates, the module's conv and delta rule per document on the whole
@@ -7,7 +7,8 @@ sequence for this rank's linear heads, head->sequence back, gated norm and ``out
 all heads on the local tokens, conv halo, the delta rule from a zero state plus, for a document
 continuing from the previous rank, an identity-state run (the rule is affine in its initial state);
 one AllGather of ``(transition, final state)`` per rank (:mod:`...mixers.state_passing`). Both
-re-run the module's own forward lines (transformers 5.24). docs/wrappers.md, "Token mixers".
+re-run the module's own forward lines (transformers 5.24; the classes differ only in their input
+projections, :func:`project`). docs/wrappers.md, "Token mixers".
 """
 from __future__ import annotations
 
@@ -29,7 +30,20 @@ from ...distributed.context_parallel.registry import inner_wrapper
 __all__ = ["GDN_CLASSES", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_state_passing_cp_wrapper"]
 
 
-GDN_CLASSES = ("Qwen3NextGatedDeltaNet",)
+GDN_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+
+
+def project(m: nn.Module, hs: torch.Tensor):
+    """The module's token-wise input projections of ``hs [B, L, hidden]``: ``q, k [B, L, Hk, dk]``,
+    ``v, z [B, L, Hv, dv]``, ``b, a [B, L, Hv]`` — Qwen3-Next's interleaved ``in_proj_qkvz``/``in_proj_ba``
+    (``fix_query_key_value_ordering``) or Qwen3.5's separate ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
+    ``in_proj_a`` (``[q | k | v]`` channels, the conv's order); the rest of both forwards is the same."""
+    if hasattr(m, "in_proj_qkvz"):
+        return m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
+    B, L, _ = hs.shape
+    q, k, v = torch.split(m.in_proj_qkv(hs), [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    return (q.reshape(B, L, -1, m.head_k_dim), k.reshape(B, L, -1, m.head_k_dim), v.reshape(B, L, -1, m.head_v_dim),
+            m.in_proj_z(hs).reshape(B, L, -1, m.head_v_dim), m.in_proj_b(hs), m.in_proj_a(hs))
 
 
 def validate_gated_deltanet_ulysses(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
@@ -46,7 +60,7 @@ def validate_gated_deltanet_ulysses(target_module: nn.Module, *, cp_size: int, t
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_gated_deltanet_ulysses)
 def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
-    """Ulysses for Qwen3-Next's Gated DeltaNet: the token-wise projections on the local tokens, a
+    """Ulysses for the Gated DeltaNet (GDN_CLASSES): the token-wise projections on the local tokens, a
     sequence->head all-to-all of q/k/v/b/a (rank i gets linear heads [i*H/C, (i+1)*H/C) of the
     whole sequence), the module's causal conv1d (its weight's channels of those heads) and
     ``torch_chunk_gated_delta_rule`` per document on the full sequence, head->sequence all-to-all
@@ -72,7 +86,7 @@ def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
         C, r = P.group_size(group), P.group_rank(group)
         hk, hv = m.num_k_heads // C, m.num_v_heads // C
         B, L, _ = hs.shape
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
+        q, k, v, z, b, a = project(m, hs)
         s2h = lambda x, t: ulysses_seq_to_head(x, group, seq_dim=1, head_dim=2, tag=f"cp.gdn_s2h_{t}")  # noqa: E731
         q, k, v = s2h(q.contiguous(), "q"), s2h(k.contiguous(), "k"), s2h(v.contiguous(), "v")       # [B, S, h, d]
         ba = s2h(torch.stack([b, a], dim=-1).contiguous(), "ba")                                      # [B, S, hv, 2]
@@ -124,7 +138,7 @@ def validate_gated_deltanet_state_passing(target_module: nn.Module, *, cp_size: 
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_gated_deltanet_state_passing)
 def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
-    """State passing for Qwen3-Next's Gated DeltaNet: every rank runs all heads on its own tokens.
+    """State passing for the Gated DeltaNet (GDN_CLASSES): every rank runs all heads on its own tokens.
 
     Exactness: the gated delta rule is affine in the incoming state. With ``S_t = A_t S_{t-1} +
     B_t`` (``A_t = exp(g_t)(I - beta_t k_t k_t^T)``, ``[dk, dk]`` per head) and ``o_t = S_t^T q_t``,
@@ -166,7 +180,7 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
             return original(*args, **kwargs)
         meta, hs, C, r = entry
         B, L, _ = hs.shape
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hs), m.in_proj_ba(hs))
+        q, k, v, z, b, a = project(m, hs)
         mixed = torch.cat([x.reshape(B, L, -1) for x in (q, k, v)], dim=-1)            # [B, L, F] pre-conv
         key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
         mixed = SP.halo_conv(conv, mixed, cp_mesh, h, key_doc, r, what, fqn)              # [B, L, F], pads 0
