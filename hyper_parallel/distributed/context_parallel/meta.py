@@ -48,6 +48,9 @@ class CPBatchMeta:
     # (context_parallel.rope); None when the batch was not built by shard_batch_for_cp
     position_ids: Optional[torch.Tensor] = None
     seq_len: Optional[int] = None
+    # chunked attention (Llama 4 ``attention_chunk_size``) already folded into ``key_doc`` by
+    # :func:`with_attention_chunk`; None = no chunking. Informational: the engine reads key_doc only.
+    chunk: Optional[int] = None
 
     @property
     def q_index(self) -> torch.Tensor:
@@ -65,6 +68,33 @@ class CPBatchMeta:
         if self.key_doc is None:
             return None
         return self.key_doc.index_select(1, index.to(self.key_doc.device))
+
+
+def with_attention_chunk(meta: CPBatchMeta, chunk: int, batch: int) -> CPBatchMeta:
+    """``meta`` for one chunked-attention call: each key's doc id refined by its chunk.
+
+    transformers' chunked mask lets a query see a key only when both fall in the same chunk
+    ``pos // chunk``, with ``pos`` counted from the start of the token's document (position_ids
+    of a packed row, the row index minus left padding otherwise). A document here is a maximal run
+    of one doc id in ``key_doc``, so the refined id ``doc * n + (index - run_start) // chunk`` (padding
+    stays -1) is the same restriction on documents and chunks; ids stay non-decreasing along a row,
+    so the engine skips whole tiles of other chunks as it does for documents. ``batch``: B (used
+    when ``key_doc`` is None). Local, no collective; a new meta, ``meta`` is unchanged.
+    """
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"with_attention_chunk: chunk must be an int >= 1, got {chunk!r}")
+    S = meta.global_seq_len
+    kd = meta.key_doc
+    if kd is None:
+        kd = torch.zeros(batch, S, dtype=torch.int64)
+    idx = torch.arange(S, device=kd.device).expand_as(kd)
+    new_run = torch.ones_like(kd, dtype=torch.bool)
+    new_run[:, 1:] = kd[:, 1:] != kd[:, :-1]
+    run_start = torch.where(new_run, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    n = S // chunk + 1
+    refined = kd.to(torch.int64) * n + (idx - run_start) // chunk
+    refined = torch.where(kd >= 0, refined, torch.full_like(refined, -1))
+    return dataclasses.replace(meta, key_doc=refined, chunk=int(chunk))
 
 
 class _Stack(threading.local):

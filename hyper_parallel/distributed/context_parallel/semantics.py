@@ -4,8 +4,11 @@ Local helpers (no collective, nothing modified) used where CP refuses a module, 
 names the semantic it cannot carry rather than a generic mismatch:
 
 * :func:`uncarried_attention_semantics` — attention inputs that live only in the model's mask
-  or in the module's local sequence (Llama 4 chunked attention, temperature tuning on local
-  positions): no built-in CP attention method computes them;
+  or in the module's local sequence that CP cannot recover (chunked attention on a layer whose
+  type is unknown, temperature tuning without Llama 4's ``floor_scale`` / ``attn_scale``);
+* :func:`attention_chunk_size` / :func:`query_position_rescale` — the two such semantics CP
+  does carry (Llama 4 text): the layer's chunk size, folded into the batch meta's documents, and
+  the temperature tuning recomputed on global positions; read by the attention handlers only;
 * :func:`mixer_methods_for` — the catalogue's token-mixer methods whose ``validate`` hook accepts a
   module (what to declare for a linear-attention / recurrent / convolution mixer);
 * :func:`mixer_hint` — one sentence naming a module's class and those methods.
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from . import catalogue
 
-__all__ = ["uncarried_attention_semantics", "mixer_methods_for", "mixer_hint", "is_token_mixer"]
+__all__ = ["uncarried_attention_semantics", "attention_chunk_size", "query_position_rescale", "mixer_methods_for",
+           "mixer_hint", "is_token_mixer"]
 
 
 def _layer_type(module: nn.Module, cfg) -> Optional[str]:
@@ -29,20 +34,63 @@ def _layer_type(module: nn.Module, cfg) -> Optional[str]:
     return None
 
 
+def _config_chunk(cfg) -> Optional[int]:
+    chunk = getattr(cfg, "attention_chunk_size", None) if cfg is not None else None
+    return chunk if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 else None
+
+
+def attention_chunk_size(module: nn.Module) -> Optional[int]:
+    """The chunk size of ``module``'s chunked attention, or None: the config's
+    ``attention_chunk_size`` when ``config.layer_types[module.layer_idx] == "chunked_attention"``
+    (the layers transformers gives a chunked mask, Llama 4). Its attention-interface call does not
+    pass it, so the CP handlers read it here, once per call."""
+    cfg = getattr(module, "config", None)
+    chunk = _config_chunk(cfg)
+    return chunk if chunk is not None and _layer_type(module, cfg) == "chunked_attention" else None
+
+
+def _temperature_params(module: nn.Module):
+    if not getattr(module, "attn_temperature_tuning", False) or bool(getattr(module, "use_rope", True)):
+        return None
+    fs, sc = getattr(module, "floor_scale", None), getattr(module, "attn_scale", None)
+    if isinstance(fs, (int, float)) and isinstance(sc, (int, float)) and fs > 0:
+        return float(fs), float(sc)
+    return "unknown"
+
+
+def query_position_rescale(module: nn.Module, local_index: torch.Tensor, global_index: torch.Tensor):
+    """Float32 factors (broadcast of the two index tensors, e.g. ``[B, L]``) turning the query of a
+    Llama 4 NoPE layer with ``attn_temperature_tuning``, scaled by
+    ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` at its *local* row index ``p`` (what the
+    module computes from its local input), into the same query scaled at its *global* position;
+    None when ``module`` does no such tuning. Exact up to one
+    rounding of the product (the tuning is >= 1, never divides by 0)."""
+    par = _temperature_params(module)
+    if par is None or par == "unknown":
+        return None
+    fs, sc = par
+
+    def tune(p):
+        return torch.log1p(torch.floor((p.float() + 1.0) / fs)) * sc + 1.0
+
+    return tune(global_index) / tune(local_index)
+
+
 def uncarried_attention_semantics(module: nn.Module) -> list:
     """Descriptions of what ``module`` (an attention) computes beyond causal + padding + documents +
-    window/softcap/sinks/scale (what the CP attention carries); empty when nothing is known."""
+    window/softcap/sinks/scale + Llama 4 chunks / temperature tuning (what the CP attention
+    carries); empty when nothing is known."""
     cfg = getattr(module, "config", None)
     found = []
-    chunk = getattr(cfg, "attention_chunk_size", None) if cfg is not None else None
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-        lt = _layer_type(module, cfg)
-        if lt is None or lt == "chunked_attention":
-            found.append(f"chunked attention, attention_chunk_size={chunk} (each query sees only the keys of its "
-                         "own chunk; the chunks exist only in the model's mask, which CP does not use)")
-    if getattr(module, "attn_temperature_tuning", False) and getattr(module, "use_rope", True) is False:
+    chunk = _config_chunk(cfg)
+    if chunk is not None and _layer_type(module, cfg) is None:
+        found.append(f"chunked attention, attention_chunk_size={chunk} on a layer without a config.layer_types "
+                     "entry (CP carries the chunks only on layers listed as 'chunked_attention'; here the chunks "
+                     "exist only in the model's mask, which CP does not use)")
+    if _temperature_params(module) == "unknown":
         found.append("attention temperature tuning on positions counted from the module's local input "
-                     "(attn_temperature_tuning=True on a NoPE layer: under CP every rank would restart them at 0)")
+                     "(attn_temperature_tuning=True on a NoPE layer without Llama 4's floor_scale / attn_scale: "
+                     "under CP every rank would restart them at 0)")
     return found
 
 

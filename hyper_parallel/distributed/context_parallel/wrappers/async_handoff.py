@@ -50,7 +50,7 @@ from ....ops.merge import merge_partial_attention
 from ....ops.attention import kv_map_in_place
 from ..strategies.ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
 from .heads import check_heads, module_heads
-from .preflight import check_call, check_features
+from .preflight import check_call, check_features, check_module_position_semantics
 from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
 
 __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
@@ -255,6 +255,7 @@ def validate_async(target_module: nn.Module, method: str, who: str, *, cp_size: 
     """Preflight of a generic async wrapper (no collective); raises ValueError naming ``who``."""
     get_handoffs(target_module, who)
     check_features(target_module, who)
+    check_module_position_semantics(target_module, who, "the async wrappers (Q moves at its handoff)")
     check_heads(method, target_module, cp_size, tp_size, ulysses_degree, who)
     if probe:
         rec = probe_handoffs(target_module, forward or target_module.forward, who)

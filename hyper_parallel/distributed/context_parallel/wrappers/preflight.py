@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .. import catalogue
 from ..interception import AttentionCall, probe_module
-from ..semantics import mixer_hint, uncarried_attention_semantics
+from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale, uncarried_attention_semantics
 from .heads import check_heads
 
 __all__ = ["check_style", "check_impl", "check_features", "check_core_features", "check_call",
@@ -113,12 +113,25 @@ def check_features(module: nn.Module, who: str) -> None:
                          "ALiBi is not supported")
 
 
+def check_module_position_semantics(module: nn.Module, who: str, where: str) -> None:
+    """Refuse Llama 4 chunked attention / temperature tuning for a route (``where``) that cannot
+    apply :func:`~.routes.carry_module_semantics` before its collectives."""
+    chunk = attention_chunk_size(module)
+    one = torch.zeros(1, dtype=torch.int64)
+    if chunk is not None or query_position_rescale(module, one, one) is not None:
+        what = (f"chunked attention (attention_chunk_size={chunk})" if chunk is not None else
+                "attention temperature tuning (positions of the module's local input)")
+        raise ValueError(f"{who}: {what} is not carried by {where}; use the synchronous *_hf wrapper "
+                         "on the HF attention module")
+
+
 def check_core_features(module: nn.Module, who: str) -> None:
     """qkv styles bind q/k/v only: a window or softcap on the module cannot be carried."""
     cfg = getattr(module, "config", None)
     if getattr(module, "sliding_window", None) is not None:
         raise ValueError(f"{who}: sliding-window attention (sliding_window={module.sliding_window}) is not "
                          "carried by the *_qkv wrappers; use the *_hf wrapper on the HF attention module")
+    check_module_position_semantics(module, who, "the *_qkv wrappers (they see only q/k/v)")
     soft = getattr(cfg, "attn_logit_softcapping", None) if cfg is not None else None
     if soft:
         raise ValueError(f"{who}: attention logit softcapping ({soft}) is not carried by the *_qkv wrappers; "

@@ -26,8 +26,8 @@ from .. import catalogue
 from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, current_apply_context,
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
-from ..meta import CPBatchMeta, current_cp_batch_meta
-from ..semantics import mixer_hint
+from ..meta import CPBatchMeta, current_cp_batch_meta, with_attention_chunk
+from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale
 from ..strategies import build_strategy
 from .heads import module_heads, unrepeat_kv
 from .preflight import check_call, check_core_call, probe
@@ -93,6 +93,26 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
             "boundary at CP=1), or do not pack rows for this model")
 
 
+def carry_module_semantics(q: torch.Tensor, meta, module: nn.Module):
+    """``(q, meta)`` for one call of ``module``: Llama 4 chunked attention folded into the meta's
+    documents (:func:`~..meta.with_attention_chunk`), and a NoPE layer's temperature tuning moved
+    from the module's local row index to the global positions ``meta.position_ids`` (restarting per
+    packed document: every document computes as if alone, as the CP=1 reference of the proof does;
+    the row index when the meta has none). q ``[B, Hq, S_local, D]`` is the contiguous chunk
+    ``meta.cp_rank``. Unchanged for any other module."""
+    chunk = attention_chunk_size(module)
+    if chunk is not None:
+        meta = with_attention_chunk(meta, chunk, q.shape[0])
+    L = q.shape[2]
+    glob = meta.q_index[None]
+    if meta.position_ids is not None:
+        glob = meta.position_ids.index_select(1, meta.q_index.to(meta.position_ids.device)).cpu()
+    fac = query_position_rescale(module, torch.arange(L, dtype=torch.int64)[None], glob)
+    if fac is not None:
+        q = (q * fac.to(q.device)[:, None, :, None]).to(q.dtype)
+    return q, meta
+
+
 def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check_repeat: bool = False,
                   module: Optional[nn.Module] = None, core: bool = False):
     """The handler of one wrapped module. ``module``: an HF-style module (its calls are checked with
@@ -123,6 +143,8 @@ def make_handler(strategy, owner: str, validate_attention: bool, cp_group, check
             check_repeat_kv(call, owner)
         k, v = unrepeat_kv(call)
         q = call.q
+        if module is not None:
+            q, meta = carry_module_semantics(q, meta, module)
         sinks = call.sinks
         device_type = q.device.type
         if torch.is_autocast_enabled(device_type):
