@@ -1,6 +1,7 @@
-"""``examples/cp/llama4_text_cp2.yaml`` (tiny Llama 4 text: chunked attention and temperature tuning,
-attention declared with sdpa_hf) trains with CP=2 and gives the
-same losses, step for step, as the same file with the CLI-style override ``accelerator.cp_size=1``.
+"""The CP examples of the model families (``examples/cp/<model_type>_cp2.yaml``: a hybrid decoder or
+a model with attention semantics of its own, every token mixer declared in plan_overrides) train
+with CP=2 and give the same losses, step for step, as the same file with the CLI-style override
+``accelerator.cp_size=1``.
 
 The YAML is read exactly as ``hyper-train`` reads it (``yaml.safe_load`` + the trainer's own
 ``apply_overrides``); the rank function is the shared :func:`tests.trainer._workers.train_losses`
@@ -11,12 +12,21 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import yaml
 
 from hyper_parallel.trainer.config import apply_overrides
 from tests.trainer import _workers as TW
 
-EXAMPLE = os.path.join(TW.ROOT, "examples", "cp", "llama4_text_cp2.yaml")
+#: example file -> the methods it declares (match -> inner_wrapper)
+EXAMPLES = {
+    # tiny Qwen3-Next: attention and Gated DeltaNet, both Ulysses
+    "qwen3_next_cp2.yaml": {"*.self_attn": "sdpa_hf_ulysses", "*.linear_attn": "gated_deltanet_ulysses"},
+    # tiny Qwen3.5 text (3-D mrope positions): Colossal attention, Gated DeltaNet state passing
+    "qwen3_5_text_cp2.yaml": {"*.self_attn": "sdpa_hf", "*.linear_attn": "gated_deltanet_state_passing"},
+    # tiny Llama 4 text: chunked attention and temperature tuning carried by the Colossal wrapper
+    "llama4_text_cp2.yaml": {"*.self_attn": "sdpa_hf"},
+}
 
 #: fp32 tolerance on the per-step loss (global token mean), relative: the CP run computes the same
 #: math with a different summation order (all-to-alls, per-rank partial sums, gradient reduction),
@@ -24,19 +34,19 @@ EXAMPLE = os.path.join(TW.ROOT, "examples", "cp", "llama4_text_cp2.yaml")
 LOSS_RTOL = 1e-5
 
 
-def _cfg(tmp_path, *overrides: str) -> dict:
-    with open(EXAMPLE) as fh:
+def _cfg(example: str, tmp_path, *overrides: str) -> dict:
+    with open(os.path.join(TW.ROOT, "examples", "cp", example)) as fh:
         data = yaml.safe_load(fh)
     return apply_overrides(data, ["schedule.steps=3", "logging.progress=false", "logging.plot=false",
                                   f"logging.out_dir={tmp_path}", *overrides])
 
 
-def test_llama4_text_example_cp2_same_losses_as_cp1(ranks, tmp_path):
-    cfg2 = _cfg(tmp_path / "cp2")
+@pytest.mark.parametrize("example,declared", list(EXAMPLES.items()), ids=list(EXAMPLES))
+def test_cp_example_cp2_same_losses_as_cp1(ranks, tmp_path, example, declared):
+    cfg2 = _cfg(example, tmp_path / "cp2")
     assert cfg2["accelerator"]["cp_size"] == 2
-    assert {e["match"]: e["inner_wrapper"] for e in cfg2["plan_overrides"]} == {
-        "*.self_attn": "sdpa_hf"}
-    cfg1 = _cfg(tmp_path / "cp1", "accelerator.cp_size=1")
+    assert {e["match"]: e["inner_wrapper"] for e in cfg2["plan_overrides"]} == declared
+    cfg1 = _cfg(example, tmp_path / "cp1", "accelerator.cp_size=1")
 
     t0 = time.perf_counter()
     cp2 = ranks(2).run(TW.train_losses, cfg2, timeout=300.0)
