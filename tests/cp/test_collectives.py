@@ -157,7 +157,7 @@ def colossal_regathers_kv(cp, method="colossal"):
     from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy, HeadTailStrategy
     from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
     from hyper_parallel.distributed.context_parallel.strategies import head_tail as HT
-    from hyper_parallel.platform.host_memory import host_tensor_bytes, track_host_tensors
+    from hyper_parallel.platform.host_memory import track_host_tensors
     from hyper_parallel.testing.memory import settled_tensor_bytes
     from tests.cp.common import scenario_batch, shard_batch_for_cp  # noqa: F401 (re-exported there)
 
@@ -187,7 +187,9 @@ def colossal_regathers_kv(cp, method="colossal"):
             gc.collect()       # earlier tests' cyclic garbage must not be freed inside the measurement
             gc.disable()
             try:
-                before = host_tensor_bytes()[0]
+                # settled too: a buffer of the previous iteration's backward that gloo frees late would
+                # otherwise count in `before` and be subtracted from this forward's held bytes
+                before = settled_tensor_bytes()
                 kl, vl = kl0 * 1, vl0 * 1     # as in a model: the post-RoPE K/V, saved by nothing else
                 o = strategy.attention(ql, kl, vl, meta=meta)
                 del kl, vl
