@@ -10,6 +10,7 @@ best of ``--repeat``, and prints the proof's own time (``ProofReport.time_s``)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -53,6 +54,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                   "proof_cost.json"), help="where the measured numbers go")
     args = ap.parse_args()
     pool = RankPool(2, env={"HYPER_PARALLEL_COMM_TIMEOUT": "3600"})
     try:
@@ -65,6 +68,11 @@ def main() -> None:
           f"{res[0]['S']} tokens, max rel err {res[0]['err']:.1e}")
     print(f"apply_sharding_plan: {best['with_proof']:.3f}s with the proof (default), {best['opt_out']:.3f}s with "
           f"preflight_proof=False; the proof itself {best['proof']:.3f}s (best of {args.repeat}, max over ranks)")
+    with open(args.json, "w") as fh:
+        json.dump({"cpu": cpu, "cores": os.cpu_count(), "load_average": os.getloadavg(), "repeat": args.repeat,
+                   "probe_rows": res[0]["rows"], "probe_tokens": res[0]["S"], "max_rel_err": res[0]["err"],
+                   "seconds": best, "per_rank": res}, fh, indent=1)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
