@@ -35,8 +35,9 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
-#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
-#: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
+#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
+#: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
+#: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
 MAMBA2_FAMILIES = {
     "FalconH1Mixer": "falcon_h1",
     "BambaMixer": "bamba",
