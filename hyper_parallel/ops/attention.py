@@ -283,7 +283,7 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
                                   window=window, softcap=softcap, sinks=sinks,
-                                  alibi_slopes=alibi_slopes)
+                                  alibi_slopes=alibi_slopes, need_lse=return_lse)
     elif dev == "npu":
         from ._npu import npu_attention
 

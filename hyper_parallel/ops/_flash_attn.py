@@ -1,0 +1,98 @@
+"""Routes ``flash_window`` and ``flash_varlen``: the optional ``flash_attn`` package's kernels.
+
+Both take ``[B, H, S, D]`` tensors (the package wants ``[B, S, H, D]`` / ``[T, H, D]``; the
+transposes are views, the varlen gathers are O(S·D) copies) and a query run ``(q0, q1, k0, k1)``
+whose keys ``k0..k1`` end at the run's last position, so flash-attn's causal rule (aligned to
+the bottom-right corner) is the CP offset; ``window_size = (window - 1, 0)`` is our
+``q - window < k <= q``; ``softcap`` is applied to the scaled score, as ours. GQA is native.
+Backward: flash-attn's own (autograd), plus the gathers' / scatters'. No lse (not differentiable
+there): the planner only picks these routes when the caller does not need it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _window(window):
+    return (-1, -1) if window is None else (int(window) - 1, 0)
+
+
+def _fn(name, impl):
+    if impl is not None:
+        return impl
+    import flash_attn
+
+    return getattr(flash_attn, name)
+
+
+def window_attention(q, k, v, calls, scale, window, softcap, impl=None):
+    """One ``flash_attn_func`` per query run; outputs concatenated along the sequence."""
+    f = _fn("flash_attn_func", impl)
+    outs = []
+    for q0, q1, k0, k1 in calls:
+        o = f(q[:, :, q0:q1].transpose(1, 2), k[:, :, k0:k1].transpose(1, 2),
+              v[:, :, k0:k1].transpose(1, 2), softmax_scale=scale, causal=True,
+              window_size=_window(window), softcap=float(softcap or 0.0))
+        outs.append(o.transpose(1, 2))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).contiguous()
+
+
+def _doc_runs(d):
+    """[(start, end, doc)] of equal consecutive values of a 1-D host list."""
+    runs, s = [], 0
+    for i in range(1, len(d) + 1):
+        if i == len(d) or d[i] != d[s]:
+            runs.append((s, i, d[s]))
+            s = i
+    return runs
+
+
+def varlen_segments(q_doc, k_doc, call, batch):
+    """Flat gather indices and cu_seqlens of the document segments of one query run.
+
+    Returns ``(q_idx, k_idx, cu_q, cu_k, max_q, max_k)`` over ``[B*Sq]`` / ``[B*Sk]`` flattened
+    tokens, or None when the key docs at the queries' positions differ from the query docs
+    (then the docs are not one packing and the caller falls back to FlexAttention).
+    Query segments with doc < 0 (padding) get no keys: their rows stay ``out = 0``.
+    """
+    q0, q1, k0, k1 = call
+    qd = (q_doc if q_doc.dim() == 2 else q_doc[None]).expand(batch, -1).tolist()
+    kd = (k_doc if k_doc.dim() == 2 else k_doc[None]).expand(batch, -1).tolist()
+    Sq, Sk = len(qd[0]), len(kd[0])
+    shift = k1 - q1  # key index of the query at index i: i + shift
+    qi, ki, cq, ck, mq, mk = [], [], [0], [0], 0, 0
+    for b in range(batch):
+        if kd[b][q0 + shift:q1 + shift] != qd[b][q0:q1]:
+            return None
+        kruns = _doc_runs(kd[b][k0:k1])
+        for s, e, doc in _doc_runs(qd[b][q0:q1]):
+            if doc < 0:
+                continue
+            ks = next(r[0] for r in kruns if r[0] <= s + q0 + shift - k0 < r[1]) + k0
+            ke = e + q0 + shift
+            qi.extend(range(b * Sq + q0 + s, b * Sq + q0 + e))
+            ki.extend(range(b * Sk + ks, b * Sk + ke))
+            cq.append(cq[-1] + e - s)
+            ck.append(ck[-1] + ke - ks)
+            mq, mk = max(mq, e - s), max(mk, ke - ks)
+    return qi, ki, cq, ck, mq, mk
+
+
+def varlen_attention(q, k, v, call, q_doc, k_doc, scale, window, softcap, impl=None):
+    """``flash_attn_varlen_func`` over the document segments of one query run; None when
+    :func:`varlen_segments` refuses (the caller then runs FlexAttention)."""
+    B, H, Sq, D = q.shape
+    seg = varlen_segments(q_doc, k_doc, call, B)
+    if seg is None:
+        return None
+    qi, ki, cq, ck, mq, mk = seg
+    dev = q.device
+    qi, ki = torch.tensor(qi, device=dev), torch.tensor(ki, device=dev)
+    cu = [torch.tensor(c, device=dev, dtype=torch.int32) for c in (cq, ck)]
+    flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # noqa: E731
+    o = _fn("flash_attn_varlen_func", impl)(
+        flat(q).index_select(0, qi), flat(k).index_select(0, ki), flat(v).index_select(0, ki),
+        cu[0], cu[1], mq, mk, softmax_scale=scale, causal=True, window_size=_window(window),
+        softcap=float(softcap or 0.0))
+    out = q.new_zeros(B * Sq, H, v.shape[-1]).index_copy(0, qi, o)
+    return out.view(B, Sq, H, -1).transpose(1, 2).contiguous()
