@@ -84,15 +84,15 @@ class _LseMerge(torch.autograd.Function):
             width = (q.shape[-1] // 8 + 1) * 8  # room for the ones column, flash-friendly width
         for p, extra in zip(ctx.pieces, ctx.extras):
             qs, ks, vs = q[:, :, p.q0:p.q1], k[:, :, p.k0:p.k1], v[:, :, p.k0:p.k1]
-            os_, ls, gs = out[:, :, p.q0:p.q1], lse[:, :, p.q0:p.q1], dout[:, :, p.q0:p.q1]
-            kl = ls.to(torch.float32) if q.dtype != torch.float64 else ls
+            os_, gs = out[:, :, p.q0:p.q1].contiguous(), dout[:, :, p.q0:p.q1].contiguous()
+            ls = lse[:, :, p.q0:p.q1]
+            kl = (ls.to(torch.float32) if q.dtype != torch.float64 else ls).contiguous()
             if width is None:
-                g = _kernel_bwd(gs.contiguous(), qs, ks, vs, os_, kl, p.causal, ctx.scale, extra)
+                g = _kernel_bwd(gs, qs, ks, vs, os_, kl, p.causal, ctx.scale, extra)
             else:
                 ds = dlse[:, :, p.q0:p.q1].to(q.dtype)
                 g = _kernel_bwd(_pad(gs, width, ds), _pad(qs, width), _pad(ks, width),
-                                _pad(vs, width, 1.0), _pad(os_, width), kl, p.causal, ctx.scale,
-                                None if extra is None else extra)
+                                _pad(vs, width, 1.0), _pad(os_, width), kl, p.causal, ctx.scale, extra)
                 g = tuple(t[..., :q.shape[-1]] for t in g)
             dq[:, :, p.q0:p.q1] += g[0]
             dk[:, :, p.k0:p.k1] += g[1]
