@@ -76,7 +76,8 @@ class _LseMerge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # pieces summed in fp32
+        dq, dk, dv = (torch.zeros(t.shape, device=t.device, dtype=acc) for t in (q, k, v))
         if dout is None:
             dout = torch.zeros_like(out)
         width = None
@@ -97,7 +98,7 @@ class _LseMerge(torch.autograd.Function):
             dq[:, :, p.q0:p.q1] += g[0]
             dk[:, :, p.k0:p.k1] += g[1]
             dv[:, :, p.k0:p.k1] += g[2]
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def lse_merge_attention(q, k, v, pieces, scale):
