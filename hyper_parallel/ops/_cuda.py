@@ -129,9 +129,7 @@ def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window
     elif p.route == "flash_varlen":
         out = _flash_attn.varlen_attention(q, kr, vr, p.pieces[0], q_doc, k_doc, scale, window,
                                            softcap, impl.get("flash_attn_varlen_func"))
-    elif p.route == "sdpa_lse_merge":
-        if Hq != Hk:
-            kr, vr = (t.repeat_interleave(Hq // Hk, dim=1) for t in (kr, vr))
+    elif p.route == "sdpa_lse_merge":  # the flash kernels read GQA K/V in place (dk / dv per KV head)
         out, lse = _sdpa_lse.lse_merge_attention(q, kr, vr, p.pieces, scale)
         return apply_sinks(out, lse, sinks) if sinks is not None else (out, lse)
     if out is not None:

@@ -1,8 +1,8 @@
 """Route ``sdpa_lse_merge``: pieces of attention on flash kernels with logsumexp, merged exactly.
 
 ``lse_merge_attention(q, k, v, pieces, scale)`` -> ``(out [B, H, Sq, D], lse [B, H, Sq] fp32/fp64)``
-for ``q``/``k``/``v`` with one head count (callers expand GQA heads first: autograd sums dk / dv
-over the copies). Each :class:`~hyper_parallel.ops.cuda_routes.Piece` runs the aten flash kernel
+for ``q`` ``[B, Hq, Sq, D]`` and ``k``/``v`` ``[B, Hk, Sk, D]``, ``Hq % Hk == 0`` (the flash kernels
+read GQA K/V in place and return dk / dv per KV head). Each :class:`~hyper_parallel.ops.cuda_routes.Piece` runs the aten flash kernel
 (CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: ``_scaled_dot_product_flash_attention``)
 on slices (views, no copies) and is folded into the running ``(out, lse)`` of its query rows.
 Rows no piece covers give ``out = 0``, ``lse = -inf``.
