@@ -31,6 +31,8 @@ ROUTES = {
 }
 
 _HALF = (torch.float16, torch.bfloat16)
+#: at most this many kernel calls per attention call (scattered positions: FlexAttention instead)
+MAX_CALLS = 32
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ def plan(m: CallMeta) -> Plan:
         return Plan("flex", reason="ALiBi is a score_mod")
     if m.q_runs is None or m.k_runs is None:
         return Plan("flex", reason="per-batch positions differ")
+    if len(m.q_runs) > MAX_CALLS:
+        return Plan("flex", reason=f"more than {MAX_CALLS} query runs (scattered positions)")
     plain = not (m.docs or m.window is not None or m.softcap)
     order, k_runs = sorted_keys(m.k_runs) if m.causal else (None, m.k_runs)
     if plain and not m.sinks and not m.need_lse:
@@ -193,6 +197,8 @@ def plan(m: CallMeta) -> Plan:
             nk = sum(r.n for r in m.k_runs)
             return Plan("sdpa_lse_merge", None, (Piece(0, total, 0, nk, False),), "full, lse needed")
         pieces = tuple(p for qr in m.q_runs for kr in k_runs for p in causal_pieces(qr, kr))
+        if len(pieces) > MAX_CALLS:
+            return Plan("flex", reason=f"{len(pieces)} pieces > {MAX_CALLS} (scattered key positions)")
         return Plan("sdpa_lse_merge", order, pieces, "pieces merged by log-sum-exp")
     flash_ok = (m.flash_attn and m.causal
                 and not (m.sinks or m.need_lse) and m.head_dim == m.v_head_dim)
