@@ -59,6 +59,7 @@ def test_report_replaces_only_the_marked_section():
     out = device_report.insert(doc, device_report.render(routes, None))
     assert out.startswith("head\n") and out.endswith("tail\n") and "old" not in out
     assert "| 16384 | chunk | `sdpa_lower_right` | 2.00 | 500 | 520 | 0.96 |" in out
+    assert "≥ 0.90 of SDPA flash / cuDNN per score: 1 of 1." in out
     with pytest.raises(ValueError):
         device_report.insert("no markers", "x")
 
