@@ -154,6 +154,15 @@ def main(argv=None):
         sys.exit("attention_routes.py needs a CUDA device (or --dry-run)")
     else:
         dev, dtype, sizes, reps = torch.device("cuda"), torch.bfloat16, a.sizes, a.reps
+    info = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
+                torch=torch.__version__, cuda=torch.version.cuda, heads=a.heads, dim=a.dim, C=C,
+                dtype=str(dtype), flash_attn=cuda_routes.flash_attn_installed())
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+    def save():  # after every row: a run cut by its timeout keeps what it measured
+        with open(a.out, "w") as fh:
+            json.dump(dict(machine=info, results=rows), fh, indent=1)
+
     t0, rows = time.time(), []
     for s in sizes:
         if time.time() - t0 > a.budget_s:
@@ -168,12 +177,8 @@ def main(argv=None):
                        vs_flash=row["gpairs_per_s"] / base_rate if base_rate and row["fwd_bwd"] else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    info = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (dry run)",
-                torch=torch.__version__, cuda=torch.version.cuda, heads=a.heads, dim=a.dim, C=C,
-                dtype=str(dtype), flash_attn=cuda_routes.flash_attn_installed())
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(dict(machine=info, results=rows), fh, indent=1)
+            save()
+    save()
     print(f"wrote {a.out}")
     return rows
 

@@ -135,6 +135,19 @@ def main(argv=None):
     per_layer, _ = params(model)
     missing_gb = (full_layers - layers) * per_layer * BYTES_PER_PARAM / 2**30
     t0, points, seq = time.time(), [], start
+
+    def result():
+        return dict(machine=dict(device=name, device_gb=device_gb), model=model, layers_run=layers,
+                    layers_full=full_layers, missing_weights_gb=missing_gb, mixed_precision_bf16=mixed,
+                    points=points, fit=fit(points, device_gb, missing_gb),
+                    longest_measured=max((p["seq"] for p in points if p["ok"]), default=None))
+
+    def save():  # after every point: a run cut by its timeout keeps what it measured
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as fh:
+            json.dump(result(), fh, indent=1)
+
+    save()
     while seq <= max_seq:
         left = a.budget_s - (time.time() - t0)
         if left < 10:
@@ -142,18 +155,14 @@ def main(argv=None):
             break
         p = run_point(model, seq, a.steps, left, mixed)
         points.append(p)
+        save()
         print(json.dumps({k: v for k, v in p.items() if k != "error"}), flush=True)
         if not p["ok"]:
             print(p["error"][-600:], flush=True)
             break
         seq *= 2
-    res = dict(machine=dict(device=name, device_gb=device_gb), model=model, layers_run=layers,
-               layers_full=full_layers, missing_weights_gb=missing_gb, mixed_precision_bf16=mixed,
-               points=points, fit=fit(points, device_gb, missing_gb),
-               longest_measured=max((p["seq"] for p in points if p["ok"]), default=None))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    save()
+    res = result()
     print(f"wrote {a.out}: longest measured {res['longest_measured']}, fit {res['fit']}")
     return res
 

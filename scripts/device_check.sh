@@ -8,7 +8,8 @@
 # then writes device_check.json and the table into docs/performance.md (the section between the
 # device_check markers). Everything lands in $OUT (the device tool's output folder;
 # /tmp/hp_device_out elsewhere), the edited docs/performance.md included.
-#   device run:  bash scripts/device_check.sh          (about 7.5 minutes: timeout_s 540)
+#   device run:  bash scripts/device_check.sh          (at most ~8 minutes: build (~1.5 min), tests
+#                100 s, routes 130 s, trainer sweep 160 s, each under its own timeout; timeout_s 540)
 #   CPU dry run: bash scripts/device_check.sh --dry-run (tiny sizes and model; docs untouched,
 #                the edited copy goes to $OUT; tests/ops/test_device_script.py runs it)
 set -uo pipefail
@@ -32,18 +33,18 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_dev
       "flash_attn", flash_attn_installed())
 print(engine_info())
 PY
-  timeout 150 $py -m pytest -q tests/ops -rs -x 2>&1 | tee "$OUT/tests_ops.log" | tail -8
-  ROUTE_ARGS=(--budget-s 110)
-  LONG_ARGS=(--budget-s 170)
+  timeout 100 $py -m pytest -q tests/ops -rs -x 2>&1 | tee "$OUT/tests_ops.log" | tail -8
+  ROUTE_ARGS=(--budget-s 90)
+  LONG_ARGS=(--budget-s 140)
   DOC_OUT=docs/performance.md
 else
   ROUTE_ARGS=(--dry-run)
   LONG_ARGS=(--dry-run)
   DOC_OUT="$OUT/performance.md"
 fi
-timeout 150 $py benchmarks/attention_routes.py "${ROUTE_ARGS[@]}" --out "$OUT/attention_routes.json" \
+timeout 130 $py benchmarks/attention_routes.py "${ROUTE_ARGS[@]}" --out "$OUT/attention_routes.json" \
   2>&1 | grep -v -i warn | tee "$OUT/bench_routes.log" | tail -30
-timeout 200 $py benchmarks/long_context_cuda.py "${LONG_ARGS[@]}" --out "$OUT/long_context.json" \
+timeout 160 $py benchmarks/long_context_cuda.py "${LONG_ARGS[@]}" --out "$OUT/long_context.json" \
   2>&1 | tee "$OUT/long_context.log" | tail -12
 LONG=()
 [ -f "$OUT/long_context.json" ] && LONG=(--long "$OUT/long_context.json")
