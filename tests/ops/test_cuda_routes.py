@@ -248,3 +248,18 @@ def test_route_math_on_cuda(route, name, where, opts):
     if route.startswith("flash_") and not cr.flash_attn_installed():
         route = "flex (flash-attn not installed)"  # the same math through the fallback
     _compare(f"{route} [{name}] cuda bf16", out, lse, inp, dev_extra, refs, grads, want_lse, 3e-2)
+
+
+BF16_MATH = [c for c in CPU_MATH if c[0].startswith("sdpa_")]
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("route,name,where,opts", BF16_MATH, ids=[c[1] for c in BF16_MATH])
+def test_route_math_on_cpu_bf16(route, name, where, opts):
+    """The dtype handling the GPU runs (bf16 pieces, fp32 lse and merge, the bf16 dlse column)."""
+    inp, dev_extra, kw, causal, refs, grads, want_lse = _run_case(where, opts, "cpu", torch.bfloat16,
+                                                                  3e-2, route=route)
+    out, lse = cuda_backend.cuda_attention(*inp, kw["q_pos"], kw["k_pos"], causal, kw.get("q_doc"),
+                                           kw.get("k_doc"), 32 ** -0.5, need_lse=want_lse, **dev_extra)
+    assert out.dtype == torch.bfloat16 and (lse is None or lse.dtype == torch.float32)
+    _compare(f"{route} [{name}] cpu bf16", out, lse, inp, dev_extra, refs, grads, want_lse, 3e-2)
