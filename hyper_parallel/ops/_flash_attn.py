@@ -1,11 +1,13 @@
-"""Routes ``flash_window`` and ``flash_varlen``: the optional ``flash_attn`` package's kernels.
+"""Routes ``flash_window`` and ``flash_varlen``: the ``flash_attn`` package's kernels where it is
+installed, else torch's own flash kernel (:class:`_TorchFlash`; no softcap).
 
 Both take ``[B, H, S, D]`` tensors (the package wants ``[B, S, H, D]`` / ``[T, H, D]``; the
 transposes are views, the varlen gathers are O(S·D) copies) and a query run ``(q0, q1, k0, k1)``
 whose keys ``k0..k1`` end at the run's last position, so flash-attn's causal rule (aligned to
 the bottom-right corner) is the CP offset; ``window_size = (window - 1, 0)`` is our
 ``q - window < k <= q``; ``softcap`` is applied to the scaled score, as ours. GQA is native.
-Backward: flash-attn's own (autograd), plus the gathers' / scatters'. No lse (not differentiable
+Backward: flash-attn's own (autograd) or ``aten::_flash_attention_backward``, plus the gathers' /
+scatters'. No lse (not differentiable
 there): the planner only picks these routes when the caller does not need it.
 """
 from __future__ import annotations
@@ -17,9 +19,55 @@ def _window(window):
     return (-1, -1) if window is None else (int(window) - 1, 0)
 
 
+class _TorchFlash(torch.autograd.Function):
+    """torch's own flash kernel (``aten::_flash_attention_forward`` / ``_backward``: bottom-right
+    causal, ``window_size_left/right``, varlen through ``cum_seq``), for CUDA fp16 / bf16 when the
+    flash-attn package is absent. No softcap (the planner asks for the package then)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, left):
+        o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+            window_size_left=left, window_size_right=0)
+        ctx.save_for_backward(q, k, v, o, lse, rng, unused, *(() if cu_q is None else (cu_q, cu_k)))
+        ctx.args = (max_q, max_k, scale, left, cu_q is not None)
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse, rng, unused, *cu = ctx.saved_tensors
+        max_q, max_k, scale, left, varlen = ctx.args
+        cu_q, cu_k = cu if varlen else (None, None)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, o, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng, unused,
+            scale=scale, window_size_left=left, window_size_right=0)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def torch_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap):
+    """``flash_attn_func``'s signature on :class:`_TorchFlash` ([B, S, H, D]; causal, softcap 0)."""
+    assert causal and not softcap, "the planner routes softcap to the flash-attn package"
+    left = None if window_size[0] < 0 else window_size[0]
+    return _TorchFlash.apply(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, left)
+
+
+def torch_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap):
+    """``flash_attn_varlen_func``'s signature on :class:`_TorchFlash` ([T, H, D] + cu_seqlens)."""
+    assert causal and not softcap, "the planner routes softcap to the flash-attn package"
+    left = None if window_size[0] < 0 else window_size[0]
+    return _TorchFlash.apply(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, left)
+
+
+_TORCH = {"flash_attn_func": torch_flash_attn_func, "flash_attn_varlen_func": torch_flash_attn_varlen_func}
+
+
 def _fn(name, impl):
     if impl is not None:
         return impl
+    from .cuda_routes import flash_attn_installed
+
+    if not flash_attn_installed():
+        return _TORCH[name]
     import flash_attn
 
     return getattr(flash_attn, name)

@@ -25,8 +25,8 @@ ROUTES = {
     "sdpa_full": "F.scaled_dot_product_attention, no mask (flash / cuDNN / efficient)",
     "sdpa_lower_right": "F.scaled_dot_product_attention with causal_lower_right, one call per query run",
     "sdpa_lse_merge": "aten flash attention with logsumexp per piece, merged by log-sum-exp",
-    "flash_varlen": "flash_attn_varlen_func over the document segments (window / softcap passed through)",
-    "flash_window": "flash_attn_func with window_size / softcap, one call per query run",
+    "flash_varlen": "flash varlen over the document segments (flash-attn's, else torch's own; window / softcap)",
+    "flash_window": "flash with window_size / softcap (flash-attn's, else torch's own), one call per query run",
     "flex": "FlexAttention with the position block mask (general fallback)",
 }
 
@@ -69,7 +69,8 @@ class CallMeta:
     sinks: bool = False
     alibi: bool = False
     need_lse: bool = False
-    flash_attn: bool = False  # flash-attn kernels usable for this call (flash_usable)
+    flash: bool = False       # a flash kernel with window / varlen is usable (flash_usable)
+    flash_attn: bool = False  # ... and it is the flash-attn package's (softcap)
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,11 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def flash_usable(installed: bool, device: str, dtype: torch.dtype) -> bool:
-    """flash-attn kernels apply: the package is installed, CUDA tensors, fp16 / bf16."""
-    return bool(installed) and device == "cuda" and dtype in _HALF
+def flash_usable(device: str, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> bool:
+    """A flash kernel with window / varlen applies (torch's own, or the flash-attn package):
+    CUDA tensors, fp16 / bf16, one head size, a multiple of 8 up to 256."""
+    return (device == "cuda" and dtype in _HALF and head_dim == v_head_dim and head_dim % 8 == 0
+            and head_dim <= 256)
 
 
 def runs_of(pos: torch.Tensor) -> tuple | None:
@@ -108,14 +111,16 @@ def runs_of(pos: torch.Tensor) -> tuple | None:
 def describe(q, k, v, q_pos, k_pos, causal, q_doc, window, softcap, sinks, alibi_slopes,
              need_lse, flash_attn=None) -> CallMeta:
     """The :class:`CallMeta` of one attention call (positions read once on the host).
-    ``flash_attn``: None = :func:`flash_usable` here; True = stand-ins given (tests)."""
+    ``flash_attn``: None = look (:func:`flash_attn_installed`, :func:`flash_usable`); True =
+    stand-ins for the package's functions are given (tests)."""
+    usable = flash_usable(q.device.type, q.dtype, q.shape[-1], v.shape[-1])
     if flash_attn is None:
-        flash_attn = flash_usable(flash_attn_installed(), q.device.type, q.dtype)
+        flash_attn = usable and flash_attn_installed()
     return CallMeta(device=q.device.type, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
                     causal=causal, q_runs=runs_of(q_pos), k_runs=runs_of(k_pos),
                     docs=q_doc is not None, window=window, softcap=softcap is not None,
                     sinks=sinks is not None, alibi=alibi_slopes is not None, need_lse=need_lse,
-                    flash_attn=bool(flash_attn))
+                    flash=bool(usable or flash_attn), flash_attn=bool(flash_attn))
 
 
 def sorted_keys(k_runs) -> tuple[tuple | None, tuple]:
@@ -200,7 +205,7 @@ def plan(m: CallMeta) -> Plan:
         if len(pieces) > MAX_CALLS:
             return Plan("flex", reason=f"{len(pieces)} pieces > {MAX_CALLS} (scattered key positions)")
         return Plan("sdpa_lse_merge", order, pieces, "pieces merged by log-sum-exp")
-    flash_ok = (m.flash_attn and m.causal
+    flash_ok = (m.flash and m.causal and (m.flash_attn or not m.softcap)
                 and not (m.sinks or m.need_lse) and m.head_dim == m.v_head_dim)
     if flash_ok:
         calls = _lower_right_calls(m.q_runs, k_runs)

@@ -34,7 +34,8 @@ SHARD_ORDER_K = torch.cat([torch.cat([ar(r * 32, r * 32 + 32), ar((7 - r) * 32, 
 
 
 def meta(q_pos, k_pos, causal=True, device="cuda", dtype=torch.bfloat16, D=64, Dv=64, **kw):
-    kw["flash_attn"] = cr.flash_usable(kw.get("flash_attn", False), device, dtype)
+    kw["flash"] = cr.flash_usable(device, dtype, D, Dv)
+    kw["flash_attn"] = kw["flash"] and kw.get("flash_attn", False)
     return cr.CallMeta(device=device, dtype=dtype, head_dim=D, v_head_dim=Dv, causal=causal,
                        q_runs=cr.runs_of(q_pos), k_runs=cr.runs_of(k_pos), **kw)
 
@@ -58,11 +59,14 @@ SELECTION = [
     ("scattered query positions", dict(q_pos=ar(0, 128, 2), k_pos=ar(128)), {}, "flex"),
     ("per-batch positions differ", dict(q_pos=torch.stack([ar(64), ar(1, 65)]), k_pos=ar(65)), {}, "flex"),
     ("packed docs, flash-attn installed", CHUNK, dict(docs=True, flash_attn=True), "flash_varlen"),
-    ("packed docs, no flash-attn", CHUNK, dict(docs=True), "flex"),
+    ("packed docs, no flash-attn (torch's flash varlen)", CHUNK, dict(docs=True), "flash_varlen"),
+    ("packed docs on CPU", dict(CHUNK, device="cpu"), dict(docs=True), "flex"),
+    ("packed docs, D not a multiple of 8", dict(CHUNK, D=36, Dv=36), dict(docs=True, flash_attn=True), "flex"),
     ("packed docs, lse needed", CHUNK, dict(docs=True, flash_attn=True, need_lse=True), "flex"),
     ("window, flash-attn installed", CHUNK, dict(window=32, flash_attn=True), "flash_window"),
     ("softcap, flash-attn installed", CHUNK, dict(softcap=True, flash_attn=True), "flash_window"),
-    ("window, no flash-attn", CHUNK, dict(window=32), "flex"),
+    ("window, no flash-attn (torch's flash)", CHUNK, dict(window=32), "flash_window"),
+    ("softcap, no flash-attn", CHUNK, dict(softcap=True), "flex"),
     ("window, flash-attn, fp32", dict(CHUNK, dtype=torch.float32), dict(window=32, flash_attn=True), "flex"),
     ("window + docs, flash-attn", CHUNK, dict(window=32, docs=True, flash_attn=True), "flash_varlen"),
 ]
@@ -245,8 +249,10 @@ def test_route_math_on_cuda(route, name, where, opts):
     inp, dev_extra, kw, causal, refs, grads, want_lse = _run_case(where, opts, "cuda", torch.bfloat16, 3e-2)
     res = attention(*inp, causal=causal, scale=32 ** -0.5, return_lse=want_lse, **kw, **dev_extra)
     out, lse = res if want_lse else (res, None)
-    if route.startswith("flash_") and not cr.flash_attn_installed():
-        route = "flex (flash-attn not installed)"  # the same math through the fallback
+    ran = cr.plan(cr.describe(*inp, kw["q_pos"], kw["k_pos"], causal, kw.get("q_doc"), dev_extra.get("window"),
+                              dev_extra.get("softcap"), dev_extra.get("sinks"), dev_extra.get("alibi_slopes"),
+                              want_lse)).route
+    route = route if ran == route else f"{route}->{ran} (flash-attn installed: {cr.flash_attn_installed()})"
     _compare(f"{route} [{name}] cuda bf16", out, lse, inp, dev_extra, refs, grads, want_lse, 3e-2)
 
 
