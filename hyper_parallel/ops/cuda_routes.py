@@ -187,7 +187,10 @@ def plan(m: CallMeta) -> Plan:
         return Plan("flex", reason=f"more than {MAX_CALLS} query runs (scattered positions)")
     plain = not (m.docs or m.window is not None or m.softcap)
     order, k_runs = sorted_keys(m.k_runs) if m.causal else (None, m.k_runs)
-    if plain and not m.sinks and not m.need_lse:
+    # On CUDA the SDPA routes need the flash kernel: without it SDPA would fall back to its math
+    # kernel or (lower-right bias) materialise the Sq x Sk mask. CPU: tests of the routes' math.
+    sdpa_ok = m.device != "cuda" or m.flash
+    if plain and not m.sinks and not m.need_lse and sdpa_ok:
         if not m.causal:
             return Plan("sdpa_full", reason="full visibility")
         calls = _lower_right_calls(m.q_runs, k_runs)

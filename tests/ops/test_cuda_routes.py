@@ -53,6 +53,8 @@ SELECTION = [
     ("lse needed, Dv != D", dict(CHUNK, Dv=32), dict(need_lse=True), "flex"),
     ("lse needed, fp32 on CPU", dict(CHUNK, device="cpu", dtype=torch.float32), dict(need_lse=True), "sdpa_lse_merge"),
     ("ALiBi", CHUNK, dict(alibi=True), "flex"),
+    ("contiguous chunk, fp32 on CUDA (no flash kernel: no mask materialised)", dict(CHUNK, dtype=torch.float32), {}, "flex"),
+    ("full visibility, D not a multiple of 8 on CUDA", dict(CHUNK, causal=False, D=36, Dv=36), {}, "flex"),
     ("permuted keys, sorted back into one run", dict(q_pos=ar(200, 264), k_pos=torch.randperm(264, generator=torch.Generator().manual_seed(0))),
      dict(need_lse=True), "sdpa_lse_merge"),
     ("scattered key positions", dict(q_pos=ar(200, 264), k_pos=ar(0, 528, 2)), {}, "flex"),
