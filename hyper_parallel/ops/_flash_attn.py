@@ -85,45 +85,49 @@ def window_attention(q, k, v, calls, scale, window, softcap, impl=None):
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).contiguous()
 
 
-def _doc_runs(d):
-    """[(start, end, doc)] of equal consecutive values of a 1-D host list."""
-    runs, s = [], 0
-    for i in range(1, len(d) + 1):
-        if i == len(d) or d[i] != d[s]:
-            runs.append((s, i, d[s]))
-            s = i
-    return runs
+def _doc_runs(d: torch.Tensor):
+    """[(start, end, doc)] of equal consecutive values of a 1-D tensor (one host copy of the
+    run boundaries, not of the tensor)."""
+    if d.numel() == 0:
+        return []
+    starts = [0] + (torch.nonzero(d[1:] != d[:-1]).flatten() + 1).tolist()
+    docs = d[starts].tolist()
+    return list(zip(starts, starts[1:] + [d.numel()], docs))
 
 
 def varlen_segments(q_doc, k_doc, call, batch):
     """Flat gather indices and cu_seqlens of the document segments of one query run.
 
-    Returns ``(q_idx, k_idx, cu_q, cu_k, max_q, max_k)`` over ``[B*Sq]`` / ``[B*Sk]`` flattened
-    tokens, or None when the key docs at the queries' positions differ from the query docs
-    (then the docs are not one packing and the caller falls back to FlexAttention).
-    Query segments with doc < 0 (padding) get no keys: their rows stay ``out = 0``.
+    Returns ``(q_idx, k_idx, cu_q, cu_k, max_q, max_k)`` (index tensors over the ``[B*Sq]`` /
+    ``[B*Sk]`` flattened tokens, cu_seqlens as lists), or None when the key docs at the queries'
+    positions differ from the query docs (then the docs are not one packing and the caller falls
+    back to FlexAttention). Query segments with doc < 0 (padding) get no keys: ``out = 0``.
     """
     q0, q1, k0, k1 = call
-    qd = (q_doc if q_doc.dim() == 2 else q_doc[None]).expand(batch, -1).tolist()
-    kd = (k_doc if k_doc.dim() == 2 else k_doc[None]).expand(batch, -1).tolist()
-    Sq, Sk = len(qd[0]), len(kd[0])
+    qd = (q_doc if q_doc.dim() == 2 else q_doc[None]).expand(batch, -1)
+    kd = (k_doc if k_doc.dim() == 2 else k_doc[None]).expand(batch, -1)
+    Sq, Sk = qd.shape[1], kd.shape[1]
     shift = k1 - q1  # key index of the query at index i: i + shift
+    if not torch.equal(kd[:, q0 + shift:q1 + shift], qd[:, q0:q1]):
+        return None
     qi, ki, cq, ck, mq, mk = [], [], [0], [0], 0, 0
     for b in range(batch):
-        if kd[b][q0 + shift:q1 + shift] != qd[b][q0:q1]:
-            return None
-        kruns = _doc_runs(kd[b][k0:k1])
-        for s, e, doc in _doc_runs(qd[b][q0:q1]):
+        kstarts = [r[0] for r in _doc_runs(kd[b, k0:k1])]
+        for s, e, doc in _doc_runs(qd[b, q0:q1]):
             if doc < 0:
                 continue
-            ks = next(r[0] for r in kruns if r[0] <= s + q0 + shift - k0 < r[1]) + k0
+            x = s + q0 + shift - k0  # the segment's first query, as a key index in k0..k1
+            ks = max(t for t in kstarts if t <= x) + k0
             ke = e + q0 + shift
-            qi.extend(range(b * Sq + q0 + s, b * Sq + q0 + e))
-            ki.extend(range(b * Sk + ks, b * Sk + ke))
+            qi.append((b * Sq + q0 + s, b * Sq + q0 + e))
+            ki.append((b * Sk + ks, b * Sk + ke))
             cq.append(cq[-1] + e - s)
             ck.append(ck[-1] + ke - ks)
             mq, mk = max(mq, e - s), max(mk, ke - ks)
-    return qi, ki, cq, ck, mq, mk
+    dev = qd.device
+    idx = lambda spans: torch.cat([torch.arange(a, z, device=dev) for a, z in spans]) if spans \
+        else torch.zeros(0, dtype=torch.long, device=dev)  # noqa: E731
+    return idx(qi), idx(ki), cq, ck, mq, mk
 
 
 def varlen_attention(q, k, v, call, q_doc, k_doc, scale, window, softcap, impl=None):
@@ -134,9 +138,9 @@ def varlen_attention(q, k, v, call, q_doc, k_doc, scale, window, softcap, impl=N
     if seg is None:
         return None
     qi, ki, cq, ck, mq, mk = seg
-    dev = q.device
-    qi, ki = torch.tensor(qi, device=dev), torch.tensor(ki, device=dev)
-    cu = [torch.tensor(c, device=dev, dtype=torch.int32) for c in (cq, ck)]
+    if qi.numel() == 0:  # only padding queries
+        return q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    cu = [torch.tensor(c, device=q.device, dtype=torch.int32) for c in (cq, ck)]
     flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # noqa: E731
     o = _fn("flash_attn_varlen_func", impl)(
         flat(q).index_select(0, qi), flat(k).index_select(0, ki), flat(v).index_select(0, ki),

@@ -271,3 +271,16 @@ def test_route_math_on_cpu_bf16(route, name, where, opts):
                                            kw.get("k_doc"), 32 ** -0.5, need_lse=want_lse, **dev_extra)
     assert out.dtype == torch.bfloat16 and (lse is None or lse.dtype == torch.float32)
     _compare(f"{route} [{name}] cpu bf16", out, lse, inp, dev_extra, refs, grads, want_lse, 3e-2)
+
+
+def test_varlen_segments_and_refusal():
+    from hyper_parallel.ops._flash_attn import varlen_segments
+
+    doc = packed_docs([40, 70, 90, 30], pad=26)
+    qi, ki, cq, ck, mq, mk = varlen_segments(doc[128:], doc, (0, 128, 0, 256), 1)
+    # queries 128..255: doc 2 (110..199) from 128, doc 3 (200..229), padding 230..255 (no segment)
+    assert cq == [0, 72, 102] and ck == [0, 90, 120] and (mq, mk) == (72, 90)
+    assert torch.equal(qi, ar(0, 102)) and torch.equal(ki, torch.cat([ar(110, 200), ar(200, 230)]))
+    other = doc.clone()
+    other[150] = 3  # the key docs at the queries' positions differ from the query docs
+    assert varlen_segments(doc[128:], other, (0, 128, 0, 256), 1) is None
