@@ -1,4 +1,4 @@
-"""CUDA benchmark of hyper_parallel.ops.attention (FlexAttention + position block mask) against
+"""CUDA benchmark of hyper_parallel.ops.attention (the routed CUDA path; before the routes: FlexAttention) against
 SDPA with the materialised offset mask and SDPA's own causal kernel (which cannot express the
 CP offset; a lower bound on what a fused causal kernel costs).
 
@@ -7,8 +7,9 @@ C=4 ranks, S_global = 4 * S_local, queries = the last rank's contiguous chunk (7
 matrix visible) and the rank average. Times are CUDA-event medians of --reps after warm-up;
 memory is torch.cuda.max_memory_allocated growth during one call. Prints a table, writes JSON.
 
-Not run by CI (no GPU there): scripts/device_check.sh runs it on a lent GPU machine and the
-result is recorded in docs/performance.md.
+Not run by CI (no GPU there). scripts/device_check.sh now runs benchmarks/attention_routes.py
+(per route, per visible score, vs SDPA flash / cuDNN; the FlexAttention path is its case ``flex``);
+this script's H200 result of the FlexAttention path is recorded in docs/performance.md.
 
   python benchmarks/attention_cuda.py --out benchmarks/results/attention_cuda.json
 """

@@ -1,4 +1,9 @@
-"""CUDA backend of :func:`hyper_parallel.ops.attention`: FlexAttention with a position block mask.
+"""CUDA backend of :func:`hyper_parallel.ops.attention`: routed kernels, FlexAttention as the fallback.
+
+:func:`cuda_attention` asks :func:`hyper_parallel.ops.cuda_routes.plan` which exact kernel a call
+can use (SDPA flash / cuDNN with a lower-right causal bias, flash pieces merged by log-sum-exp,
+the optional flash-attn package's window / softcap / varlen kernels; table in
+docs/attention_engine.md, "CUDA routes") and runs it; everything else runs FlexAttention:
 
 The visibility rule becomes a ``mask_mod`` closing over the ``[B, S]`` position / doc vectors;
 ``create_block_mask`` turns it into a sparse block mask, so fully invisible blocks are skipped and
@@ -93,8 +98,49 @@ def apply_sinks(out, lse, sinks):
 
 
 def cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
-                   softcap=None, sinks=None, alibi_slopes=None):
-    """(out, lse float32) for CUDA tensors; same contract as hyper_parallel.ops.attention.
+                   softcap=None, sinks=None, alibi_slopes=None, need_lse=True, flash_impl=None):
+    """(out, lse) for CUDA tensors through the planned route; ``lse`` is None when the caller
+    did not ask for it and the route has none. Same contract as hyper_parallel.ops.attention.
+    ``flash_impl``: {name: function} stand-ins for the flash_attn package (tests on CPU)."""
+    from . import _flash_attn, _sdpa_lse
+    from .cuda_routes import describe, plan
+
+    B, Hq, Sq, _ = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    if q.numel() == 0 or Sk == 0:
+        return flex_attention_call(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, sinks=sinks)
+    p = plan(describe(q, k, v, q_pos, k_pos, causal, q_doc, window, softcap, sinks, alibi_slopes,
+                      need_lse, flash_attn=None if flash_impl is None else True))
+    if p.route != "flex" and p.key_order is not None:
+        idx = torch.cat([torch.arange(i, i + n, device=k.device) for i, n in p.key_order])
+        kr, vr = k.index_select(2, idx), v.index_select(2, idx)
+    else:
+        kr, vr = k, v
+    impl = flash_impl or {}
+    out = None
+    if p.route == "sdpa_full":
+        out = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, scale=scale,
+                                                               enable_gqa=Hq != Hk)
+    elif p.route == "sdpa_lower_right":
+        out = _sdpa_lse.lower_right_attention(q, kr, vr, p.pieces, scale, Hq != Hk)
+    elif p.route == "flash_window":
+        out = _flash_attn.window_attention(q, kr, vr, p.pieces, scale, window, softcap,
+                                           impl.get("flash_attn_func"))
+    elif p.route == "flash_varlen":
+        out = _flash_attn.varlen_attention(q, kr, vr, p.pieces[0], q_doc, k_doc, scale, window,
+                                           softcap, impl.get("flash_attn_varlen_func"))
+    elif p.route == "sdpa_lse_merge":  # the flash kernels read GQA K/V in place (dk / dv per KV head)
+        out, lse = _sdpa_lse.lse_merge_attention(q, kr, vr, p.pieces, scale)
+        return apply_sinks(out, lse, sinks) if sinks is not None else (out, lse)
+    if out is not None:
+        return out.contiguous(), None
+    return flex_attention_call(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, window=window,
+                               softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+
+
+def flex_attention_call(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale, *, window=None,
+                        softcap=None, sinks=None, alibi_slopes=None):
+    """Route ``flex``: (out, lse float32) through FlexAttention.
 
     ``window`` joins the ``mask_mod`` (blocks outside every window are skipped by the block
     mask); ``softcap`` is a ``score_mod`` (``softcap * tanh(score / softcap)``, differentiated

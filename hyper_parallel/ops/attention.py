@@ -30,8 +30,9 @@ See ``docs/attention_engine.md`` for the full contract. In short::
 
 Devices: CPU runs the C++ engine (``hyper_parallel._C``: ``torch.ops.hyper_parallel.attn_fwd`` /
 ``attn_bwd``, registered with fake kernels and autograd so it works under ``torch.compile`` and
-``torch.autograd.gradcheck``); CUDA runs FlexAttention with a block mask built from the
-positions; NPU runs ``torch_npu.npu_fusion_attention``; anything else raises.
+``torch.autograd.gradcheck``); CUDA runs the exact kernel route ``ops.cuda_routes.plan`` picks
+(SDPA flash / cuDNN, flash pieces merged by log-sum-exp, flash-attn; FlexAttention with a position
+block mask as the fallback; docs/attention_engine.md "CUDA routes"); NPU runs ``torch_npu.npu_fusion_attention``; anything else raises.
 """
 from __future__ import annotations
 
@@ -283,7 +284,7 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
 
         out, lse = cuda_attention(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale_f,
                                   window=window, softcap=softcap, sinks=sinks,
-                                  alibi_slopes=alibi_slopes)
+                                  alibi_slopes=alibi_slopes, need_lse=return_lse)
     elif dev == "npu":
         from ._npu import npu_attention
 

@@ -60,7 +60,7 @@ def test_cuda_backend_mask_and_lse(layout, eager_flex):
     elif layout == "non-causal":
         kw = dict(q_pos=pos[:128], k_pos=pos, causal=False, q_doc=None, k_doc=None)
     q, k, v = _inputs(seed=len(layout))
-    out, lse = cuda_backend.cuda_attention(q, k, v, kw["q_pos"], kw["k_pos"], kw["causal"],
+    out, lse = cuda_backend.flex_attention_call(q, k, v, kw["q_pos"], kw["k_pos"], kw["causal"],
                                            kw["q_doc"], kw["k_doc"], 0.125)
     ref, ref_lse = attention(q, k, v, scale=0.125, return_lse=True, **kw)
     fin = torch.isfinite(ref_lse)
@@ -166,7 +166,7 @@ def test_cuda_backend_window_softcap_sinks(opts, eager_flex):
         opts["alibi_slopes"] = torch.tensor([2.0 ** -i for i in range(1, 9)], dtype=torch.float64)
     if opts.pop("sinks", False):
         opts["sinks"] = torch.linspace(-1.0, 2.0, q.shape[1], dtype=torch.float64)
-    out, lse = cuda_backend.cuda_attention(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
+    out, lse = cuda_backend.flex_attention_call(q, k, v, pos[128:], pos, True, doc[128:], doc, 0.2,
                                            **opts)
     ref, ref_lse = attention(q, k, v, q_pos=pos[128:], k_pos=pos, q_doc=doc[128:], k_doc=doc,
                              scale=0.2, return_lse=True, **opts)
