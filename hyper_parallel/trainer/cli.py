@@ -103,9 +103,28 @@ def load_config(argv: list):
     return check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:]))
 
 
+def _options(argv: list):
+    """(argv without ``--nproc-per-node N``, N or None, an error line or None)."""
+    rest, nproc = [], None
+    it = iter(argv)
+    for a in it:
+        if a == "--nproc-per-node" or a.startswith("--nproc-per-node="):
+            value = a.partition("=")[2] if "=" in a else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                return rest, None, f"hyper-train: --nproc-per-node needs a positive integer, got {value!r}"
+            nproc = int(value)
+        elif a.startswith("-"):
+            return rest, None, f"hyper-train: unknown option {a!r}\n{USAGE}"
+        else:
+            rest.append(a)
+    return rest, nproc, None
+
+
 def main(argv=None) -> int:
-    """Run ``hyper-train``; returns the exit code. From the command line (``argv`` None) a peer
-    failure or SIGTERM ends the process right after its one line (``os._exit``)."""
+    """Run ``hyper-train``; returns the exit code. Outside a torchelastic worker the config is
+    checked here and more than one rank is started by :mod:`.launch`; inside one (or for a single
+    rank) this process trains. From the command line (``argv`` None) a peer failure or SIGTERM
+    ends the process right after its one line (``os._exit``)."""
     hard_exit = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -117,22 +136,47 @@ def main(argv=None) -> int:
     if any(a in ("-V", "--version") for a in argv):
         print(f"hyper-train (hyper_parallel) {version()}")
         return 0
-    options = [a for a in argv if a.startswith("-")]
-    if options:
-        print(f"hyper-train: unknown option {options[0]!r}\n{USAGE}", file=sys.stderr)
+    argv, nproc, error = _options(argv)
+    if error or not argv:
+        print(error or USAGE, file=sys.stderr)
         return 2
+    from . import launch
+
+    if not launch.in_worker():
+        from ..distributed.errors import CPConfigError
+
+        try:
+            _, nproc = launch.check_before_launch(argv, nproc)
+        except (CPConfigError, FileNotFoundError) as exc:
+            print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if nproc > 1:
+            return launch.launch(argv, nproc)
+    elif nproc is not None:
+        print("hyper-train: --nproc-per-node is the launcher's (torchrun's) here, not hyper-train's",
+              file=sys.stderr)
+        return 2
+    return _train(argv, hard_exit)
+
+
+def _train(argv: list, hard_exit: bool) -> int:
+    """This process's rank of the run (alone, or one of torchrun's / hyper-train's ranks)."""
     _threads()
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
-    from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report
+    from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report, set_exit_reporter
+    from . import failures
     from .nonfinite import NonFiniteError
+    from .run_summary import summary_lines
     from .text import TextTrainer
 
     code = 0
     import torch.distributed as dist
 
     if hard_exit:
+        set_exit_reporter(lambda line, c: failures.record_failure(line, c, _EXIT_KINDS.get(c, failures.ERROR),
+                                                                  _rank()))
         install_sigterm_report("hyper-train: ", _rank)
         install_parent_watch("hyper-train: ", _rank)   # launcher SIGKILLed: stop, write nothing more
     cfg = None
@@ -150,38 +194,27 @@ def main(argv=None) -> int:
         trainer = TextTrainer(cfg)
         results = trainer.train()
         if is_main:
-            log = trainer.run_log
-            applied = [r for r in results if not r.nonfinite]   # skipped steps carry a NaN/Inf loss
-            if applied:
-                first = next(r for r in trainer.run_log.records if not r.get("nonfinite"))
-                last = applied[-1]
-                tps = sum(r.tokens_per_s for r in results) / len(results)
-                skipped = (f" ({trainer.nonfinite.skipped} non-finite step(s) skipped, see {log.jsonl_path})"
-                           if trainer.nonfinite.skipped else "")
-                print(f"done: {trainer.step} steps{skipped}, loss {first['loss']:.4f} -> {last.loss:.4f}, "
-                      f"mean {tps:,.0f} tokens/s, {last.valid_tokens} valid tokens/step", flush=True)
-            elif results:
-                print(f"done: {trainer.step} steps, every one skipped as non-finite (see {log.jsonl_path})",
-                      flush=True)
-            else:
-                print(f"done: nothing to do (already at step {trainer.step})", flush=True)
-            print(f"log: {log.json_path}", flush=True)
-            if cfg.logging.plot:
-                print(f"loss curve: {log.plot_path}", flush=True)
+            print("\n".join(summary_lines(trainer, results)), flush=True)
     except (CPConfigError, PreflightError, FileNotFoundError) as exc:
-        # agreed on every rank (preflight): rank 0 reports it once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+        # agreed on every rank (preflight): every rank records it, rank 0 prints it once; a
+        # PreflightError echoes another rank's error
         code = 2
+        failures.record_failure(f"hyper-train: configuration error: {exc}", code,
+                                failures.ECHO if isinstance(exc, PreflightError) else failures.CONFIG, _rank(),
+                                echo=_rank() in (None, 0))
     except NonFiniteError as exc:   # raised on every rank at the same step: rank 0 reports it once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"hyper-train: {exc}", file=sys.stderr, flush=True)
         code = NONFINITE_EXIT
+        failures.record_failure(f"hyper-train: {exc}", code, failures.NONFINITE, _rank(), echo=_rank() in (None, 0))
     except BaseException as exc:  # noqa: BLE001 - only peer failures are handled here (DCP's
         # CheckpointException is a BaseException); anything else keeps its traceback
         failure = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else diagnose(exc, rank=_rank())
         if failure is None:
-            raise
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not failures.launched():
+                raise
+            code = 1   # started by hyper-train: one line for the parent, the traceback in a file
+            failures.record_failure(_error_line(exc, cfg.logging.out_dir if cfg is not None else None), code,
+                                    failures.ERROR, _rank())
+            return code
         line = _peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None)
         if hard_exit:
             exit_now(line, PEER_FAILURE_EXIT)
@@ -190,6 +223,28 @@ def main(argv=None) -> int:
     finally:
         destroy_distributed()
     return code
+
+
+_EXIT_KINDS = {PEER_FAILURE_EXIT: "peer", 143: "terminated", 129: "launcher_gone"}
+
+
+def _error_line(exc: BaseException, out_dir) -> str:
+    """``rank R: Type: message (traceback: <out_dir>/error_rank<R>.log)`` for an unexpected error."""
+    rank = _rank()
+    text = "".join(traceback.format_exception(exc))
+    where = f" (traceback: set {TRACEBACK_ENV}=1)"
+    if out_dir is not None:
+        try:
+            path = Path(out_dir) / f"error_rank{rank if rank is not None else 0}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            where = f" (traceback: {path})"
+        except OSError:
+            pass
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        sys.stderr.write(text)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"hyper-train: rank {rank}: {type(exc).__name__}: {first}{where}"
 
 
 if __name__ == "__main__":
