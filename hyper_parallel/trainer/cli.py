@@ -1,23 +1,26 @@
-"""``hyper-train CONFIG.yaml [dotted.key=value ...]`` — train from a YAML file.
+"""``hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]`` — train from a YAML file.
 
 ``hyper-train --help`` lists every YAML field (type, default, meaning; generated from the
 schema in ``hyper_parallel/trainer/config.py``), ``hyper-train --version`` prints the version.
 
-Single process when launched directly (world size 1); multi-rank under torchrun::
+From a shell, ``hyper-train`` checks the whole config once, then starts N ranks itself (N from
+the config's sizes unless given; :mod:`.launch`, one summary line per failure: :mod:`.failures`);
+one rank trains in this process. Inside a torchrun worker it is one rank, as before::
 
+    hyper-train examples/train_cp2.yaml
     torchrun --nproc-per-node 2 -m hyper_parallel.trainer.cli examples/train_cp2.yaml
     hyper-train examples/train_cp1.yaml schedule.steps=5 logging.out_dir=runs/try
 
 Overrides are YAML-parsed (``accelerator.cp_size=2``, ``optimizer.lr=3e-4``, ``plan_overrides=[]``)
 and checked by the schema exactly like the file. The config is loaded and checked on every rank
-and agreed before anything else runs. Exit codes: 0 done,
-2 configuration error (message names the YAML field), 4 training stopped at a step whose loss or
+and agreed before anything else runs. Exit codes: 0 done (rank 0 prints where every artifact is),
+1 other failure, 2 configuration or data error (message names the YAML field), 4 training stopped at a step whose loss or
 gradient norm was NaN/Inf (one line: the step, the last good checkpoint, the fix; see
 ``schedule.on_nonfinite``), 3 a peer rank stopped or died (one line:
 the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
 stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
 129 the launcher (torchrun) is gone (one line; the rank stops within a second instead of training
-on as an orphan), 1 other failure.
+on as an orphan).
 
 A peer failure ends the process with ``os._exit`` right after the line (a clean teardown could
 block on the lost peer for another timeout). Its full traceback goes to
@@ -31,7 +34,7 @@ import sys
 import traceback
 from pathlib import Path
 
-USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)\n"
+USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 NONFINITE_EXIT = 4

@@ -208,7 +208,16 @@ def open_token_store(cfg, *, is_builder: bool = True) -> TokenStore:
 
     def build():
         if is_builder and not (path / "meta.json").is_file():
+            import time
+
+            print(f"first run on these files: tokenizing {len(files)} {fmt} file(s) ({files[0].name}...) with "
+                  f"{cfg.tokenizer} into the cache {path} (data.cache_dir; done once, reused while the files, "
+                  f"text_field and tokenizer are unchanged)", flush=True)
+            t0 = time.perf_counter()
             build_token_store(files, fmt, cfg.text_field, cfg.tokenizer, path)
+            meta = json.loads((path / "meta.json").read_text())
+            print(f"tokenized {meta['n_docs']:,} documents, {meta['n_tokens']:,} tokens in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
 
     agree_or_raise(build, what="tokenizing data.files (rank 0)", same_error=True)
     return agree_or_raise(lambda: TokenStore(path), what="opening the token store", same_error=True)
