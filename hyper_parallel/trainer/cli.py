@@ -32,13 +32,11 @@ import logging
 import os
 import sys
 import traceback
-from pathlib import Path
 
 USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 NONFINITE_EXIT = 4
-TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
 
 
 def _threads() -> None:
@@ -55,24 +53,6 @@ def _rank():
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
-
-
-def _peer_failure_line(failure, exc: BaseException, out_dir) -> str:
-    """The one line for ``failure``; the full traceback goes to a per-rank debug log."""
-    text = "".join(traceback.format_exception(exc))
-    where = None
-    if out_dir is not None:
-        try:
-            path = Path(out_dir) / f"peer_failure_rank{failure.rank if failure.rank is not None else 0}.log"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            where = path
-        except OSError:
-            pass
-    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
-        sys.stderr.write(text)
-    tail = f" (traceback: {where})" if where else f" (traceback: set {TRACEBACK_ENV}=1)"
-    return f"hyper-train: {failure.one_line()}; exiting with code {PEER_FAILURE_EXIT}{tail}"
 
 
 def version() -> str:
@@ -98,12 +78,10 @@ def help_text() -> str:
 
 def load_config(argv: list):
     """The CLI's config path, local (no collective): ``argv[0]`` (the YAML file) + overrides ->
-    :meth:`TrainerConfig.from_yaml` -> :func:`~hyper_parallel.trainer.config_checks.check_run_config`
-    (the cross-field checks, :mod:`.config_checks`). Raises CPConfigError naming the field."""
-    from .config import TrainerConfig
-    from .config_checks import check_run_config
+    :func:`~hyper_parallel.trainer.config_checks.load_run_config`. Raises CPConfigError naming the field."""
+    from .config_checks import load_run_config
 
-    return check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:]))
+    return load_run_config(argv)
 
 
 def _options(argv: list):
@@ -212,42 +190,44 @@ def _train(argv: list, hard_exit: bool) -> int:
         # CheckpointException is a BaseException); anything else keeps its traceback
         failure = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else diagnose(exc, rank=_rank())
         if failure is None:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not failures.launched():
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not hard_exit:
                 raise
-            code = 1   # started by hyper-train: one line for the parent, the traceback in a file
-            failures.record_failure(_error_line(exc, cfg.logging.out_dir if cfg is not None else None), code,
-                                    failures.ERROR, _rank())
-            return code
-        line = _peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None)
-        if hard_exit:
-            exit_now(line, PEER_FAILURE_EXIT)
-        print(line, file=sys.stderr, flush=True)
-        code = PEER_FAILURE_EXIT
+            code = 1   # started by hyper-train: one line for the parent, the traceback in a file;
+            # otherwise the traceback on stderr and the line in torchrun's error file
+            launched = failures.launched()
+            if not launched:
+                traceback.print_exc()
+            failures.record_failure(failures.error_line(exc, _rank(), cfg.logging.out_dir if cfg is not None
+                                                        else None, save=launched),
+                                    code, failures.ERROR, _rank(), echo=False)
+        else:
+            line = failures.peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None,
+                                              PEER_FAILURE_EXIT)
+            if hard_exit:
+                exit_now(line, PEER_FAILURE_EXIT)
+            print(line, file=sys.stderr, flush=True)
+            code = PEER_FAILURE_EXIT
     finally:
         destroy_distributed()
+    return _leave(code, hard_exit)
+
+
+def _leave(code: int, hard_exit: bool) -> int:
+    """``code``; from the command line an error ends the process here, after the process group was
+    destroyed and the output flushed: no interpreter teardown, whose C++ destructors (a collective
+    thread still joinable) could abort the rank ("terminate called without an active exception")
+    and which takes seconds on a loaded machine while the peers wait to be stopped."""
+    if hard_exit and code:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(code)
     return code
 
 
 _EXIT_KINDS = {PEER_FAILURE_EXIT: "peer", 143: "terminated", 129: "launcher_gone"}
-
-
-def _error_line(exc: BaseException, out_dir) -> str:
-    """``rank R: Type: message (traceback: <out_dir>/error_rank<R>.log)`` for an unexpected error."""
-    rank = _rank()
-    text = "".join(traceback.format_exception(exc))
-    where = f" (traceback: set {TRACEBACK_ENV}=1)"
-    if out_dir is not None:
-        try:
-            path = Path(out_dir) / f"error_rank{rank if rank is not None else 0}.log"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            where = f" (traceback: {path})"
-        except OSError:
-            pass
-    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
-        sys.stderr.write(text)
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"hyper-train: rank {rank}: {type(exc).__name__}: {first}{where}"
 
 
 if __name__ == "__main__":

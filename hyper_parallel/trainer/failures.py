@@ -23,8 +23,11 @@ import os
 import re
 import sys
 import time
+import traceback
+from pathlib import Path
 
 LAUNCHED_ENV = "HYPER_TRAIN_LAUNCHED"   # set by hyper-train for the ranks it starts
+TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"   # 1: a rank also prints the traceback it saves
 CONFIG, NONFINITE, PEER, TERMINATED, ECHO, LAUNCHER_GONE, ERROR = (
     "config", "nonfinite", "peer", "terminated", "echo", "launcher_gone", "error")
 CONSEQUENCES = (PEER, TERMINATED, ECHO, LAUNCHER_GONE)
@@ -35,6 +38,39 @@ _RANK_PREFIX = re.compile(r"^(hyper-train: )?(rank \d+: )?")
 def launched() -> bool:
     """True in a rank that ``hyper-train`` started (its parent prints the failure summary)."""
     return os.environ.get(LAUNCHED_ENV) == "1"
+
+
+def _save_traceback(exc: BaseException, out_dir, name: str) -> str:
+    """`` (traceback: <out_dir>/<name>)`` after writing it there (also to stderr with
+    :data:`TRACEBACK_ENV`); a hint at the variable when it cannot be written."""
+    text = "".join(traceback.format_exception(exc))
+    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        sys.stderr.write(text)
+    if out_dir is not None:
+        try:
+            path = Path(out_dir) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return f" (traceback: {path})"
+        except OSError:
+            pass
+    return f" (traceback: set {TRACEBACK_ENV}=1)"
+
+
+def peer_failure_line(failure, exc: BaseException, out_dir, code: int) -> str:
+    """The one line for a :class:`~hyper_parallel.platform.peer.PeerFailure`; the traceback goes to
+    ``<out_dir>/peer_failure_rank<R>.log``."""
+    rank = failure.rank if failure.rank is not None else 0
+    where = _save_traceback(exc, out_dir, f"peer_failure_rank{rank}.log")
+    return f"hyper-train: {failure.one_line()}; exiting with code {code}{where}"
+
+
+def error_line(exc: BaseException, rank: int | None, out_dir, save: bool = True) -> str:
+    """``hyper-train: rank R: Type: message (traceback: ...)`` for an unexpected error; ``save``: the
+    traceback goes to ``<out_dir>/error_rank<R>.log``, else it was printed already."""
+    where = _save_traceback(exc, out_dir, f"error_rank{rank or 0}.log") if save else " (traceback above)"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"hyper-train: rank {rank}: {type(exc).__name__}: {first}{where}"
 
 
 def record_failure(line: str, code: int, kind: str, rank: int | None, echo: bool = True) -> bool:

@@ -2,7 +2,7 @@
 
 Contract (:func:`launch`, called by the CLI when this process is not a torchelastic worker):
 
-1. In this one process, before any rank exists: the whole config (:func:`.cli.load_config`: schema,
+1. In this one process, before any rank exists: the whole config (:func:`.config_checks.load_run_config`: schema,
    cross-field checks, plan targets, tokenizer and vocabulary), the topology against N, the data
    (``data.path`` is a file; ``data.source: files``: the files are read and tokenized into the
    cache once, here, saying so) and the output paths. A problem is one line and exit code 2.
@@ -43,10 +43,10 @@ def check_before_launch(argv: list, nproc: int | None):
     """Step 1 of the module doc; returns (config, N). Raises CPConfigError naming the field."""
     from ..distributed.errors import CPConfigError
     from ..distributed.mesh import MeshConfigError
-    from .cli import load_config
+    from .config_checks import load_run_config
     from .metrics import check_output_paths
 
-    cfg = load_config(argv)
+    cfg = load_run_config(argv)
     n = world_size_of(cfg) if nproc is None else nproc
     try:
         cfg.accelerator.mesh_sizes().check(n)
