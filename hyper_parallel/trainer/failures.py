@@ -1,8 +1,9 @@
 """One line per failure across ranks: what a rank leaves behind, and how ``hyper-train`` sums it up.
 
 Rank side (:func:`record_failure`): a rank that ends with a non-zero exit code writes its one
-line to the error file torchelastic gives it (``TORCHELASTIC_ERROR_FILE``, the JSON that
-``torch.distributed.elastic``'s ``@record`` writes: ``{"message": line, "timestamp": s}``) with a
+line to the error file torchelastic gives it (``TORCHELASTIC_ERROR_FILE``, in the JSON layout
+``torch.distributed.elastic``'s ``@record`` writes: ``{"message": {"message": line, "extraInfo":
+{"py_callstack": line, "timestamp": s}}}``, so torchrun's own summary shows the line) with a
 ``"hyper_parallel"`` entry (exit code, kind, rank, time in ns). Started by ``hyper-train``
 (:data:`LAUNCHED_ENV` set) the rank prints nothing itself: the parent prints the summary. Under
 plain torchrun (or alone) it prints the line to stderr as well.
@@ -78,7 +79,8 @@ def record_failure(line: str, code: int, kind: str, rank: int | None, echo: bool
     started this rank. Returns True (the line is handled)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        data = {"message": line, "timestamp": int(time.time()),
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                           "timestamp": str(int(time.time()))}},
                 "hyper_parallel": {"code": code, "kind": kind, "rank": rank, "time_ns": time.time_ns()}}
         try:
             with open(path, "w") as fh:
@@ -95,7 +97,9 @@ def _entry(rank: int, failure) -> dict:
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     ours = data.get("hyper_parallel")
     if isinstance(ours, dict):
-        return {"rank": rank, "line": str(data.get("message", "")), "code": int(ours.get("code", 1)),
+        line = data.get("message", "")
+        line = line.get("message", "") if isinstance(line, dict) else line
+        return {"rank": rank, "line": str(line), "code": int(ours.get("code", 1)),
                 "kind": ours.get("kind", ERROR), "t": int(ours.get("time_ns", 0))}
     message = failure.message if isinstance(failure.message, str) else \
         str((failure.message or {}).get("message", ""))

@@ -4,7 +4,6 @@ are started by torch's elastic launch API, and a failure is one line per root ca
 launcher traceback: exit 2 for configuration/data errors, 1 for others. Real processes."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -96,31 +95,31 @@ def test_an_error_on_one_rank_stops_every_rank_within_seconds_with_its_message(t
     assert took < scaled(FAILURE_BOUND_S)
 
 
-def _failure(tmp_path: Path, rank: int, exitcode: int, data: dict | None):
+def _failure(tmp_path: Path, monkeypatch, rank: int, exitcode: int, recorded: tuple | None):
+    """torchelastic's ProcessFailure of a rank that exited with ``exitcode`` after
+    ``failures.record_failure(*recorded)`` (None: no error file, e.g. killed by a signal)."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     path = tmp_path / f"error{rank}_{exitcode}.json"
-    if data is not None:
-        path.write_text(json.dumps(data))
+    if recorded is not None:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        monkeypatch.setenv(failures.LAUNCHED_ENV, "1")   # recorded, not printed
+        failures.record_failure(*recorded, rank)
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
 
-def _ours(line: str, code: int, kind: str, rank: int, t: int) -> dict:
-    return {"message": line, "timestamp": 0, "hyper_parallel": {"code": code, "kind": kind, "rank": rank,
-                                                               "time_ns": t}}
-
-
-def test_summary_one_line_per_root_cause(tmp_path):
+def test_summary_one_line_per_root_cause(tmp_path, monkeypatch, capsys):
     cfg = "hyper-train: configuration error: [data.files] 'x' matches no file"
-    lines, code = failures.summarise({0: _failure(tmp_path, 0, 2, _ours(cfg, 2, failures.CONFIG, 0, 2)),
-                                      1: _failure(tmp_path, 1, 2, _ours(cfg, 2, failures.CONFIG, 1, 1))}, 2)
+    lines, code = failures.summarise({r: _failure(tmp_path, monkeypatch, r, 2, (cfg, 2, failures.CONFIG))
+                                      for r in (0, 1)}, 2)
     assert (lines, code) == ([cfg], 2)    # the same error on every rank: once, no rank named
     bad = "hyper-train: rank 1: ValueError: bad row"
     peer = "hyper-train: rank 0: collective all_gather failed - likely cause: peer rank 1 died"
-    lines, code = failures.summarise({0: _failure(tmp_path, 0, 3, _ours(peer, 3, failures.PEER, 0, 1)),
-                                      1: _failure(tmp_path, 1, 1, _ours(bad, 1, failures.ERROR, 1, 2))}, 2)
+    lines, code = failures.summarise({0: _failure(tmp_path, monkeypatch, 0, 3, (peer, 3, failures.PEER)),
+                                      1: _failure(tmp_path, monkeypatch, 1, 1, (bad, 1, failures.ERROR))}, 2)
     assert (lines, code) == ([bad], 1)    # the peer failure is a consequence
-    lines, code = failures.summarise({0: _failure(tmp_path, 0, -9, None),
-                                      1: _failure(tmp_path, 1, -15, None)}, 2)
+    lines, code = failures.summarise({0: _failure(tmp_path, monkeypatch, 0, -9, None),
+                                      1: _failure(tmp_path, monkeypatch, 1, -15, None)}, 2)
     assert code == 1 and lines == ["hyper-train: rank 0: the process was killed by SIGKILL (killed: out of "
                                    "memory, or by hand?)"], lines
+    assert capsys.readouterr().err == ""   # started by hyper-train: a rank prints nothing itself
