@@ -7,7 +7,9 @@ rank only, such as bad data, which its peers must learn about within seconds) wh
 as logged): ``at=step`` (default) before the step's first collective, ``at=forward`` after the
 step's token-count all-reduce, just before the first forward (so the peer's next collective is
 one of FSDP2's own all-gathers rather than a hyper_parallel one), ``at=save`` in the checkpoint
-save of step ``step``, just before DCP writes (the peer's next collective is one of DCP's own). Unset: nothing happens. The
+save of step ``step``, just before DCP writes (the peer's next collective is one of DCP's own),
+``at=setup`` (with ``step=1``) in the CLI right after the config agreement, before the trainer
+builds anything (the peer's next collective is the set-up's config-digest agreement). Unset: nothing happens. The
 hook exists for the peer-failure tests (``tests/foundation/test_peer_failure.py``); never set
 it in a real run. A malformed value raises ``ValueError`` naming the variable.
 """
@@ -20,7 +22,7 @@ import sys
 
 ENV = "HYPER_PARALLEL_FAULT_INJECT"
 KINDS = ("stop", "kill", "raise")
-POINTS = ("step", "forward", "save")
+POINTS = ("step", "forward", "save", "setup")
 
 
 class InjectedFault(RuntimeError):
@@ -49,7 +51,7 @@ def parse_fault_spec(text: str | None) -> FaultSpec | None:
     missing = {"rank", "step", "kind"} - set(fields)
     if unknown or missing:
         raise ValueError(f"{ENV}={text!r}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)} "
-                         f"(want rank=R,step=S,kind=stop|kill|raise[,at=step|forward|save])")
+                         f"(want rank=R,step=S,kind=stop|kill|raise[,at=step|forward|save|setup])")
     spec = FaultSpec(int(fields["rank"]), int(fields["step"]), fields["kind"], fields.get("at", "step"))
     if spec.kind not in KINDS or spec.at not in POINTS or spec.step < 1 or spec.rank < 0:
         raise ValueError(f"{ENV}={text!r}: kind must be one of {KINDS}, at one of {POINTS}, step >= 1, rank >= 0")

@@ -146,6 +146,7 @@ def _train(argv: list, hard_exit: bool) -> int:
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
+    from ..platform.faults import maybe_inject_fault
     from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report, set_exit_reporter
     from . import failures
     from .nonfinite import NonFiniteError
@@ -172,6 +173,7 @@ def _train(argv: list, hard_exit: bool) -> int:
         level = getattr(logging, str(cfg.logging.level).upper(), logging.INFO)
         logging.basicConfig(level=level if is_main else max(level, logging.WARNING),
                             format="%(levelname)s %(name)s: %(message)s")
+        maybe_inject_fault(_rank() or 0, 1, "setup")   # test hook (platform/faults.py)
         trainer = TextTrainer(cfg)
         results = trainer.train()
         if is_main:

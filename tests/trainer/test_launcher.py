@@ -73,24 +73,25 @@ def test_good_config_trains_on_two_launched_ranks_and_lists_its_artifacts(tmp_pa
     assert "Traceback" not in p.stderr and "terminate called" not in p.stderr, p.stderr[-3000:]
 
 
-def test_an_error_on_one_rank_stops_every_rank_within_seconds_with_its_message(tmp_path):
-    """Rank 1 raises before step 2 (the fault hook's stand-in for bad data on one rank): the
-    launcher exits within FAILURE_BOUND_S of that error, printing rank 1's line only (rank 0's
-    consequent peer failure is not a root cause), exit 1, no traceback, no SIGABRT."""
+@pytest.mark.parametrize("step,at", [(2, "step"), (1, "setup")], ids=["before-step-2", "set-up"])
+def test_an_error_on_one_rank_stops_every_rank_within_seconds_with_its_message(tmp_path, step, at):
+    """Rank 1 raises before step 2 / during set-up (the fault hook's stand-in for bad data on one
+    rank): the launcher exits within FAILURE_BOUND_S of that error, printing rank 1's line only
+    (rank 0's consequent peer failure or SIGTERM is not a root cause), exit 1, no traceback, no SIGABRT."""
     out = tmp_path / "run"
     p = _hyper_train(["examples/train_cp2.yaml", *TINY, f"logging.out_dir={out}",
                       "accelerator.comm_timeout_s=300"],
-                     env={"HYPER_PARALLEL_FAULT_INJECT": "rank=1,step=2,kind=raise"})
+                     env={"HYPER_PARALLEL_FAULT_INJECT": f"rank=1,step={step},kind=raise,at={at}"})
     done = time.time()
     err = _lines(p.stderr)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
     assert len(err) == 1 and err[0].startswith("hyper-train: rank 1: InjectedFault: injected fault on rank 1 "
-                                               "at step 2"), p.stderr[-3000:]
+                                               f"at step {step} ({at})"), p.stderr[-3000:]
     assert "Traceback" not in p.stderr and "terminate called" not in p.stderr + p.stdout
     log = out / "error_rank1.log"
     assert "InjectedFault" in log.read_text()   # the traceback kept for whoever needs it
     took = done - log.stat().st_mtime
-    print(f"one-rank error -> every rank stopped and the launcher exited in {took:.1f} s "
+    print(f"one-rank error ({at}) -> every rank stopped and the launcher exited in {took:.1f} s "
           f"(bound {scaled(FAILURE_BOUND_S):.0f} s; comm_timeout_s 300)")
     assert took < scaled(FAILURE_BOUND_S)
 
