@@ -12,7 +12,8 @@ Parent side (:func:`summarise`): torchelastic's ``ChildFailedError`` -> the line
 the exit code. Kinds :data:`CONSEQUENCES` (a collective that failed because a peer stopped, a
 SIGTERM from the launcher tearing the survivors down, another rank's error echoed by the
 config agreement) are shown only when no rank has a root cause. Root causes are deduplicated
-by message (``rank N:`` prefixes removed) and keep the ranks that hit them, first failure first.
+by message (``rank N:`` prefixes removed) and name the ranks that hit them (none when every rank
+did), first failure first.
 Exit code: 2 when a root cause is a configuration or data error, else the root causes' common
 code when it is one of the CLI's (3 peer failure, 4 non-finite step), else 1. See docs/trainer.md
 "Launching".
@@ -126,8 +127,8 @@ def summarise(failures: dict, world_size: int) -> tuple[list[str], int]:
     lines = []
     for text, group in groups.items():
         ranks = sorted({e["rank"] for e in group})
-        if len(ranks) == world_size and group[0]["kind"] == CONFIG:
-            who = ""     # the same configuration error on every rank: no rank to name
+        if len(ranks) == world_size:
+            who = ""     # the same line on every rank (a configuration error, a non-finite step): no rank to name
         elif len(ranks) == 1:
             who = f"rank {ranks[0]}: "
         else:

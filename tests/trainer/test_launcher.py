@@ -123,4 +123,8 @@ def test_summary_one_line_per_root_cause(tmp_path, monkeypatch, capsys):
                                       1: _failure(tmp_path, monkeypatch, 1, -15, None)}, 2)
     assert code == 1 and lines == ["hyper-train: rank 0: the process was killed by SIGKILL (killed: out of "
                                    "memory, or by hand?)"], lines
+    nan = "hyper-train: step 3: loss nan, grad norm nan - training stopped"
+    lines, code = failures.summarise({r: _failure(tmp_path, monkeypatch, r, 4, (nan, 4, failures.NONFINITE))
+                                      for r in (0, 1)}, 2)
+    assert (lines, code) == ([nan], 4)
     assert capsys.readouterr().err == ""   # started by hyper-train: a rank prints nothing itself
