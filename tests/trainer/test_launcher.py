@@ -50,14 +50,26 @@ def test_rank_count_defaults_to_the_config_sizes():
         check_before_launch([str(ROOT / "examples/train_cp2.yaml")], 3)
 
 
-def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path):
+@pytest.mark.parametrize("args,field", [
+    (["optimizer.eps=-1"], "optimizer.eps"),
+    (["data.pad_token_id=1000000"], "data.pad_token_id"),     # hung in the preflight's collective once
+    (["data.path=no/such/corpus.txt"], "data.path"),          # a data error: exit 2 too
+    (["--nproc-per-node", "3"], "accelerator"),
+], ids=["bound", "pad-id", "data-file", "nproc"])
+def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, args, field):
     """Refused before any rank starts: no mesh line, no output folder, <= 2 lines, no traceback."""
-    p = _hyper_train(["examples/train_cp2.yaml", "optimizer.eps=-1", f"logging.out_dir={tmp_path / 'run'}"])
+    t0 = time.time()
+    p = _hyper_train(["examples/train_cp2.yaml", *args, f"logging.out_dir={tmp_path / 'run'}"])
+    took = time.time() - t0
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
     err = _lines(p.stderr)
-    assert 1 <= len(err) <= 2 and err[0].startswith("hyper-train: configuration error: [optimizer.eps]"), p.stderr
+    assert 1 <= len(err) <= 2 and err[0].startswith(f"hyper-train: configuration error: [{field}]"), p.stderr
     assert "Traceback" not in p.stderr + p.stdout and "mesh:" not in p.stdout
     assert not (tmp_path / "run").exists()
+    print(f"refused in {took:.1f} s: {err[0][:100]}")
+
+
+def test_bad_option_exit_2():
     p = _hyper_train(["examples/train_cp2.yaml", "--nproc-per-node", "x"])
     assert p.returncode == 2 and "--nproc-per-node needs a positive integer" in p.stderr, p.stderr
 
