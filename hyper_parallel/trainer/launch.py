@@ -2,10 +2,10 @@
 
 Contract (:func:`launch`, called by the CLI when this process is not a torchelastic worker):
 
-1. In this one process, before any rank exists: the whole config (:func:`.config_checks.load_run_config`: schema,
-   cross-field checks, plan targets, tokenizer and vocabulary), the topology against N, the data
-   (``data.path`` is a file; ``data.source: files``: the files are read and tokenized into the
-   cache once, here, saying so) and the output paths. A problem is one line and exit code 2.
+1. In this one process, before any rank exists: the whole config (the schema, the sizes against
+   N, then :func:`.config_checks.check_run_config`: cross-field checks, plan targets, tokenizer
+   and vocabulary), the data (``data.path`` is a file; ``data.source: files``: the files are read
+   and tokenized into the cache once, here, saying so) and the output paths. A problem is one line and exit code 2.
 2. N is ``--nproc-per-node`` or the product of the config's sizes (dp_replicate x dp_shard x cp x
    tp x pp). N = 1 runs in this process (the CLI goes on; no launcher).
 3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
@@ -43,10 +43,11 @@ def check_before_launch(argv: list, nproc: int | None):
     """Step 1 of the module doc; returns (config, N). Raises CPConfigError naming the field."""
     from ..distributed.errors import CPConfigError
     from ..distributed.mesh import MeshConfigError
-    from .config_checks import load_run_config
+    from .config import TrainerConfig
+    from .config_checks import check_run_config
     from .metrics import check_output_paths
 
-    cfg = load_run_config(argv)
+    cfg = TrainerConfig.from_yaml(argv[0], list(argv[1:]))   # the schema, then the sizes (cheap) ...
     n = world_size_of(cfg) if nproc is None else nproc
     try:
         cfg.accelerator.mesh_sizes().check(n)
@@ -54,6 +55,7 @@ def check_before_launch(argv: list, nproc: int | None):
         raise CPConfigError("accelerator", f"{exc} (--nproc-per-node {n})",
                             fix=f"use --nproc-per-node {world_size_of(cfg)} (or leave it out), or change the "
                                 "sizes") from None
+    check_run_config(cfg)   # ... then the checks that load transformers, the tokenizer and the plan targets
     _check_data(cfg.data)
     check_output_paths(cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
                        if cfg.schedule.save_every else None)
