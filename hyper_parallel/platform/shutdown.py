@@ -11,6 +11,8 @@ Contract:
   has failed. On SIGTERM a watcher thread gives the main thread ``grace_s`` seconds to report
   its own peer failure (then the precise diagnosis wins); otherwise it names the collective the
   main thread is blocked in, if any (from its live stack), and exits with 128 + SIGTERM.
+* :func:`set_exit_reporter`: a callable that receives each such line and exit code first (the
+  trainer records it for its launcher); the process still ends with ``os._exit``.
 * :func:`install_parent_watch`: a rank whose launcher died (SIGKILLed torchrun) stops within a
   second with one line and exit code 129 instead of training on as an orphan.
 """
@@ -27,6 +29,13 @@ from .peer import PeerFailure, frames_of_stack, locate_collective
 SIGTERM_EXIT = 128 + signal.SIGTERM
 _CLAIM = threading.Lock()
 _CLAIMED = threading.Event()
+_REPORTER: list = []   # at most one callable(line, code) -> bool, see set_exit_reporter
+
+
+def set_exit_reporter(reporter: Optional[Callable[[str, int], bool]]) -> None:
+    """Route :func:`exit_now`'s line through ``reporter(line, code)`` (e.g. into the launcher's
+    per-rank error file); when it returns True the line is not printed again. None: print only."""
+    _REPORTER[:] = [] if reporter is None else [reporter]
 
 
 def exit_now(line: str, code: int) -> None:
@@ -39,6 +48,8 @@ def exit_now(line: str, code: int) -> None:
     except Exception:  # noqa: BLE001 - exiting anyway
         pass
     try:
+        if _REPORTER and _REPORTER[0](line, code):
+            return
         # on a terminal another rank's progress bar may own the current line: start a fresh one
         sys.stderr.write(("\n" if sys.stderr.isatty() else "") + line.rstrip("\n") + "\n")
         sys.stderr.flush()

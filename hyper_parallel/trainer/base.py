@@ -91,7 +91,7 @@ class BaseTrainer:
             # token ids checked against the built vocabulary here too (the CLI checks them at config
             # load): an id past the embedding would fail one rank inside the preflight's collective
             model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
-                cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))), what="model build")
+                cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg)), say=self.is_main), what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size

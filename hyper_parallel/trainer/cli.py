@@ -1,23 +1,26 @@
-"""``hyper-train CONFIG.yaml [dotted.key=value ...]`` — train from a YAML file.
+"""``hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]`` — train from a YAML file.
 
 ``hyper-train --help`` lists every YAML field (type, default, meaning; generated from the
 schema in ``hyper_parallel/trainer/config.py``), ``hyper-train --version`` prints the version.
 
-Single process when launched directly (world size 1); multi-rank under torchrun::
+From a shell, ``hyper-train`` checks the whole config once, then starts N ranks itself (N from
+the config's sizes unless given; :mod:`.launch`, one summary line per failure: :mod:`.failures`);
+one rank trains in this process. Inside a torchrun worker it is one rank, as before::
 
+    hyper-train examples/train_cp2.yaml
     torchrun --nproc-per-node 2 -m hyper_parallel.trainer.cli examples/train_cp2.yaml
     hyper-train examples/train_cp1.yaml schedule.steps=5 logging.out_dir=runs/try
 
 Overrides are YAML-parsed (``accelerator.cp_size=2``, ``optimizer.lr=3e-4``, ``plan_overrides=[]``)
 and checked by the schema exactly like the file. The config is loaded and checked on every rank
-and agreed before anything else runs. Exit codes: 0 done,
-2 configuration error (message names the YAML field), 4 training stopped at a step whose loss or
+and agreed before anything else runs. Exit codes: 0 done (rank 0 prints where every artifact is),
+1 other failure, 2 configuration or data error (message names the YAML field), 4 training stopped at a step whose loss or
 gradient norm was NaN/Inf (one line: the step, the last good checkpoint, the fix; see
 ``schedule.on_nonfinite``), 3 a peer rank stopped or died (one line:
 the collective, its group, the elapsed time, the likely cause; see docs/trainer.md "When a peer
 stops or dies"), 143 terminated by SIGTERM (one line, e.g. torchrun stopping the survivors),
 129 the launcher (torchrun) is gone (one line; the rank stops within a second instead of training
-on as an orphan), 1 other failure.
+on as an orphan).
 
 A peer failure ends the process with ``os._exit`` right after the line (a clean teardown could
 block on the lost peer for another timeout). Its full traceback goes to
@@ -29,13 +32,11 @@ import logging
 import os
 import sys
 import traceback
-from pathlib import Path
 
-USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)\n"
+USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 NONFINITE_EXIT = 4
-TRACEBACK_ENV = "HYPER_PARALLEL_TRACEBACK"
 
 
 def _threads() -> None:
@@ -52,24 +53,6 @@ def _rank():
     if dist.is_initialized():
         return dist.get_rank()
     return int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
-
-
-def _peer_failure_line(failure, exc: BaseException, out_dir) -> str:
-    """The one line for ``failure``; the full traceback goes to a per-rank debug log."""
-    text = "".join(traceback.format_exception(exc))
-    where = None
-    if out_dir is not None:
-        try:
-            path = Path(out_dir) / f"peer_failure_rank{failure.rank if failure.rank is not None else 0}.log"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            where = path
-        except OSError:
-            pass
-    if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
-        sys.stderr.write(text)
-    tail = f" (traceback: {where})" if where else f" (traceback: set {TRACEBACK_ENV}=1)"
-    return f"hyper-train: {failure.one_line()}; exiting with code {PEER_FAILURE_EXIT}{tail}"
 
 
 def version() -> str:
@@ -95,17 +78,34 @@ def help_text() -> str:
 
 def load_config(argv: list):
     """The CLI's config path, local (no collective): ``argv[0]`` (the YAML file) + overrides ->
-    :meth:`TrainerConfig.from_yaml` -> :func:`~hyper_parallel.trainer.config_checks.check_run_config`
-    (the cross-field checks, :mod:`.config_checks`). Raises CPConfigError naming the field."""
-    from .config import TrainerConfig
-    from .config_checks import check_run_config
+    :func:`~hyper_parallel.trainer.config_checks.load_run_config`. Raises CPConfigError naming the field."""
+    from .config_checks import load_run_config
 
-    return check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:]))
+    return load_run_config(argv)
+
+
+def _options(argv: list):
+    """(argv without ``--nproc-per-node N``, N or None, an error line or None)."""
+    rest, nproc = [], None
+    it = iter(argv)
+    for a in it:
+        if a == "--nproc-per-node" or a.startswith("--nproc-per-node="):
+            value = a.partition("=")[2] if "=" in a else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                return rest, None, f"hyper-train: --nproc-per-node needs a positive integer, got {value!r}"
+            nproc = int(value)
+        elif a.startswith("-"):
+            return rest, None, f"hyper-train: unknown option {a!r}\n{USAGE}"
+        else:
+            rest.append(a)
+    return rest, nproc, None
 
 
 def main(argv=None) -> int:
-    """Run ``hyper-train``; returns the exit code. From the command line (``argv`` None) a peer
-    failure or SIGTERM ends the process right after its one line (``os._exit``)."""
+    """Run ``hyper-train``; returns the exit code. Outside a torchelastic worker the config is
+    checked here and more than one rank is started by :mod:`.launch`; inside one (or for a single
+    rank) this process trains. From the command line (``argv`` None) a peer failure or SIGTERM
+    ends the process right after its one line (``os._exit``)."""
     hard_exit = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -117,22 +117,48 @@ def main(argv=None) -> int:
     if any(a in ("-V", "--version") for a in argv):
         print(f"hyper-train (hyper_parallel) {version()}")
         return 0
-    options = [a for a in argv if a.startswith("-")]
-    if options:
-        print(f"hyper-train: unknown option {options[0]!r}\n{USAGE}", file=sys.stderr)
+    argv, nproc, error = _options(argv)
+    if error or not argv:
+        print(error or USAGE, file=sys.stderr)
         return 2
+    from . import launch
+
+    if not launch.in_worker():
+        from ..distributed.errors import CPConfigError
+
+        try:
+            _, nproc = launch.check_before_launch(argv, nproc)
+        except (CPConfigError, FileNotFoundError) as exc:
+            print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if nproc > 1:
+            return launch.launch(argv, nproc)
+    elif nproc is not None:
+        print("hyper-train: --nproc-per-node is the launcher's (torchrun's) here, not hyper-train's",
+              file=sys.stderr)
+        return 2
+    return _train(argv, hard_exit)
+
+
+def _train(argv: list, hard_exit: bool) -> int:
+    """This process's rank of the run (alone, or one of torchrun's / hyper-train's ranks)."""
     _threads()
     from ..distributed.errors import CPConfigError, PreflightError
     from ..distributed.preflight import agree_or_raise
     from ..platform import destroy_distributed, diagnose, get_platform, init_distributed
-    from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report
+    from ..platform.faults import maybe_inject_fault
+    from ..platform.shutdown import exit_now, install_parent_watch, install_sigterm_report, set_exit_reporter
+    from . import failures
     from .nonfinite import NonFiniteError
+    from .run_summary import summary_lines
     from .text import TextTrainer
 
     code = 0
     import torch.distributed as dist
 
     if hard_exit:
+        set_exit_reporter(lambda line, c: failures.record_failure(line, c, _EXIT_KINDS.get(c, failures.ERROR),
+                                                                  _rank()))
         install_sigterm_report("hyper-train: ", _rank)
         install_parent_watch("hyper-train: ", _rank)   # launcher SIGKILLed: stop, write nothing more
     cfg = None
@@ -147,49 +173,63 @@ def main(argv=None) -> int:
         level = getattr(logging, str(cfg.logging.level).upper(), logging.INFO)
         logging.basicConfig(level=level if is_main else max(level, logging.WARNING),
                             format="%(levelname)s %(name)s: %(message)s")
+        maybe_inject_fault(_rank() or 0, 1, "setup")   # test hook (platform/faults.py)
         trainer = TextTrainer(cfg)
         results = trainer.train()
         if is_main:
-            log = trainer.run_log
-            applied = [r for r in results if not r.nonfinite]   # skipped steps carry a NaN/Inf loss
-            if applied:
-                first = next(r for r in trainer.run_log.records if not r.get("nonfinite"))
-                last = applied[-1]
-                tps = sum(r.tokens_per_s for r in results) / len(results)
-                skipped = (f" ({trainer.nonfinite.skipped} non-finite step(s) skipped, see {log.jsonl_path})"
-                           if trainer.nonfinite.skipped else "")
-                print(f"done: {trainer.step} steps{skipped}, loss {first['loss']:.4f} -> {last.loss:.4f}, "
-                      f"mean {tps:,.0f} tokens/s, {last.valid_tokens} valid tokens/step", flush=True)
-            elif results:
-                print(f"done: {trainer.step} steps, every one skipped as non-finite (see {log.jsonl_path})",
-                      flush=True)
-            else:
-                print(f"done: nothing to do (already at step {trainer.step})", flush=True)
-            print(f"log: {log.json_path}", flush=True)
-            if cfg.logging.plot:
-                print(f"loss curve: {log.plot_path}", flush=True)
+            print("\n".join(summary_lines(trainer, results)), flush=True)
     except (CPConfigError, PreflightError, FileNotFoundError) as exc:
-        # agreed on every rank (preflight): rank 0 reports it once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+        # agreed on every rank (preflight): every rank records it, rank 0 prints it once; a
+        # PreflightError echoes another rank's error
         code = 2
+        failures.record_failure(f"hyper-train: configuration error: {exc}", code,
+                                failures.ECHO if isinstance(exc, PreflightError) else failures.CONFIG, _rank(),
+                                echo=_rank() in (None, 0))
     except NonFiniteError as exc:   # raised on every rank at the same step: rank 0 reports it once
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"hyper-train: {exc}", file=sys.stderr, flush=True)
         code = NONFINITE_EXIT
+        failures.record_failure(f"hyper-train: {exc}", code, failures.NONFINITE, _rank(), echo=_rank() in (None, 0))
     except BaseException as exc:  # noqa: BLE001 - only peer failures are handled here (DCP's
         # CheckpointException is a BaseException); anything else keeps its traceback
         failure = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else diagnose(exc, rank=_rank())
         if failure is None:
-            raise
-        line = _peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None)
-        if hard_exit:
-            exit_now(line, PEER_FAILURE_EXIT)
-        print(line, file=sys.stderr, flush=True)
-        code = PEER_FAILURE_EXIT
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not hard_exit:
+                raise
+            code = 1   # started by hyper-train: one line for the parent, the traceback in a file;
+            # otherwise the traceback on stderr and the line in torchrun's error file
+            launched = failures.launched()
+            if not launched:
+                traceback.print_exc()
+            failures.record_failure(failures.error_line(exc, _rank(), cfg.logging.out_dir if cfg is not None
+                                                        else None, save=launched),
+                                    code, failures.ERROR, _rank(), echo=False)
+        else:
+            line = failures.peer_failure_line(failure, exc, cfg.logging.out_dir if cfg is not None else None,
+                                              PEER_FAILURE_EXIT)
+            if hard_exit:
+                exit_now(line, PEER_FAILURE_EXIT)
+            print(line, file=sys.stderr, flush=True)
+            code = PEER_FAILURE_EXIT
     finally:
         destroy_distributed()
+    return _leave(code, hard_exit)
+
+
+def _leave(code: int, hard_exit: bool) -> int:
+    """``code``; from the command line an error ends the process here, after the process group was
+    destroyed and the output flushed: no interpreter teardown, whose C++ destructors (a collective
+    thread still joinable) could abort the rank ("terminate called without an active exception")
+    and which takes seconds on a loaded machine while the peers wait to be stopped."""
+    if hard_exit and code:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        os._exit(code)
     return code
+
+
+_EXIT_KINDS = {PEER_FAILURE_EXIT: "peer", 143: "terminated", 129: "launcher_gone"}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ from .hf_config_keys import check_config_keys
 from .token_id_checks import check_token_ids
 
 
+def load_run_config(argv) -> TrainerConfig:
+    """``argv[0]`` (the YAML file) + dotted overrides -> :meth:`TrainerConfig.from_yaml` ->
+    :func:`check_run_config` (the CLI's and the launcher's config path; local, no collective)."""
+    return check_run_config(TrainerConfig.from_yaml(argv[0], list(argv[1:])))
+
+
 def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
     """What the schema alone cannot see, checked before any rank builds anything (local, no
     collective; the CLI runs it on every rank inside the config-load agreement). Raises one

@@ -152,6 +152,8 @@ def build_token_store(files: list[Path], fmt: str, text_field: str, tokenizer: s
 
     tok = load_tokenizer(tokenizer)
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()   # the caller says what happens, in one line
     try:
         ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
                                    cache_dir=str(out.parent / "hf_datasets"), **kwargs)
@@ -159,6 +161,9 @@ def build_token_store(files: list[Path], fmt: str, text_field: str, tokenizer: s
         raise CPConfigError("data.files", f"datasets cannot read {len(files)} {fmt} file(s) "
                             f"({files[0].name}...): {type(exc).__name__}: {exc}".replace("\n", " "),
                             fix="check the files and data.format") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     field = "text" if fmt == "text" else text_field
     if field not in ds.column_names:
         raise CPConfigError("data.text_field", f"{field!r} is not a column of {files[0].name} "
@@ -208,7 +213,16 @@ def open_token_store(cfg, *, is_builder: bool = True) -> TokenStore:
 
     def build():
         if is_builder and not (path / "meta.json").is_file():
+            import time
+
+            print(f"first run on these files: tokenizing {len(files)} {fmt} file(s) ({files[0].name}...) with "
+                  f"{cfg.tokenizer} into the cache {path} (data.cache_dir; done once, reused while the files, "
+                  f"text_field and tokenizer are unchanged)", flush=True)
+            t0 = time.perf_counter()
             build_token_store(files, fmt, cfg.text_field, cfg.tokenizer, path)
+            meta = json.loads((path / "meta.json").read_text())
+            print(f"tokenized {meta['n_docs']:,} documents, {meta['n_tokens']:,} tokens in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
 
     agree_or_raise(build, what="tokenizing data.files (rank 0)", same_error=True)
     return agree_or_raise(lambda: TokenStore(path), what="opening the token store", same_error=True)

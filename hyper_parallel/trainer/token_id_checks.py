@@ -53,10 +53,20 @@ def check_token_ids(cfg, text_config, given: dict, tokenizer=None) -> None:
                             fix=f"raise model.config.vocab_size above {tokenizer.eos_token_id}")
 
 
-def checked_token_ids(cfg, model):
-    """``model`` (built, its vocabulary already resized) after :func:`check_token_ids` on its config."""
+def checked_token_ids(cfg, model, *, say: bool = False):
+    """``model`` (built, its vocabulary already resized) after :func:`check_token_ids` on its config.
+    ``say`` (rank 0): a vocabulary raised to the tokenizer's size is logged in one warning line."""
     hf = getattr(model, "config", None)
     if hf is not None:
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         check_token_ids(cfg, text, dict(cfg.model.config or {}))
+        have = hf.__dict__.get("_hp_checkpoint_vocab")
+        if say and have is not None:
+            import logging
+
+            logging.getLogger("hyper_parallel.trainer").warning(
+                "[%s] %s is below len(data.tokenizer) = %s: the embedding and the head are built with %s rows "
+                "(resized up; the new rows are initialized)%s", "model.path" if cfg.model.path else
+                "model.config.vocab_size", have, text.vocab_size, text.vocab_size,
+                "" if cfg.model.path else f"; set vocab_size: {text.vocab_size} to say so")
     return model

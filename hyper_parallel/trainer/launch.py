@@ -1,0 +1,113 @@
+"""``hyper-train CONFIG [k=v ...] [--nproc-per-node N]`` outside torchrun: check once, then start the ranks.
+
+Contract (:func:`launch`, called by the CLI when this process is not a torchelastic worker):
+
+1. In this one process, before any rank exists: the whole config (the schema, the sizes against
+   N, then :func:`.config_checks.check_run_config`: cross-field checks, plan targets, tokenizer
+   and vocabulary), the data (``data.path`` is a file; ``data.source: files``: the files are read
+   and tokenized into the cache once, here, saying so) and the output paths. A problem is one line and exit code 2.
+2. N is ``--nproc-per-node`` or the product of the config's sizes (dp_replicate x dp_shard x cp x
+   tp x pp). N = 1 runs in this process (the CLI goes on; no launcher).
+3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
+   elastic_launch``, standalone c10d rendezvous on localhost, no restarts) as
+   ``python -m hyper_parallel.trainer.cli CONFIG k=v ...``; inside them the CLI behaves as under
+   torchrun. When one rank fails, torchelastic stops the others (SIGTERM, then SIGKILL after
+   ``shutdown_timeout``) and this process prints one line per root cause (:mod:`.failures`),
+   with no launcher traceback and torchelastic's own log lines silenced.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from .failures import LAUNCHED_ENV, summarise
+
+#: seconds torchelastic waits for a SIGTERMed rank before SIGKILL (a rank reports SIGTERM in ~2 s)
+SHUTDOWN_TIMEOUT_S = 10
+
+
+def in_worker() -> bool:
+    """True inside a rank started by torchrun / torchelastic (or any launcher setting LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def world_size_of(cfg) -> int:
+    """The number of ranks the config's sizes ask for."""
+    return cfg.accelerator.mesh_sizes().product()
+
+
+def check_before_launch(argv: list, nproc: int | None):
+    """Step 1 of the module doc; returns (config, N). Raises CPConfigError naming the field."""
+    from ..distributed.errors import CPConfigError
+    from ..distributed.mesh import MeshConfigError
+    from .config import TrainerConfig
+    from .config_checks import check_run_config
+    from .metrics import check_output_paths
+
+    cfg = TrainerConfig.from_yaml(argv[0], list(argv[1:]))   # the schema, then the sizes (cheap) ...
+    n = world_size_of(cfg) if nproc is None else nproc
+    try:
+        cfg.accelerator.mesh_sizes().check(n)
+    except MeshConfigError as exc:
+        raise CPConfigError("accelerator", f"{exc} (--nproc-per-node {n})",
+                            fix=f"use --nproc-per-node {world_size_of(cfg)} (or leave it out), or change the "
+                                "sizes") from None
+    check_run_config(cfg)   # ... then the checks that load transformers, the tokenizer and the plan targets
+    _check_data(cfg.data)
+    check_output_paths(cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
+                       if cfg.schedule.save_every else None)
+    return cfg, n
+
+
+def _check_data(data) -> None:
+    from ..distributed.errors import CPConfigError
+    from .paths import resolve_path
+
+    if data.source == "files":
+        from .data_sources import open_token_store
+
+        open_token_store(data)   # no process group: this process tokenizes once (first run) and opens it
+    elif data.path is not None and not resolve_path(data.path).is_file():
+        raise CPConfigError("data.path", f"{data.path} is not a file",
+                            fix="point it at a text file, e.g. examples/data/corpus.txt")
+
+
+def _quiet_torchelastic() -> None:
+    """torchelastic logs every worker exit and stop at WARNING/ERROR: the summary replaces them
+    (``LOGLEVEL`` set by the user wins)."""
+    if "LOGLEVEL" not in os.environ:
+        os.environ["LOGLEVEL"] = "CRITICAL"   # read when torchelastic creates its loggers
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")) \
+                and os.environ["LOGLEVEL"] == "CRITICAL":
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(argv: list, nproc: int) -> int:
+    """Step 3 of the module doc: start ``nproc`` ranks running the CLI on ``argv``; the exit code."""
+    _quiet_torchelastic()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_torchelastic()
+    os.environ[LAUNCHED_ENV] = "1"
+    if "OMP_NUM_THREADS" not in os.environ:   # as torchrun: one thread per rank unless told otherwise
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "hyper_parallel.trainer.cli", *argv)
+    except ChildFailedError as exc:
+        lines, code = summarise(exc.failures, nproc)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        print(f"hyper-train: stopped by {exc.sigval.name}; every rank was stopped", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
