@@ -15,7 +15,7 @@ checksum, every recorded file's size and CRC-32 (the ranks split the files), the
 model and optimizer, before any tensor is read. Every failure is one :class:`CPConfigError` naming
 ``schedule.resume_from``, the checkpoint and the damaged file or mismatching tensor, the same on
 every rank. ``resume_from: latest`` takes the newest *intact* ``step_<N>``: damaged newer ones
-(:class:`~.files.DamagedCheckpoint`) are skipped with a log line each, and the one loaded is logged.
+(:func:`~.files.is_damage`) are skipped with a log line each, and the one loaded is logged.
 Every collective honours ``accelerator.comm_timeout_s`` (DCP on ``timed_world_group``, agreements
 through the platform layer's timed all-gather).
 """
@@ -30,16 +30,15 @@ from ...distributed.errors import CPConfigError
 from ...distributed.preflight import agree_or_raise
 from ...platform import all_gather_object
 from ...platform.process_group import timed_world_group
-from .files import (CHECKSUM, DCP_METADATA, FORMAT, LATEST, META_FILE, PARTIAL, DamagedCheckpoint,
-                    complete_checkpoints, file_checksum, own_file_sums, rotate, step_dir, verify_checkpoint)
+from .files import (CHECKSUM, DCP_METADATA, FORMAT, LATEST, META_FILE, PARTIAL, complete_checkpoints, is_damage, file_checksum, own_file_sums, rotate, step_dir, verify_checkpoint)
 from .load import check_structure, load_checkpoint
 from .manifest import OPT_IN, SIGNATURE, meta_digest, read_meta, sign_meta
 from .save import save_checkpoint
 from .topology import TOPOLOGY_KEYS, check_topology, describe_reshard, topology_of
 
 __all__ = ["CHECKSUM", "DCP_METADATA", "FORMAT", "LATEST", "META_FILE", "OPT_IN", "PARTIAL", "SIGNATURE",
-           "TOPOLOGY_KEYS", "DamagedCheckpoint", "check_structure", "check_topology", "complete_checkpoints",
-           "describe_reshard", "file_checksum", "load_checkpoint", "meta_digest", "own_file_sums", "read_meta",
+           "TOPOLOGY_KEYS", "check_structure", "check_topology", "complete_checkpoints",
+           "describe_reshard", "file_checksum", "is_damage", "load_checkpoint", "meta_digest", "own_file_sums", "read_meta",
            "resolve_resume", "rotate", "save_checkpoint", "sign_meta", "step_dir", "topology_of",
            "validate_resume", "verify_checkpoint"]
 
@@ -101,8 +100,8 @@ def validate_resume(path: str | Path | None, topology: dict, root: str | Path | 
     for where in candidates:
         try:
             meta = agree_or_raise(lambda: check(Path(where)), what="checkpoint resume", same_error=True)
-        except DamagedCheckpoint as exc:
-            if not latest or where == candidates[-1]:
+        except CPConfigError as exc:
+            if not is_damage(exc) or not latest or where == candidates[-1]:
                 if skipped:
                     raise CPConfigError("schedule.resume_from", f"'latest': every checkpoint in {root} is damaged "
                                         f"(newest: {exc.problem})", fix=exc.fix) from None

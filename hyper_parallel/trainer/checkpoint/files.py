@@ -26,13 +26,18 @@ RECOVER = ("resume from an earlier complete checkpoint (another step_<N> directo
            "or start a fresh run without schedule.resume_from")
 
 
-class DamagedCheckpoint(CPConfigError):
-    """A checkpoint whose files (or ``hyper_meta.json``) changed after the save: ``resume_from:
-    latest`` skips it for an older intact one; a named checkpoint is refused."""
+_DAMAGED = " is damaged: "
 
 
-def damaged(path, name: str, problem: str) -> DamagedCheckpoint:
-    return DamagedCheckpoint("schedule.resume_from", f"checkpoint {path} is damaged: {name} {problem}", fix=RECOVER)
+def damaged(path, name: str, problem: str) -> CPConfigError:
+    """The error for a checkpoint whose files (or ``hyper_meta.json``) changed after the save."""
+    return CPConfigError("schedule.resume_from", f"checkpoint {path}{_DAMAGED}{name} {problem}", fix=RECOVER)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether ``exc`` is :func:`damaged`'s (``resume_from: latest`` then tries an older checkpoint;
+    any other refusal, e.g. another TP size, stands). Survives the pickling between ranks."""
+    return isinstance(exc, CPConfigError) and _DAMAGED in str(getattr(exc, "problem", ""))
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -85,7 +90,7 @@ def verify_checkpoint(path: str | Path, meta: dict, *, part: int = 0, parts: int
     Only every ``parts``-th file starting at ``part`` is read (ranks split the work). A legacy
     checkpoint (no ``files``; loaded only with ``schedule.allow_unverified_checkpoint``, see
     :mod:`.manifest`) gets the presence check of ``.metadata`` only. Raises
-    :class:`DamagedCheckpoint` naming the checkpoint and the first damaged file."""
+    :func:`damaged` naming the checkpoint and the first damaged file."""
     path = Path(path)
     files = meta.get("files")
     if not isinstance(files, dict):

@@ -45,7 +45,7 @@ def write_meta(path: str | Path, meta: dict) -> None:
 
 
 def check_signature(path: Path, meta: dict, *, allow_unverified: bool = False) -> None:
-    """Raises :class:`~.files.DamagedCheckpoint` when ``meta_sha256`` does not match, or a
+    """Raises :func:`~.files.damaged` when ``meta_sha256`` does not match, or a
     :class:`CPConfigError` for an unsigned (legacy) manifest unless ``allow_unverified``."""
     recorded = meta.get(SIGNATURE)
     if recorded is None:
