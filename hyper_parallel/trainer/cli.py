@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...]   (under torchrun for more than one rank)\n"
+         "       hyper-train CONFIG.yaml --explain   (meshes, plan, bytes per rank; starts no rank)\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 NONFINITE_EXIT = 4
@@ -117,6 +118,10 @@ def main(argv=None) -> int:
     if any(a in ("-V", "--version") for a in argv):
         print(f"hyper-train (hyper_parallel) {version()}")
         return 0
+    if "--explain" in argv:   # one process, meta device, before any rank starts (trainer/explain.py)
+        from .explain import explain_cli
+
+        return explain_cli([a for a in argv if a != "--explain"])
     options = [a for a in argv if a.startswith("-")]
     if options:
         print(f"hyper-train: unknown option {options[0]!r}\n{USAGE}", file=sys.stderr)

@@ -67,7 +67,6 @@ def explain(cfg, echo=print) -> dict:
 
     a, d, s = cfg.accelerator, cfg.data, cfg.schedule
     sizes = a.mesh_sizes()
-    baseline = _rss_bytes()
     model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))
     plan = ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
                                                     sequence_parallel=a.sequence_parallel,
@@ -162,9 +161,36 @@ def explain(cfg, echo=print) -> dict:
         echo("cp_size 1: no split")
 
     tensors = 2 * p_rank + opt_rank + 2 * unit * (n_fsdp > 1) + act + gathered + loss_buf
+    # CPU: a rank's resident set is its tensors plus the runtime (torch, transformers, the data, the
+    # tokenizer), about what this process holds now that it has built the meta model and read a batch
+    from ..platform.device import detect_device_type
+
+    baseline = _rss_bytes() if (a.device_type or detect_device_type()) == "cpu" else 0.0
     echo("== estimated peak per rank ==")
-    echo(f"tensors {_gb(tensors)}; with this machine's runtime baseline ({_gb(baseline)}: this process's resident "
-         f"set after importing torch and transformers) {_gb(tensors + baseline)}")
+    echo(f"tensors {_gb(tensors)}" + (f"; resident set {_gb(tensors + baseline)} (runtime baseline {_gb(baseline)}: "
+                                      "this process's resident set after building the meta model and reading a "
+                                      "batch)" if baseline else ""))
     return {"params": p_rank, "grads": p_rank, "optimizer": opt_rank, "activations": act, "gathered_kv": gathered,
             "loss_buffers": loss_buf, "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
             "comm": comm, "spread": spread, "bytes_per_token": per_token}
+
+
+def explain_cli(argv: list) -> int:
+    """``hyper-train CONFIG.yaml [k=v ...] --explain``: the config checked like a run
+    (:func:`~.cli.load_config`), then :func:`explain`; exit 2 with one line on a config error."""
+    import sys
+
+    from ..distributed.errors import CPConfigError
+    from .cli import load_config
+
+    if not argv:
+        from .cli import USAGE
+
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        explain(load_config(argv))
+    except (CPConfigError, FileNotFoundError) as exc:
+        print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
