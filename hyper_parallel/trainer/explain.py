@@ -177,19 +177,18 @@ def explain(cfg, echo=print) -> dict:
 
 def explain_cli(argv: list) -> int:
     """``hyper-train CONFIG.yaml [k=v ...] --explain``: the config checked like a run
-    (:func:`~.cli.load_config`), then :func:`explain`; exit 2 with one line on a config error."""
+    (schema + cross-field checks, as ``cli.load_config``), then :func:`explain`; exit 2 with one line on a config error."""
     import sys
 
     from ..distributed.errors import CPConfigError
-    from .cli import load_config
+    from .config import TrainerConfig
+    from .config_checks import check_run_config
 
     if not argv:
-        from .cli import USAGE
-
-        print(USAGE, file=sys.stderr)
+        print("usage: hyper-train CONFIG.yaml [dotted.key=value ...] --explain", file=sys.stderr)
         return 2
     try:
-        explain(load_config(argv))
+        explain(check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:])))
     except (CPConfigError, FileNotFoundError) as exc:
         print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
         return 2

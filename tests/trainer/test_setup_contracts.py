@@ -107,7 +107,7 @@ def resume_check_fails_on_rank_1(cfg: dict):
     import torch.distributed as dist
 
     from hyper_parallel.distributed.errors import CPConfigError
-    from hyper_parallel.trainer import checkpoint
+    from hyper_parallel.trainer.checkpoint import resume as checkpoint   # where validate_resume looks them up
 
     saved = checkpoint.read_meta, checkpoint.check_topology, checkpoint.verify_checkpoint
     if dist.get_rank() == 0:

@@ -17,6 +17,7 @@ from ...distributed.errors import CPConfigError
 from ...distributed.preflight import agree_or_raise
 from ...platform.process_group import timed_world_group
 from .files import DCP_METADATA, META_FILE, damaged
+from .resume import validate_resume
 from .topology import describe_reshard
 
 log = logging.getLogger("hyper_parallel.trainer")
@@ -97,8 +98,6 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
 
     path = Path(path)
     if meta is None:
-        from . import validate_resume
-
         meta = validate_resume(path, topology, allow_unverified=allow_unverified)
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd,
