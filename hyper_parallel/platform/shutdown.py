@@ -14,7 +14,8 @@ Contract:
 * :func:`set_exit_reporter`: a callable that receives each such line and exit code first (the
   trainer records it for its launcher); the process still ends with ``os._exit``.
 * :func:`install_parent_watch`: a rank whose launcher died (SIGKILLed torchrun) stops within a
-  second with one line and exit code 129 instead of training on as an orphan.
+  second with one line and exit code 129 instead of training on as an orphan;
+  :func:`stop_if_launcher_gone` is the same check, called synchronously at every write point.
 """
 from __future__ import annotations
 
@@ -124,13 +125,25 @@ def install_parent_watch(prefix: str = "", rank_fn: Callable[[], Optional[int]] 
     parent = os.getppid()
     if parent <= 1 or not os.environ.get("TORCHELASTIC_RUN_ID"):
         return False
+    _WATCHED.update(parent=parent, prefix=prefix, rank_fn=rank_fn)
 
     def watch():
         while True:
             threading.Event().wait(interval_s)
-            if os.getppid() != parent:
-                exit_now(prefix + launcher_gone_line(rank_fn(), parent), LAUNCHER_GONE_EXIT)
+            stop_if_launcher_gone()
 
     threading.Thread(target=watch, name="hp-parent-watch", daemon=True).start()
     return True
 
+
+
+_WATCHED: dict = {}   # set by install_parent_watch: the launcher's pid, the line's prefix, the rank
+
+
+def stop_if_launcher_gone() -> None:
+    """The synchronous check of :func:`install_parent_watch` (no-op without it): the trainer calls
+    it before each step, before each step record and before committing a checkpoint, so an
+    orphaned rank writes nothing more even between two polls of the watch thread."""
+    parent = _WATCHED.get("parent")
+    if parent is not None and os.getppid() != parent:
+        exit_now(_WATCHED["prefix"] + launcher_gone_line(_WATCHED["rank_fn"](), parent), LAUNCHER_GONE_EXIT)

@@ -29,13 +29,14 @@ from ..distributed.plan import apply_sharding_plan
 from ..distributed.preflight import agree_or_raise
 from ..platform import get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
-from ..platform.host_memory import configure_host_allocator, reset_host_tensor_peak, track_host_tensors
+from ..platform.shutdown import stop_if_launcher_gone
 from . import checkpoint as ckpt
 from .activation_offload import check_activation_offload, install_activation_offload
 from .batch_prep import PreparedBatch, prepare_batch
 from .config import TrainerConfig
 from .config_agreement import check_same_config_on_every_rank
 from .config_warnings import config_warnings
+from .device_setup import bind_local_device, local_rank as _local_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize, tokenizer_vocab
@@ -100,7 +101,8 @@ class BaseTrainer:
         self.ckpt_root = (Path(cfg.schedule.checkpoint_dir) if cfg.schedule.checkpoint_dir
                           else Path(cfg.logging.out_dir) / "checkpoints")
         self._resume_meta = ckpt.validate_resume(cfg.schedule.resume_from, ckpt.topology_of(self.mesh),
-                                                 root=self.ckpt_root)
+                                                 root=self.ckpt_root,
+                                                 allow_unverified=cfg.schedule.allow_unverified_checkpoint)
         self.cp_policy = None   # shard_batch_for_cp policy, from the sharding plan (CP > 1)
         self.sharding_plan = None
         self.device = self.platform.device(_local_rank())
@@ -287,8 +289,10 @@ class BaseTrainer:
         guard = self.nonfinite
         try:
             while self.step < total:
+                stop_if_launcher_gone()   # an orphaned rank (launcher killed) runs no further step
                 maybe_inject_fault(self.rank, self.step + 1, "step")  # test hook (platform/faults.py)
                 res = self.train_step(self.data.next_micro_batches(ga))
+                stop_if_launcher_gone()   # ... and writes no record of the step in flight
                 results.append(res)
                 try:
                     skipped = guard.check(res, self.last_checkpoint)
@@ -363,7 +367,7 @@ class BaseTrainer:
             verified = None
             path = ckpt.resolve_resume(path, self.ckpt_root) if str(path) == ckpt.LATEST else path
         meta = ckpt.load_checkpoint(path, self.model, self.optimizer, topology=ckpt.topology_of(self.mesh),
-                                    meta=verified)
+                                    meta=verified, allow_unverified=self.cfg.schedule.allow_unverified_checkpoint)
         self.step = int(meta["step"])
         # the stream's own state (global rows consumed, epoch, seed) when the checkpoint has it
         self.data.load_state_dict({"position": meta["data_position"], **(meta.get("data_state") or {})})
@@ -375,26 +379,6 @@ class BaseTrainer:
 
 
 # ---------------------------------------------------------------------- helpers
-def bind_local_device(platform) -> None:
-    """CUDA/NPU: pin this process to its local device (LOCAL_RANK) before the process group
-    starts, so NCCL/HCCL ranks do not all land on device 0. CPU: fix the host allocator's mmap
-    threshold (:func:`~hyper_parallel.platform.host_memory.configure_host_allocator`) and count tensor
-    storage (:func:`~hyper_parallel.platform.host_memory.track_host_tensors`, the step records'
-    ``peak_tensor_gb_per_rank``: the peak since this call, also in a process that ran a trainer before)."""
-    configure_host_allocator(platform.device_type)
-    if track_host_tensors(platform.device_type):
-        reset_host_tensor_peak()
-    mod = platform.device_module()
-    if mod is not None and hasattr(mod, "set_device"):
-        mod.set_device(_local_rank())
-
-
-def _local_rank() -> int:
-    import os
-
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def _has_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule

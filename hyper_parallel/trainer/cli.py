@@ -34,6 +34,7 @@ import sys
 import traceback
 
 USAGE = ("usage: hyper-train CONFIG.yaml [dotted.key=value ...] [--nproc-per-node N]\n"
+         "       hyper-train CONFIG.yaml --explain   (meshes, plan, bytes per rank; starts no rank)\n"
          "       hyper-train --help | --version")
 PEER_FAILURE_EXIT = 3
 NONFINITE_EXIT = 4
@@ -117,6 +118,10 @@ def main(argv=None) -> int:
     if any(a in ("-V", "--version") for a in argv):
         print(f"hyper-train (hyper_parallel) {version()}")
         return 0
+    if "--explain" in argv:   # one process, meta device, before any rank starts (trainer/explain.py)
+        from .explain import explain_cli
+
+        return explain_cli([a for a in argv if a != "--explain"])
     argv, nproc, error = _options(argv)
     if error or not argv:
         print(error or USAGE, file=sys.stderr)

@@ -169,9 +169,13 @@ class ScheduleConfig:
                                               "master weights; null: fp32")
     save_every: int | None = option(None, ge=1, help="save a checkpoint every N steps (and at the end of the run)")
     resume_from: str | None = option(None, help="a step_<N> checkpoint directory to resume from (same topology), "
-                                                "or 'latest': the newest complete step_<N> in checkpoint_dir")
+                                                "or 'latest': the newest intact step_<N> in checkpoint_dir (damaged "
+                                                "newer ones are skipped, with a log line each)")
     keep_last: int | None = option(None, ge=1, help="keep only the newest N complete checkpoints in checkpoint_dir "
                                                     "(older ones are removed after each save); null: keep all")
+    allow_unverified_checkpoint: bool = option(False, help="resume from a checkpoint whose hyper_meta.json has no "
+                                                           "checksum of its own (saved before meta checksums): "
+                                                           "refused unless true")
     lr_schedule: str = option("constant", choices=LR_SCHEDULES,
                               help="after warm-up: constant, or cosine down to min_lr_ratio x lr")
     min_lr_ratio: float = option(0.1, ge=0, le=1, help="cosine floor, as a fraction of optimizer.lr")

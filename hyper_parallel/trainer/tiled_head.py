@@ -88,8 +88,10 @@ class TiledHead:
                             tgt.reshape(-1), ignore_index=self.ignore_index, chunk_size=self.chunk_size,
                             **self.post)
         self._loss = tok.sum()
-        # empty logits, still in the graph (FSDP2's pre-backward hooks on the model output fire)
-        return tok.view(B, S, 1)[..., :0].to(hidden.dtype)
+        # empty logits, still in the graph (FSDP2's pre-backward hooks on the model output fire);
+        # cloned so that it is not a view: FSDP2 hooks a module output, and an in-place op on a view
+        # would drop that hook (it warns about any view it gets)
+        return tok.view(B, S, 1)[..., :0].to(hidden.dtype).clone()
 
     def loss_sum(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 sum of this micro-batch's local token losses; ``logits`` is the model's (empty) output."""

@@ -107,11 +107,11 @@ def resume_check_fails_on_rank_1(cfg: dict):
     import torch.distributed as dist
 
     from hyper_parallel.distributed.errors import CPConfigError
-    from hyper_parallel.trainer import checkpoint
+    from hyper_parallel.trainer.checkpoint import resume as checkpoint   # where validate_resume looks them up
 
     saved = checkpoint.read_meta, checkpoint.check_topology, checkpoint.verify_checkpoint
     if dist.get_rank() == 0:
-        checkpoint.read_meta = lambda path: {"topology": {}}
+        checkpoint.read_meta = lambda path, **kw: {"topology": {}}
         checkpoint.check_topology = lambda path, saved_topology, current: None
         checkpoint.verify_checkpoint = lambda path, meta, part=0, parts=1: None
     else:

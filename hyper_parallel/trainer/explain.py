@@ -1,0 +1,195 @@
+"""``hyper-train CONFIG.yaml --explain``: what a run will use, before any rank starts.
+
+One process, no process group, the model on the meta device (nothing allocated, nothing
+downloaded). Prints, per rank: the meshes (every group of every dimension), the sharding and CP
+plan (the planner's own summary), parameter / gradient / optimizer bytes (FSDP2 shards over
+``dp_shard x cp``, TP splits the decoder layers), activation and loss-buffer bytes at the
+configured length (:func:`~.explain_estimates.saved_bytes_per_token`), communication bytes per
+step per CP method and for FSDP2 (:func:`~.explain_estimates.comm_bytes`), the attention work
+spread of the first batch (visible (q, k) pairs per CP rank, max / mean), and the peak it adds up
+to. docs/trainer.md "--explain" compares the estimate with measured peaks.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .explain_estimates import comm_bytes, fsdp_bytes, saved_bytes_per_token, work_spread
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.3f} GB"
+
+
+def mesh_lines(sizes) -> list[str]:
+    """Every group of every mesh dimension (ranks laid out dp_replicate x dp_shard x cp x tp)."""
+    shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
+    world = sizes.dp_replicate * sizes.dp_shard * sizes.cp * sizes.tp
+    grid = torch.arange(world).reshape(shape)
+
+    def groups(dims):
+        keep = [i for i in range(4) if i not in dims]
+        g = grid.permute(*keep, *dims).reshape(-1, int(torch.tensor([shape[d] for d in dims]).prod()))
+        return g.tolist()
+
+    lines = [f"world {world} = dp_replicate {sizes.dp_replicate} x dp_shard {sizes.dp_shard} x cp {sizes.cp} "
+             f"x tp {sizes.tp} (ep {sizes.ep} derived)"]
+    for name, dims in (("cp", (2,)), ("tp", (3,)), ("dp (dp_replicate x dp_shard)", (0, 1)),
+                       ("fsdp (dp_shard x cp)", (1, 2))):
+        lines.append(f"  {name}: groups {groups(dims)}")
+    return lines
+
+
+def _rss_bytes() -> float:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _first_batch(cfg, vocab: int, dp: int):
+    from .data import build_data_stream
+
+    stream, _ = build_data_stream(cfg.data, dp_rank=0, dp_size=dp, vocab_size=vocab, is_builder=True)
+    return stream.next_micro_batches(1)[0]
+
+
+def explain(cfg, echo=print) -> dict:
+    """Print the explanation of the checked config ``cfg`` (see the module doc); returns its
+    numbers (bytes per rank) for tests and benchmarks."""
+    from ..distributed.context_parallel.catalogue import METHODS
+    from ..distributed.plan import ShardingPlanner
+    from .model import HyperAutoModel, tokenizer_vocab
+
+    a, d, s = cfg.accelerator, cfg.data, cfg.schedule
+    sizes = a.mesh_sizes()
+    model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))
+    plan = ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
+                                                    sequence_parallel=a.sequence_parallel,
+                                                    loss_parallel=a.loss_parallel)
+    echo("== meshes ==")
+    for line in mesh_lines(sizes):
+        echo(line)
+    echo("== plan ==")
+    echo(plan.summary())
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    H, V, L = text.hidden_size, text.vocab_size, text.num_hidden_layers
+    hq = text.num_attention_heads
+    hk = getattr(text, "num_key_value_heads", None) or hq
+    hd = getattr(text, "head_dim", None) or H // hq
+    elem = next(model.parameters()).element_size()
+    cp, tp = a.cp_size, a.tp_size
+    n_fsdp = sizes.dp_shard * cp
+    p_total = sum(p.numel() * p.element_size() for p in model.parameters())
+    layers = [m for n, m in model.named_modules() if n in set(plan.decoder_layers)]
+    p_layers = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+    p_rank = ((p_total - p_layers) + p_layers / tp) / n_fsdp
+    opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
+    opt_rank = p_rank / elem * 4 * opt_factor
+    unit = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0) / tp
+    echo("== parameters and optimizer (per rank) ==")
+    echo(f"parameters {_gb(p_total)} in all; per rank (FSDP2 over {n_fsdp}, TP {tp}): parameters {_gb(p_rank)}, "
+         f"gradients {_gb(p_rank)}, optimizer state {_gb(opt_rank)} ({cfg.optimizer.name}, fp32), "
+         f"unsharded layers in flight {_gb(2 * unit * (n_fsdp > 1))} (one decoder layer + the prefetched next)")
+
+    S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
+    S += (-S) % (2 * cp if plan.batch_policy == "load_balance" else cp)
+    s_local, B = S // cp, d.micro_batch_size
+    per_token = saved_bytes_per_token(model, s_local)
+    act = per_token * s_local * B
+    methods = sorted({t.info.method for t in plan.cp_targets if t.info is not None})
+    gathered = 0.0
+    if "colossal" in methods:   # the gathered K/V each layer keeps for backward
+        gathered = sum(1 for t in plan.cp_targets if t.info and t.info.method == "colossal") * \
+            2 * (S - s_local) * hk * hd * elem * B
+    if s.activation_checkpointing:
+        act = L * s_local * B * H * elem + act / max(L, 1)
+        gathered = gathered / max(L, 1)
+    if plan.batch_policy is not None and cp > 1:
+        gathered += 2 * S * hk * hd * elem * B   # one layer's gathered K/V while it runs
+    if cfg.loss.tiled:
+        loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)
+        what = f"tiled loss: 2 x {cfg.loss.chunk_size} x {V} fp32 chunk buffers + the head input"
+    else:
+        loss_buf = 3 * s_local * B * V * 4
+        what = f"untiled loss: [S_local, {V}] logits, their fp32 copy and gradient"
+    echo("== activations and loss buffers (per rank) ==")
+    echo(f"row length {S} (S_local {s_local} per CP rank, micro-batch {B}); saved for backward "
+         f"{per_token / 1e3:.1f} kB/token -> {_gb(act)}"
+         + (" (activation checkpointing: layer inputs + one layer recomputed)" if s.activation_checkpointing else "")
+         + (f"; gathered K/V {_gb(gathered)}" if gathered else ""))
+    echo(f"loss buffers {_gb(loss_buf)} ({what})")
+
+    echo("== communication per step (bytes sent per rank) ==")
+    ga, recompute = s.grad_accum_steps, 2 if s.activation_checkpointing else 1
+    comm = {}
+    for m in methods:
+        n = sum(1 for t in plan.cp_targets if t.info and t.info.method == m)
+        per = comm_bytes(m, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp), d=hd, elem=elem)
+        if not per:
+            echo(f"{m} ({n} layers): not modelled here")
+            continue
+        total = sum(v * (recompute if k.startswith("fwd") else 1) for k, v in per.items()) * n * B * ga
+        comm[m] = total
+        echo(f"{METHODS[m].title} ({n} layers): {_gb(total)} per step = " +
+             ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in per.items()) + f" per layer per row x {n * B * ga}")
+    fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
+    if fsdp:
+        comm["fsdp"] = sum(fsdp.values()) * ga
+        echo(f"FSDP2 over {n_fsdp} ranks: {_gb(comm['fsdp'])} per step (" +
+             ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in fsdp.items()) + f" per micro-batch x {ga})")
+
+    echo("== attention work spread of the first batch ==")
+    spread = None
+    if cp > 1 and methods:
+        try:
+            batch = _first_batch(cfg, V, sizes.dp_replicate * sizes.dp_shard)
+        except Exception as exc:  # noqa: BLE001 - the explanation goes on without the data
+            echo(f"first batch not read ({type(exc).__name__}: {exc})")
+        else:
+            row = METHODS[methods[-1]]
+            spread = work_spread(batch, row.layout, cp, heads_split=row.head_rule == "split")
+            mean = sum(spread) / cp
+            echo(f"{row.title}, layout {row.layout}: visible (q, k) pairs per CP rank {spread}; "
+                 f"max/mean {max(spread) / mean if mean else float('nan'):.3f}")
+    else:
+        echo("cp_size 1: no split")
+
+    tensors = 2 * p_rank + opt_rank + 2 * unit * (n_fsdp > 1) + act + gathered + loss_buf
+    # CPU: a rank's resident set is its tensors plus the runtime (torch, transformers, the data, the
+    # tokenizer), about what this process holds now that it has built the meta model and read a batch
+    from ..platform.device import detect_device_type
+
+    baseline = _rss_bytes() if (a.device_type or detect_device_type()) == "cpu" else 0.0
+    echo("== estimated peak per rank ==")
+    echo(f"tensors {_gb(tensors)}" + (f"; resident set {_gb(tensors + baseline)} (runtime baseline {_gb(baseline)}: "
+                                      "this process's resident set after building the meta model and reading a "
+                                      "batch)" if baseline else ""))
+    return {"params": p_rank, "grads": p_rank, "optimizer": opt_rank, "activations": act, "gathered_kv": gathered,
+            "loss_buffers": loss_buf, "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
+            "comm": comm, "spread": spread, "bytes_per_token": per_token}
+
+
+def explain_cli(argv: list) -> int:
+    """``hyper-train CONFIG.yaml [k=v ...] --explain``: the config checked like a run
+    (schema + cross-field checks, as ``cli.load_config``), then :func:`explain`; exit 2 with one line on a config error."""
+    import sys
+
+    from ..distributed.errors import CPConfigError
+    from .config import TrainerConfig
+    from .config_checks import check_run_config
+
+    if not argv:
+        print("usage: hyper-train CONFIG.yaml [dotted.key=value ...] --explain", file=sys.stderr)
+        return 2
+    try:
+        explain(check_run_config(TrainerConfig.from_yaml(argv[0], argv[1:])))
+    except (CPConfigError, FileNotFoundError) as exc:
+        print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,151 @@
+"""The arithmetic of ``hyper-train --explain`` (:mod:`.explain`): bytes per rank and work spread.
+
+Everything here is local and runs on a meta-device model in one process (no process group):
+
+* :func:`saved_bytes_per_token` — what autograd saves in one forward of the model's decoder (the
+  LM head excluded) at the local sequence length, measured with ``saved_tensors_hooks`` on the
+  meta device; the attention core is replaced by a stand-in that saves what a fused attention
+  kernel saves (q, k, v, out, log-sum-exp), never an ``[S, S]`` matrix;
+* :func:`comm_bytes` — bytes each rank sends per step for one CP method, from the exchanges
+  docs/wrappers.md describes (Colossal / Head-Tail: K/V AllGather and dK/dV ReduceScatter,
+  Head-Tail's Q/O and dO/dQ All-to-All and its backward K/V regather; Ulysses: Q/K/V/O
+  All-to-All both ways) and FSDP2's AllGather (forward and backward) and ReduceScatter;
+* :func:`work_spread` — visible (query, key) pairs per CP rank of a batch under the method's
+  layout (contiguous chunks, or Head-Tail's head r + tail 2C-1-r), documents kept apart.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+PROBE_ATTENTION = "hp_explain_probe"
+
+
+class _SavedAttention(torch.autograd.Function):
+    """Shape-only attention: output ``[B, S, Hq, D]``, saving q, k, v, out and the LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.transpose(1, 2).contiguous()
+        lse = q.new_empty(q.shape[:3])
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # pragma: no cover - the probe never runs backward
+        q, k, v, _, _ = ctx.saved_tensors
+        return g.transpose(1, 2), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    return _SavedAttention.apply(query, key, value), None
+
+
+@contextlib.contextmanager
+def _probe_mode(model: nn.Module):
+    """The model's attention -> the stand-in; transformers' packed-sequence detection (a
+    data-dependent ``.item()``) off: the probe feeds no position ids."""
+    import transformers.masking_utils as mu
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    before = [c._attn_implementation for c in configs]
+    find = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        for c in configs:
+            c._attn_implementation = PROBE_ATTENTION
+        yield
+    finally:
+        mu.find_packed_sequence_indices = find
+        for c, b in zip(configs, before):
+            c._attn_implementation = b
+
+
+def saved_bytes_per_token(model: nn.Module, tokens: int) -> float:
+    """Bytes autograd saves per token in one forward of ``model``'s decoder (``model.model`` when the
+    model has one: the LM head and loss are counted separately) over ``tokens`` tokens, on meta.
+    Parameters (and views of them) are not counted; a tensor saved twice counts once."""
+    decoder = getattr(model, "model", model)
+    params = {id(p) for p in model.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) not in params and id(t) not in params:
+            seen[id(base)] = max(seen.get(id(base), 0), base.numel() * base.element_size())
+        return t
+
+    ids = torch.zeros(1, int(tokens), dtype=torch.long, device="meta")
+    was = model.training
+    model.train()
+    try:
+        with _probe_mode(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            decoder(input_ids=ids, use_cache=False)
+    finally:
+        model.train(was)
+    return sum(seen.values()) / tokens
+
+
+def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: int, keep_gathered: bool = False
+               ) -> dict:
+    """Bytes one rank sends for one attention layer and one micro-batch of global length ``S``
+    (forward, backward), per exchange. Unknown methods (hybrid, mixers, custom) -> {}."""
+    if cp <= 1:
+        return {}
+    share = (cp - 1) / cp
+    kv_local = S / cp * hk * d * elem
+    q_local = S / cp * hq * d * elem
+    if method in ("colossal", "load_balance"):
+        out = {"fwd K/V AllGather": 2 * kv_local * (cp - 1), "bwd dK/dV ReduceScatter": 2 * kv_local * (cp - 1)}
+        if method == "load_balance":
+            out.update({"fwd Q/O All-to-All": 2 * q_local * share, "bwd dO/dQ All-to-All": 2 * q_local * share})
+            if not keep_gathered:
+                out["bwd K/V regather"] = 2 * kv_local * (cp - 1)
+        return out
+    if method == "ulysses":
+        per = (2 * hq + 2 * hk) * d * elem * S / cp * share
+        return {"fwd Q/K/V/O All-to-All": per, "bwd dO/dQ/dK/dV All-to-All": per}
+    return {}
+
+
+def fsdp_bytes(param_bytes: float, n: int, reshard_after_forward: bool = True) -> dict:
+    """Bytes one rank sends per step through FSDP2 over ``n`` ranks (parameters of ``param_bytes``)."""
+    if n <= 1:
+        return {}
+    share = param_bytes * (n - 1) / n   # a ring AllGather / ReduceScatter sends (n-1)/n of the full size
+    out = {"fwd parameter AllGather": share, "bwd gradient ReduceScatter": share}
+    if reshard_after_forward:
+        out["bwd parameter AllGather"] = share
+    return out
+
+
+def layout_chunks(layout: str, S: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The query positions ``[start, end)`` rank ``rank`` computes attention for."""
+    if layout == "head_tail":
+        w = S // (2 * cp)
+        return [(rank * w, (rank + 1) * w), ((2 * cp - 1 - rank) * w, (2 * cp - rank) * w)]
+    w = S // cp
+    return [(rank * w, (rank + 1) * w)]
+
+
+def work_spread(batch: dict, layout: str, cp: int, heads_split: bool = False) -> list[int]:
+    """Visible (query, key) pairs per CP rank for ``batch`` (``position_ids`` restart at every
+    document: a query at position p sees p + 1 keys; padding queries see none). ``heads_split``
+    (Ulysses): every rank computes every query for its share of the heads."""
+    ids = batch["input_ids"]
+    B, S = ids.shape
+    pos = batch.get("position_ids")
+    pos = torch.arange(S).expand(B, S) if pos is None else pos
+    valid = batch.get("attention_mask")
+    visible = (pos + 1) * (valid if valid is not None else 1)
+    per_token = visible.sum(0)
+    pad = (-S) % (2 * cp)
+    per_token = torch.cat([per_token, per_token.new_zeros(pad)])
+    if heads_split:
+        total = int(per_token.sum())
+        return [total // cp] * cp
+    return [int(sum(int(per_token[a:b].sum()) for a, b in layout_chunks(layout, S + pad, cp, r))) for r in range(cp)]
