@@ -188,7 +188,7 @@ def test_packed_positions_refused_where_the_model_ignores_them():
 
 
 def test_preflight_proof_accepts_what_is_exact(ranks):
-    """The whole-model preflight proof (model_proof.py) now accepts windowed / softcapped / sink /
+    """The whole-model preflight proof (model_proof/) now accepts windowed / softcapped / sink /
     MLA models on Colossal instead of refusing them (it used to refuse Mistral's dropped window)."""
     cases = [("mistral", "plain", 32), ("gemma2", "padding", 27), ("gpt_oss", "plain", 32),
              ("deepseek_v3", "packed", 27), ("qwen2", "packed_padding", 32)]
