@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import sys
 from typing import Callable, Optional
 
@@ -70,11 +71,18 @@ def gated_norm_spec(family: str) -> Mamba2Spec:
 
 
 def mamba2_spec_for(module: nn.Module) -> Optional[Mamba2Spec]:
-    """The spec of ``module``'s class (``models/<model_type>/mamba2.py``'s ``MAMBA2_SPEC``), or None."""
-    model_type = catalogue.MAMBA2_FAMILIES.get(type(module).__name__)
+    """The spec of ``module``'s class, or None when the class is not in ``catalogue.MAMBA2_FAMILIES``:
+    ``models/<model_type>/mamba2.py``'s ``MAMBA2_SPEC`` where the family has its own lines
+    (Falcon-H1), else :func:`gated_norm_spec` (whose ``validate`` refuses any other layout)."""
+    cls = type(module).__name__
+    model_type = catalogue.MAMBA2_FAMILIES.get(cls)
     if model_type is None:
         return None
-    return importlib.import_module(f"hyper_parallel.models.{model_type}.mamba2").MAMBA2_SPEC
+    package = f"hyper_parallel.models.{model_type}"
+    own = f"{package}.mamba2"
+    if importlib.util.find_spec(package) is not None and importlib.util.find_spec(own) is not None:
+        return importlib.import_module(own).MAMBA2_SPEC
+    return gated_norm_spec(cls)
 
 
 def check_ssd_layout(m: nn.Module) -> None:

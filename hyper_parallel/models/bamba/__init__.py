@@ -1,1 +1,0 @@
-"""bamba model code under CP (everything specific to this model family)."""

@@ -1,1 +1,0 @@
-"""granitemoehybrid model code under CP (everything specific to this model family)."""

@@ -1,1 +1,0 @@
-"""nemotron_h model code under CP (everything specific to this model family)."""

@@ -1,1 +1,0 @@
-"""zamba2 model code under CP (everything specific to this model family)."""
