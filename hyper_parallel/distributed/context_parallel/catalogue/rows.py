@@ -10,8 +10,9 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
-#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
-#: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
+#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
+#: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
+#: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
 MAMBA2_FAMILIES = {
     "FalconH1Mixer": "falcon_h1",
     "BambaMixer": "bamba",
@@ -19,12 +20,13 @@ MAMBA2_FAMILIES = {
     "GraniteMoeHybridMambaLayer": "granitemoehybrid",
     "Zamba2MambaMixer": "zamba2",
 }
-# models whose adapter implements the async handoff protocol (models/<arch>/adapter/distributed/)
+# models whose adapter implements the async handoff protocol (models/<arch>/async_cp.py)
 ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
 
 def adapter_module(arch: str) -> str:
-    """The module of model ``arch``'s async adapter Targets (a public ``_target_`` prefix)."""
+    """The public module path of model ``arch``'s async adapter Targets (a ``_target_`` prefix; the code is
+    in ``models/<arch>/async_cp.py``, made importable here by ``models.handoff_attention.publish_adapter``)."""
     return f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async"
 
 
