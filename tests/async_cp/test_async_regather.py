@@ -1,5 +1,5 @@
 """Async Colossal / Head-Tail / Hybrid do not keep the gathered K/V between forward and backward
-(issue 14, memory per rank): the attention's saved K/V become the local tensors the handoffs sent,
+(memory per rank falls as 1/cp): the attention's saved K/V become the local tensors the handoffs sent,
 and backward runs the forward collective again on the comm thread.
 
 On a real transformers Llama (2 layers, GQA 4:2, the async adapters of ``models/llama``), per rank:

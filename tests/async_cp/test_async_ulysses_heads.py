@@ -1,4 +1,4 @@
-"""Async Ulysses / Hybrid on the head layouts the even split cannot take (issue 22 item 3).
+"""Async Ulysses / Hybrid on the head layouts the even split cannot take (uneven splits, replicated KV heads).
 
 The async adapters split heads with :func:`...strategies.ulysses_layout.ulysses_head_layout`, as
 the sync wrappers do: KV heads fewer than the degree are replicated to every rank whose query

@@ -1,4 +1,4 @@
-"""Colossal CP with a sliding window gathers only the visible K/V chunks (issue 12, item 3).
+"""Colossal CP with a sliding window gathers only the visible K/V chunks.
 
 For every case (cp 2 / 4; window 1, < L, between L and 2L, between 2L and 3L, > S; causal,
 non-causal, right/left padding, packed documents; GQA Hq/Hk = 2 and 4) each rank checks:

@@ -1,4 +1,4 @@
-"""Ulysses and Hybrid for every head layout (issue 22): KV heads fewer than the degree (MQA / GQA,
+"""Ulysses and Hybrid for every head layout: KV heads fewer than the degree (MQA / GQA,
 replicated, never averaged), head counts the degree does not divide (uneven split), sinks
 following their heads, heads per TP rank.
 

@@ -1,4 +1,4 @@
-"""Attention semantics read from the call (issue 12): every attention a tiny random transformers
+"""Attention semantics read from the call: every attention a tiny random transformers
 decoder asks for is computed exactly under CP, or refused before the first step naming the module.
 
 Parity (fp32, ``train()``, dropout 0, nothing downloaded): logits over the valid tokens (max abs
