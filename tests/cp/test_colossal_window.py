@@ -29,8 +29,8 @@ from hyper_parallel import platform as P
 from hyper_parallel.distributed.context_parallel import collectives as C
 from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
 from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy
-from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
-from hyper_parallel.distributed.context_parallel.strategies.base import engine_attention
+from hyper_parallel.distributed.context_parallel.methods.colossal import strategy as AG
+from hyper_parallel.distributed.context_parallel.methods.base import engine_attention
 from hyper_parallel.ops.reference import reference_attention
 from tests.cp.common import ATOL, RTOL, global_qkv, mesh_ctx, scenario_batch
 

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+from hyper_parallel.distributed.context_parallel.methods.ulysses.layout import ulysses_head_layout
 from tests.wrappers import _workers as W
 
 LOGIT_TOL = 1e-5

@@ -7,7 +7,7 @@ length multiple), its head rule and degree rule, sync/async, and for every calli
 
 * :mod:`.registry` — the method names ``@inner_wrapper(method=...)`` accepts, the wrapper styles,
   and the modules that register built-in names (:func:`builtin_modules`);
-* :mod:`.strategies.factory` — name/alias resolution, strategy class, degree rule;
+* :mod:`.methods.factory` — name/alias resolution, strategy class, degree rule;
 * :mod:`.batch` — the padding policies and their length multiple (:func:`batch_policies`);
 * :mod:`..plan.planner` — one batch policy per model (:func:`batch_policy_for`), which methods
   reorder the sequence (``layout``) and cannot be mixed;

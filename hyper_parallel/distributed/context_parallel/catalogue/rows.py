@@ -91,8 +91,8 @@ class CPMethod:
     title: str                       # words for messages and docs
     kind: str = "attention"
     aliases: tuple = ()
-    strategy: Optional[str] = None   # class name in .strategies.<strategy_module>
-    strategy_module: Optional[str] = None
+    strategy: Optional[str] = None   # class name in methods/<strategy_module>/strategy.py
+    strategy_module: Optional[str] = None  # the method's folder under methods/
     batch_policy: str = "all_gather"  # shard_batch_for_cp policy
     layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
     length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
@@ -115,7 +115,7 @@ _NO_FLEX = ("not offered: no flex entry point has been written and parity-tested
 METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
-        strategy_module="all_gather", batch_policy="all_gather", head_rule="gqa",
+        strategy_module="colossal", batch_policy="all_gather", head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
         async_targets=_async_targets("colossal"),

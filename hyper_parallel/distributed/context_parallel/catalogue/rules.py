@@ -101,7 +101,7 @@ def head_split(method, cp_size: int, degree=None) -> Optional[tuple]:
     """(degree, label) the heads of a "split" method are split over; None for other head rules.
 
     A "split" method's heads go to the ranks of its Ulysses group as
-    ``strategies.ulysses_layout.ulysses_head_layout(Hq, Hk, degree)`` decides: any GQA ratio with
+    ``methods.ulysses.layout.ulysses_head_layout(Hq, Hk, degree)`` decides: any GQA ratio with
     ``Hq >= degree``; counts that do not divide the degree are split unevenly (differing by at
     most one) and KV heads fewer than the degree are replicated to the ranks that use them."""
     row = method if isinstance(method, CPMethod) else get_method(method)

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .... import platform as P
-from ..collectives import resolve_group
+from ..comm import resolve_group
 from ..meta import current_cp_batch_meta
 from ..registry import inner_wrapper
 from .rows import (CPMixerError, accepts, check_call, current_fqn, hidden_param, is_seq, require_class, run_rows,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..collectives import all_gather_seq
+from ..comm import all_gather_seq
 from ..meta import current_cp_batch_meta
 from ..registry import inner_wrapper
 from .rows import (accepts, check_call, current_fqn, gather_any, hidden_param, map_seq, run_rows, split_hidden,

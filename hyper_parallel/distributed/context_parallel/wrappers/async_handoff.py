@@ -22,11 +22,11 @@ from ....ops.merge import merge_partial_attention
 from ....platform import group_rank
 from .. import catalogue
 from ..async_collectives import trace_event, tracing
-from ..collectives import head_tail_sub_chunks
+from ..methods.head_tail.collectives import head_tail_sub_chunks
 from ..interception import (AttentionCall, CPInterceptionError, current_apply_context, ensure_hf_interface_registered,
                             install_private_config, intercept_hf_interface)
 from ..meta import current_cp_batch_meta
-from ..strategies.base import engine_attention
+from ..methods.base import engine_attention
 from .async_pipeline import (_Call, _chunk_name, _launch_kv_chunk, _Plan, _split_q, _trace_chunk, _trace_kv_chunk,
                              make_plan, q_chunk_count)
 from .async_protocol import (ASYNC_METHODS, HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs,

@@ -9,11 +9,17 @@ from typing import Callable, Optional
 
 import torch
 
-from ..async_collectives import (AsyncCollective, colossal_kv_plan, head_tail_out_plan, head_tail_q_plan,
-                                 hybrid_kv_plan, trace_event, tracing, ulysses_out_plan, ulysses_plan)
-from ..collectives import regather_saved_kv
-from ..strategies import AllGatherStrategy, HeadTailStrategy, HybridStrategy, UlyssesStrategy
-from ..strategies.ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
+from ..async_collectives import AsyncCollective, trace_event, tracing
+from ..comm import regather_saved_kv
+from ..methods.colossal.async_ import colossal_kv_plan
+from ..methods.colossal.strategy import AllGatherStrategy
+from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
+from ..methods.head_tail.strategy import HeadTailStrategy
+from ..methods.hybrid.async_ import hybrid_kv_plan
+from ..methods.hybrid.strategy import HybridStrategy
+from ..methods.ulysses.async_ import ulysses_out_plan, ulysses_plan
+from ..methods.ulysses.layout import UlyssesHeadLayout, ulysses_head_layout
+from ..methods.ulysses.strategy import UlyssesStrategy
 
 
 def q_chunk_count(rows: int, q_chunks: int) -> int:
@@ -111,7 +117,7 @@ class _Call:
         return coll, coll.launch(x)
 
     def regather(self, k_name: str, v_name: str, gathered: tuple, keep: bool = False):
-        """:func:`..collectives.regather_saved_kv` around the engine call(s) consuming ``gathered``
+        """:func:`..comm.regather_saved_kv` around the engine call(s) consuming ``gathered``
         (the waited results of collectives ``k_name`` / ``v_name``, or tensors they are views of):
         backward re-runs both forward collectives on their local tensors, on the comm thread; the
         regather of the pair created before this one (the previous chunk / layer) is started when
@@ -154,7 +160,7 @@ def _split_q(method: str, q: torch.Tensor, q_chunks: int) -> list:
 
     Ulysses / Hybrid: rows ``[c*L/G, (c+1)*L/G)`` of the local ``[B, Hq, L, D]``. Head-Tail: the
     same rows of each of the two local sub-chunks (2r, 2r+1), concatenated ``[B, Hq, 2*L/(2G), D]``,
-    so one dispatch per chunk carries both branches' rows (:func:`..async_collectives.head_tail_q_plan`)."""
+    so one dispatch per chunk carries both branches' rows (:func:`..methods.head_tail.async_.head_tail_q_plan`)."""
     L = q.shape[2]
     if method == "load_balance":
         g = q_chunk_count(L // 2, q_chunks)

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import catalogue
 from .base import ContextParallelStrategy
 
-# the catalogue's ``strategy`` names -> classes, each read from its row's ``strategy_module``
-STRATEGY_CLASSES = {m.strategy: getattr(importlib.import_module(f"{__package__}.{m.strategy_module}"), m.strategy)
+# the catalogue's ``strategy`` names -> classes, each read from ``methods/<strategy_module>/strategy.py``
+STRATEGY_CLASSES = {m.strategy: getattr(importlib.import_module(f"{__package__}.{m.strategy_module}.strategy"), m.strategy)
                     for m in catalogue.attention_methods()}
 
 

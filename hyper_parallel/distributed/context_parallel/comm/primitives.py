@@ -50,7 +50,7 @@ def group_desc(group) -> str:
     return f"group(size={P.group_size(group)}, ranks={ranks})"
 
 
-def _check_dim(x: torch.Tensor, dim: int, what: str, fn: str) -> int:
+def check_dim(x: torch.Tensor, dim: int, what: str, fn: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise CPCollectiveError(f"{fn}: {what} must be a tensor, got {type(x).__name__}")
     if not -x.dim() <= dim < x.dim():
@@ -58,7 +58,7 @@ def _check_dim(x: torch.Tensor, dim: int, what: str, fn: str) -> int:
     return dim % x.dim()
 
 
-def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str, dim_name: str, group, fn: str):
+def check_divisible(x: torch.Tensor, dim: int, world: int, what: str, dim_name: str, group, fn: str):
     if x.shape[dim] % world:
         raise CPCollectiveError(
             f"{fn}: {what} {dim_name} dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) is not "
@@ -80,7 +80,7 @@ class _AllGather(torch.autograd.Function):
         return P.reduce_scatter(grad, ctx.group, dim=ctx.dim, tag=ctx.tag + ".bwd"), None, None, None
 
 
-class _KVAllGather(torch.autograd.Function):
+class KVAllGather(torch.autograd.Function):
     """fwd: AllGather K and V (both launched before either is waited); bwd: two ReduceScatters."""
 
     @staticmethod
@@ -92,7 +92,7 @@ class _KVAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _KVAllGather.gather(k, v, group, dim)
+        return KVAllGather.gather(k, v, group, dim)
 
     @staticmethod
     def backward(ctx, gk, gv):
@@ -103,7 +103,7 @@ class _KVAllGather(torch.autograd.Function):
         return hk.wait(), hv.wait(), None, None
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """fwd: all_to_all(scatter_dim -> gather_dim); bwd: all_to_all(gather_dim -> scatter_dim).
 
     The all-to-all is a permutation of equal chunks, so its adjoint is its inverse: split the
@@ -121,7 +121,7 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None, None
 
 
-class _AllToAllUneven(torch.autograd.Function):
+class AllToAllUneven(torch.autograd.Function):
     """fwd: sparse piece permutation (``send_counts`` -> ``recv_counts``); bwd: the inverse
     permutation of the gradient (counts swapped)."""
 
@@ -140,7 +140,7 @@ class _AllToAllUneven(torch.autograd.Function):
 def all_gather_seq(x: torch.Tensor, cp_mesh, dim: int = 1, tag: str = "cp.allgather") -> torch.Tensor:
     """Differentiable AllGather of one tensor along ``dim`` (bwd: ReduceScatter sum)."""
     group = resolve_group(cp_mesh)
-    d = _check_dim(x, dim, "x", "all_gather_seq")
+    d = check_dim(x, dim, "x", "all_gather_seq")
     if P.group_size(group) == 1:
         return x
     return _AllGather.apply(x, group, d, tag)

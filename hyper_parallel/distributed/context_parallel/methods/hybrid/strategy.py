@@ -11,7 +11,7 @@ Layout (C ranks, degree u, rank r = c*u + i):
   out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
 Backward: the K/V AllGather(colossal) again (the attention keeps the head-exchanged shards
-``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~..collectives.regather_saved_kv`; uneven
+``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~...comm.regather_saved_kv`; uneven
 splits too, since the CPU engine reads the gathered KV heads in place through its head map — on
 CUDA / NPU a rank with a head map saves its per-query-head copy instead, the same on every rank of
 its colossal group), then
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from ....platform import group_rank, group_size
-from ..collectives import group_desc, hybrid_kv_allgather, resolve_group
-from ..meta import CPBatchMeta
-from .base import ContextParallelStrategy, check_sinks
-from .ulysses import check_head_split, ulysses_group_attention
-from .ulysses_layout import UlyssesHeadLayout
+from .....platform import group_rank, group_size
+from ...comm import group_desc, resolve_group
+from ...meta import CPBatchMeta
+from ..base import ContextParallelStrategy, check_sinks
+from ..ulysses.layout import UlyssesHeadLayout
+from ..ulysses.strategy import check_head_split, ulysses_group_attention
+from .collectives import hybrid_kv_allgather
 
 
 class HybridStrategy(ContextParallelStrategy):

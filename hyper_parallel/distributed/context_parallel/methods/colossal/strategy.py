@@ -8,7 +8,7 @@ Backward: dQ local; dK/dV ReduceScatter(sum) back to chunk r. Any Hq/Hk with Hq 
 (GQA/MQA) works; no head needs to be divisible by C.
 
 Memory: the attention does not keep the gathered K/V for backward; it keeps the local shards
-and backward gathers them again (:func:`~..collectives.regather_saved_kv`, one more exchange
+and backward gathers them again (:func:`~...comm.regather_saved_kv`, one more exchange
 per layer), so what a rank holds between forward and backward falls as 1/C like everything
 else (``2 * Hk * D * S/C`` elements per layer per rank instead of ``2 * Hk * D * S``).
 Under activation checkpointing the checkpoint already drops them and this is not applied.
@@ -17,7 +17,7 @@ Under activation checkpointing the checkpoint already drops them and this is not
 Sliding window ``w``: a query of chunk r sees keys no earlier than ``r*L - w + 1``, i.e. at
 most ``n = ceil((w-1)/L)`` previous chunks. When ``n < C-1`` (the same on every rank: it
 depends only on L and w) rank r receives only chunks ``max(0, r-n) .. r`` (``.. C-1`` when
-not causal) through :func:`~..collectives.flex_cp_window_gather` (one uneven all_to_all per
+not causal) through :func:`~.collectives.flex_cp_window_gather` (one uneven all_to_all per
 tensor; backward returns each chunk's dK/dV to its owner, summed), and the engine gets those
 keys with their global positions ``k_pos`` and doc ids — the same visible set, so the same
 math as the full gather. ``w = 1`` moves nothing. ``n >= C-1`` or no window: the AllGather.
@@ -29,10 +29,11 @@ from numbers import Integral
 
 import torch
 
-from ..collectives import (flex_cp_allgather, flex_cp_window_gather, regather_allgather, regather_saved_kv,
-                           regather_window_gather, window_chunk_ranges)
-from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_sinks, engine_attention
+from ...comm import regather_saved_kv
+from ...meta import CPBatchMeta
+from ..base import CPGroupStrategy, check_sinks, engine_attention
+from .collectives import (flex_cp_allgather, flex_cp_window_gather, regather_allgather, regather_window_gather,
+                          window_chunk_ranges)
 
 
 def window_kv_ranges(cp_size: int, local_seq_len: int, window: int | None,

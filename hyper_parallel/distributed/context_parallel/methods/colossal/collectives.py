@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from .... import platform as P
-from .comm import CPCollectiveError, _KVAllGather, _check_dim, group_desc, resolve_group
+from ..... import platform as P
+from ...comm import CPCollectiveError, KVAllGather, check_dim, group_desc, resolve_group
 
 __all__ = ["flex_cp_allgather", "flex_cp_window_gather", "regather_allgather", "regather_window_gather",
            "window_chunk_ranges"]
@@ -20,8 +20,8 @@ __all__ = ["flex_cp_allgather", "flex_cp_window_gather", "regather_allgather", "
 
 def _check_kv_pair(k: torch.Tensor, v: torch.Tensor, cp_dim: int, fn: str) -> int:
     """The normalized ``cp_dim`` of a K/V pair that agrees in shape up to it (v's head dim may differ)."""
-    dk = _check_dim(k, cp_dim, "k", fn)
-    dv = _check_dim(v, cp_dim, "v", fn)
+    dk = check_dim(k, cp_dim, "k", fn)
+    dv = check_dim(v, cp_dim, "v", fn)
     if k.dim() != v.dim() or dk != dv or k.shape[:dk + 1] != v.shape[:dv + 1]:
         raise CPCollectiveError(
             f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must agree up to cp_dim {cp_dim}"
@@ -32,7 +32,7 @@ def _check_kv_pair(k: torch.Tensor, v: torch.Tensor, cp_dim: int, fn: str) -> in
 def regather_allgather(cp_dim: int, cp_mesh):
     """The no-grad re-run of :func:`flex_cp_allgather` for :func:`regather_saved_kv`."""
     group = resolve_group(cp_mesh)
-    return lambda k, v: _KVAllGather.gather(k, v, group, cp_dim % k.dim(), tag="cp.allgather.regather")
+    return lambda k, v: KVAllGather.gather(k, v, group, cp_dim % k.dim(), tag="cp.allgather.regather")
 
 
 def regather_window_gather(cp_dim: int, cp_mesh, ranges: Sequence[tuple[int, int]]):
@@ -57,7 +57,7 @@ def flex_cp_allgather(k: torch.Tensor, v: torch.Tensor, cp_dim: int, cp_mesh):
     dk = _check_kv_pair(k, v, cp_dim, fn)
     if P.group_size(group) == 1:
         return k, v
-    return _KVAllGather.apply(k, v, group, dk)
+    return KVAllGather.apply(k, v, group, dk)
 
 
 def window_chunk_ranges(world: int, local_len: int, window: int, causal: bool = True) -> list[tuple[int, int]]:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .... import platform as P
-from .comm import _check_dim, _check_divisible, resolve_group
-from .regather import regather_saved_kv
-from .colossal import flex_cp_allgather, regather_allgather
-from .ulysses import _check_heads, ulysses_seq_to_head
+from ..... import platform as P
+from ...comm import check_dim, check_divisible, regather_saved_kv, resolve_group
+from ..colossal.collectives import flex_cp_allgather, regather_allgather
+from ..ulysses.collectives import check_exchange_heads, ulysses_seq_to_head
 
 __all__ = ["hybrid_kv_allgather"]
 
@@ -21,7 +20,7 @@ def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysse
     ``[B, Hk, S/C, D]`` -> ``[B, Hk/u, S*u/C, D]`` (chunk colossal_idx of C/u, head slice
     ulysses_idx) -> ``[B, Hk/u, S, D]``. Backward (by composition): ReduceScatter over the
     colossal group, then the inverse A2A over the ulysses group. Requires Hk % u == 0, unless
-    ``heads`` (the KV split of a :class:`~.strategies.ulysses_layout.UlyssesHeadLayout`, see
+    ``heads`` (the KV split of a :class:`~..ulysses.layout.UlyssesHeadLayout`, see
     :func:`ulysses_seq_to_head`) gives ulysses rank i the KV heads ``heads[i]`` (replicated where
     several ranks need one; backward sums the copies' gradients).
     ``regather=True``: returns ``(k_all, v_all, ctx)`` with ``ctx`` the :func:`regather_saved_kv`
@@ -31,12 +30,12 @@ def hybrid_kv_allgather(k: torch.Tensor, v: torch.Tensor, colossal_group, ulysse
     ug = resolve_group(ulysses_group)
     if heads is None:
         for name, t in (("k", k), ("v", v)):       # check both before the first collective
-            hd = _check_dim(t, head_dim, name, "hybrid_kv_allgather")
-            _check_divisible(t, hd, P.group_size(ug), name, "head", ug, "hybrid_kv_allgather")
+            hd = check_dim(t, head_dim, name, "hybrid_kv_allgather")
+            check_divisible(t, hd, P.group_size(ug), name, "head", ug, "hybrid_kv_allgather")
     else:
         for name, t in (("k", k), ("v", v)):
-            hd = _check_dim(t, head_dim, name, "hybrid_kv_allgather")
-            _check_heads(heads, P.group_size(ug), t.shape[hd], "hybrid_kv_allgather", ug, cover=False)
+            hd = check_dim(t, head_dim, name, "hybrid_kv_allgather")
+            check_exchange_heads(heads, P.group_size(ug), t.shape[hd], "hybrid_kv_allgather", ug, cover=False)
     k_h = ulysses_seq_to_head(k, ulysses_group, seq_dim=seq_dim, head_dim=head_dim, tag="cp.ulysses_s2h_k",
                               heads=heads)
     v_h = ulysses_seq_to_head(v, ulysses_group, seq_dim=seq_dim, head_dim=head_dim, tag="cp.ulysses_s2h_v",

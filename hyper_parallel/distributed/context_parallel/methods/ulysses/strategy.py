@@ -17,11 +17,11 @@ import contextlib
 
 import torch
 
-from ....platform import group_size
-from ..collectives import ulysses_head_to_seq, ulysses_seq_to_head
-from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_sinks, engine_attention
-from .ulysses_layout import UlyssesHeadLayout, ulysses_head_layout
+from .....platform import group_size
+from ...meta import CPBatchMeta
+from ..base import CPGroupStrategy, check_sinks, engine_attention
+from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+from .layout import UlyssesHeadLayout, ulysses_head_layout
 
 
 def check_head_split(who: str, num_q_heads: int, num_kv_heads: int, degree: int, what: str,

@@ -105,7 +105,7 @@ class CPGroupStrategy(ContextParallelStrategy):
     """A strategy that communicates on one CP group (1-D DeviceMesh, ProcessGroup, or None = cp 1)."""
 
     def __init__(self, cp_group=None):
-        from ..collectives import resolve_group
+        from ..comm import resolve_group
 
         self.group = resolve_group(cp_group)
 
@@ -125,7 +125,7 @@ class CPGroupStrategy(ContextParallelStrategy):
     def check_cp_size(self, cp_size: int, num_q_heads: int, num_kv_heads: int) -> None:
         """Raise ValueError when the declared cp_size is not this strategy's group size."""
         if cp_size != self.cp_size:
-            from ..collectives import group_desc
+            from ..comm import group_desc
 
             raise ValueError(f"{type(self).__name__}: cp_size={cp_size} but the strategy's "
                              f"{group_desc(self.group)} has size {self.cp_size} "

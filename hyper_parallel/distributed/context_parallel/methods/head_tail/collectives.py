@@ -8,8 +8,8 @@ from typing import Sequence
 
 import torch
 
-from .... import platform as P
-from .comm import CPCollectiveError, _AllToAllUneven, _check_dim, group_desc, resolve_group
+from ..... import platform as P
+from ...comm import CPCollectiveError, AllToAllUneven, check_dim, group_desc, resolve_group
 
 __all__ = ["head_tail_combine", "head_tail_dispatch", "head_tail_sub_chunks"]
 
@@ -39,7 +39,7 @@ def _route(pieces: Sequence[torch.Tensor], ids: Sequence[int], dest_of, want: Se
     send = [sorted(i for i in ids if dest_of(i) == d) for d in range(world)]
     recv = [sorted(i for i in range(2 * world) if src_of(i) == s and dest_of(i) == me) for s in range(world)]
     x = torch.cat([by_id[i] for d in range(world) for i in send[d]], dim=seq_dim)
-    got = _AllToAllUneven.apply(x, group, [len(s) for s in send], [len(r) for r in recv], seq_dim, tag)
+    got = AllToAllUneven.apply(x, group, [len(s) for s in send], [len(r) for r in recv], seq_dim, tag)
     order = [i for r in recv for i in r]
     parts = got.chunk(len(order), dim=seq_dim)
     return [parts[order.index(i)] for i in want]
@@ -55,7 +55,7 @@ def head_tail_dispatch(q: torch.Tensor, group, *, seq_dim: int = 2):
     """
     fn = "head_tail_dispatch"
     group = resolve_group(group)
-    sd = _check_dim(q, seq_dim, "q", fn)
+    sd = check_dim(q, seq_dim, "q", fn)
     world = P.group_size(group)
     if q.shape[sd] % 2:
         raise CPCollectiveError(
@@ -79,7 +79,7 @@ def head_tail_combine(o_head: torch.Tensor, o_tail: torch.Tensor, group, *, seq_
     """
     fn = "head_tail_combine"
     group = resolve_group(group)
-    sd = _check_dim(o_head, seq_dim, "o_head", fn)
+    sd = check_dim(o_head, seq_dim, "o_head", fn)
     if o_head.shape != o_tail.shape:
         raise CPCollectiveError(f"{fn}: head {tuple(o_head.shape)} and tail {tuple(o_tail.shape)} differ")
     world = P.group_size(group)

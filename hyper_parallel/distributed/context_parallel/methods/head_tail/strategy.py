@@ -18,7 +18,7 @@ is balanced:
 Backward mirrors every exchange: dO dispatch, dQ combine, dK/dV ReduceScatter. Between forward and
 backward the rank keeps its local K/V, not the gathered ones (the two engine calls save key prefixes,
 views of the gathered K/V), and backward gathers them again once for both calls
-(:func:`~..collectives.regather_saved_kv`, tags ``cp.allgather.regather_k`` / ``_v``);
+(:func:`~...comm.regather_saved_kv`, tags ``cp.allgather.regather_k`` / ``_v``);
 ``HeadTailStrategy.keep_gathered_kv = True`` keeps them instead (no second exchange).
 Constraints: S % 2C == 0 (batch policy 'load_balance'); any GQA ratio; Colossal only — Ulysses or
 Hybrid combined with Head-Tail is rejected.
@@ -29,10 +29,11 @@ import contextlib
 
 import torch
 
-from ..collectives import (flex_cp_allgather, head_tail_combine, head_tail_dispatch,
-                           head_tail_sub_chunks, regather_allgather, regather_saved_kv)
-from ..meta import CPBatchMeta
-from .base import CPGroupStrategy, check_sinks, engine_attention
+from ...comm import regather_saved_kv
+from ...meta import CPBatchMeta
+from ..base import CPGroupStrategy, check_sinks, engine_attention
+from ..colossal.collectives import flex_cp_allgather, regather_allgather
+from .collectives import head_tail_combine, head_tail_dispatch, head_tail_sub_chunks
 
 
 class HeadTailStrategy(CPGroupStrategy):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from .... import platform as P
-from .comm import CPCollectiveError, _AllToAll, _check_dim, _check_divisible, group_desc, resolve_group
+from ..... import platform as P
+from ...comm import CPCollectiveError, AllToAll, check_dim, check_divisible, group_desc, resolve_group
 
 __all__ = ["ulysses_head_to_seq", "ulysses_seq_to_head"]
 
 
-def _check_heads(heads, world: int, num_heads: int, fn: str, group, cover: bool) -> list:
+def check_exchange_heads(heads, world: int, num_heads: int, fn: str, group, cover: bool) -> list:
     """``heads`` as a list of ``world`` tuples of head indices in ``[0, num_heads)`` (each non-empty);
     ``cover``: disjoint and covering every head (the query / output split)."""
     try:
@@ -94,7 +94,7 @@ def ulysses_seq_to_head(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: i
     in rank order). Backward: :func:`ulysses_head_to_seq` of the gradient. Requires H % W == 0.
 
     ``heads`` (one sequence of head indices per group rank, identical on every rank; e.g.
-    :attr:`~.strategies.ulysses_layout.UlyssesHeadLayout.q_heads` / ``kv_heads``): rank i gets
+    :attr:`~.layout.UlyssesHeadLayout.q_heads` / ``kv_heads``): rank i gets
     ``[B, len(heads[i]), S, D]``, heads ``heads[i]`` in that order — uneven counts, and a head
     may go to several ranks (replicated GQA/MQA KV heads: each rank that needs it receives one
     copy, nobody else). One uneven all_to_all (``platform.all_to_all_uneven``). Backward: the
@@ -103,17 +103,17 @@ def ulysses_seq_to_head(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: i
     """
     fn = "ulysses_seq_to_head"
     group = resolve_group(group)
-    sd, hd = _check_dim(x, seq_dim, "x", fn), _check_dim(x, head_dim, "x", fn)
+    sd, hd = check_dim(x, seq_dim, "x", fn), check_dim(x, head_dim, "x", fn)
     world = P.group_size(group)
     if heads is not None:
-        heads = _check_heads(heads, world, x.shape[hd], fn, group, cover=False)
+        heads = check_exchange_heads(heads, world, x.shape[hd], fn, group, cover=False)
         if not _even_heads(heads, x.shape[hd], world):
             y = _HeadExchange.apply(x.movedim((hd, sd), (0, 1)), group, heads, x.shape[hd], True, tag)
             return y.movedim((0, 1), (hd, sd))
     if world == 1:
         return x
-    _check_divisible(x, hd, world, "x", "head", group, fn)
-    return _AllToAll.apply(x, group, hd, sd, tag)
+    check_divisible(x, hd, world, "x", "head", group, fn)
+    return AllToAll.apply(x, group, hd, sd, tag)
 
 
 def ulysses_head_to_seq(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: int = 1,
@@ -130,20 +130,20 @@ def ulysses_head_to_seq(x: torch.Tensor, group, *, seq_dim: int = 2, head_dim: i
     """
     fn = "ulysses_head_to_seq"
     group = resolve_group(group)
-    sd, hd = _check_dim(x, seq_dim, "x", fn), _check_dim(x, head_dim, "x", fn)
+    sd, hd = check_dim(x, seq_dim, "x", fn), check_dim(x, head_dim, "x", fn)
     world = P.group_size(group)
     if heads is not None:
         num = sum(len(h) for h in heads) if num_heads is None else int(num_heads)
-        heads = _check_heads(heads, world, num, fn, group, cover=num_heads is None)
+        heads = check_exchange_heads(heads, world, num, fn, group, cover=num_heads is None)
         me = P.group_rank(group)
         if x.shape[hd] != len(heads[me]):
             raise CPCollectiveError(f"{fn}: x has {x.shape[hd]} heads (shape {tuple(x.shape)}) but heads[{me}] "
                                     f"gives this rank {len(heads[me])}")
         if not _even_heads(heads, num, world):
-            _check_divisible(x, sd, world, "x", "sequence", group, fn)
+            check_divisible(x, sd, world, "x", "sequence", group, fn)
             y = _HeadExchange.apply(x.movedim((hd, sd), (0, 1)), group, heads, num, False, tag)
             return y.movedim((0, 1), (hd, sd))
     if world == 1:
         return x
-    _check_divisible(x, sd, world, "x", "sequence", group, fn)
-    return _AllToAll.apply(x, group, sd, hd, tag)
+    check_divisible(x, sd, world, "x", "sequence", group, fn)
+    return AllToAll.apply(x, group, sd, hd, tag)

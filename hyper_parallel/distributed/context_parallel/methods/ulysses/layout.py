@@ -17,7 +17,7 @@ returns a :class:`UlyssesHeadLayout` for ``(Hq, Hk, degree)`` — the heads a ra
   ``Hq % u == 0``) this is the classic even split (``Hk/u`` disjoint KV heads per rank, no copy);
 * **backward**: the inverse exchange returns each copy's gradient to the rank that owns the
   sequence chunk, which sums the copies into the KV head (see
-  :func:`..collectives.ulysses_seq_to_head` with ``heads=``);
+  :func:`.collectives.ulysses_seq_to_head` with ``heads=``);
 * **per-head inputs** (sinks) follow their query heads: :meth:`UlyssesHeadLayout.q_slice`.
 
 Exact for every layout with ``Hq % Hk == 0`` and ``Hq >= u``; the only refusal is fewer query
