@@ -96,7 +96,7 @@ class CPMethod:
     batch_policy: str = "all_gather"  # shard_batch_for_cp policy
     layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
     length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
-    head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": heads split over the degree (ulysses_layout) | "module"
+    head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": heads split over the degree (methods/ulysses/layout.py) | "module"
     head_doc: str = ""
     degree: str = "none"             # "none": no degree | "cp": degree == cp_size | "param": named parameter
     degree_param: Optional[str] = None

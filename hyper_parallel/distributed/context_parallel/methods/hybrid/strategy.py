@@ -17,7 +17,7 @@ CUDA / NPU a rank with a head map saves its per-query-head copy instead, the sam
 its colossal group), then
 ReduceScatter(colossal) of dK/dV, then the inverse A2A(ulysses) of dQ/dK/dV; dO takes the seq->head
 A2A. Heads over the ulysses sub-group follow
-:func:`.ulysses_layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above
+:func:`..ulysses.layout.ulysses_head_layout` (the layout of Pure Ulysses with degree u): H/u above
 is the even case; otherwise query counts differ by at most one and KV heads are replicated to
 each ulysses rank whose query heads use them (gradients of the copies summed in backward).
 Constraints: 1 < u < C, C % u == 0, Hq % Hk == 0, Hq >= u.
@@ -74,7 +74,7 @@ class HybridStrategy(ContextParallelStrategy):
         ``num_q_heads`` / ``num_kv_heads`` are the heads this rank computes (TP-local);
         ``cp_size`` must equal colossal size x ulysses size, with ``1 < u < cp_size`` and
         ``cp_size % u == 0`` for ``u`` = the ulysses group size. Heads split over ``u`` by
-        :func:`.ulysses_layout.ulysses_head_layout`: ``Hq % Hk == 0`` and ``Hq >= u`` (uneven
+        :func:`..ulysses.layout.ulysses_head_layout`: ``Hq % Hk == 0`` and ``Hq >= u`` (uneven
         counts and replicated KV heads are accepted). Local check only: no collective.
         """
         who, u = type(self).__name__, self.ulysses_degree

@@ -1,5 +1,5 @@
 """Ulysses collectives: sequence <-> head all-to-all, even or with an uneven / replicated head
-split (``heads``, see strategies/ulysses_layout.py; backward sums a head's copies' gradients).
+split (``heads``, see methods/ulysses/layout.py; backward sums a head's copies' gradients).
 
   ulysses_seq_to_head(x, group)   [B, H, S/C, D] -> [B, H/C, S, D]   bwd: head_to_seq
   ulysses_head_to_seq(x, group)   [B, H/C, S, D] -> [B, H, S/C, D]   bwd: seq_to_head

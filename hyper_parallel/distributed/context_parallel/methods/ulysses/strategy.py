@@ -1,6 +1,6 @@
 """Pure Ulysses CP: sequence shard <-> head shard all-to-all on the whole CP group.
 
-Layout (C ranks, rank r, ulysses_degree == C; heads from :func:`.ulysses_layout.ulysses_head_layout`):
+Layout (C ranks, rank r, ulysses_degree == C; heads from :func:`.layout.ulysses_head_layout`):
   q [B, Hq, S/C, D] chunk r  --A2A(cp group)-->  [B, nq_r, S, D]  query heads q_ranges[r]
   k/v [B, Hk, S/C, D] chunk r --A2A(cp group)--> [B, nk_r, S, D]  the KV heads those query heads use
   out_h = engine(q_h, k_h, v_h, q_pos = k_pos = 0..S-1, docs from meta)  [B, nq_r, S, D]
@@ -26,7 +26,7 @@ from .layout import UlyssesHeadLayout, ulysses_head_layout
 
 def check_head_split(who: str, num_q_heads: int, num_kv_heads: int, degree: int, what: str,
                      cp_size: int | None = None) -> UlyssesHeadLayout:
-    """The head layout of a Ulysses degree (see :func:`.ulysses_layout.ulysses_head_layout`).
+    """The head layout of a Ulysses degree (see :func:`.layout.ulysses_head_layout`).
 
     Raises ValueError naming the numbers and the degrees that work when no exact split exists
     (``Hq % Hk != 0``, or fewer query heads than ``degree``). Every other layout — uneven counts,
@@ -79,7 +79,7 @@ class UlyssesStrategy(CPGroupStrategy):
         ``num_q_heads`` / ``num_kv_heads`` are the heads this rank computes (TP-local);
         ``cp_size`` must equal the strategy's CP group size (the Ulysses degree). Needs
         ``Hq % Hk == 0`` and ``Hq >= cp_size``; uneven counts and KV heads fewer than
-        ``cp_size`` are split by :func:`.ulysses_layout.ulysses_head_layout`. Local check only.
+        ``cp_size`` are split by :func:`.layout.ulysses_head_layout`. Local check only.
         """
         self.check_cp_size(cp_size, num_q_heads, num_kv_heads)
         self.head_layout(num_q_heads, num_kv_heads)
