@@ -20,11 +20,10 @@ import torch.nn.functional as F
 
 from ... import platform as P
 from ...distributed.context_parallel.collectives import resolve_group, ulysses_head_to_seq, ulysses_seq_to_head
-from ...distributed.context_parallel.meta import current_cp_batch_meta
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
-from ...distributed.context_parallel.mixers.rows import (check_call, current_fqn, hidden_param, require_class,
-                                                         run_rows, split_hidden)
+from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, mixer_call, require_class,
+                                                         run_rows)
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["GDN_CLASSES", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_state_passing_cp_wrapper"]
@@ -77,11 +76,10 @@ def gated_deltanet_ulysses_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_
     dk, dv = m.head_k_dim, m.head_v_dim
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        hs, _rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
-        check_call(what, fqn, hs, rest_kwargs, meta)
-        if cp_mesh is None or meta.cp_size == 1:
+        entry = mixer_call(what, fqn, name, cp_mesh, args, kwargs)
+        if entry is None:
             return original(*args, **kwargs)
+        meta, hs = entry[:2]
         group = resolve_group(cp_mesh)
         C, r = P.group_size(group), P.group_rank(group)
         hk, hv = m.num_k_heads // C, m.num_v_heads // C

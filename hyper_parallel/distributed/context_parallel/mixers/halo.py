@@ -16,10 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from .... import platform as P
 from ..comm import resolve_group
-from ..meta import current_cp_batch_meta
 from ..registry import inner_wrapper
-from .rows import (CPMixerError, accepts, check_call, current_fqn, hidden_param, is_seq, require_class, run_rows,
-                   split_hidden)
+from .rows import CPMixerError, accepts, current_fqn, hidden_param, is_seq, mixer_call, require_class, run_rows
 
 __all__ = ["HALO_CLASSES", "halo_exchange", "conv_kernel", "short_conv_halo_cp_wrapper", "validate_short_conv_halo"]
 
@@ -111,11 +109,10 @@ def short_conv_halo_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     fqn = current_fqn()
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
-        check_call(what, fqn, hs, rest_kwargs, meta)
-        if cp_mesh is None or meta.cp_size == 1 or h == 0:
+        entry = mixer_call(what, fqn, name, cp_mesh, args, kwargs)
+        if entry is None or h == 0:
             return original(*args, **kwargs)
+        meta, hs, rebuild, rest_args, rest_kwargs = entry
         B, L, _ = hs.shape
         if L < h:
             raise CPMixerError(f"{what} on '{fqn}': {L} tokens per CP rank < kernel - 1 = {h}: the halo would "

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .... import platform as P
 from ..comm import all_gather_seq, resolve_group
-from ..meta import CPBatchMeta
+from ..meta import CPBatchMeta, current_cp_batch_meta
 
 __all__ = ["CPMixerError", "CACHE_KEYS", "hidden_param", "accepts", "split_hidden", "check_call", "is_seq", "map_seq",
            "gather_any", "zero_out", "segments", "run_rows", "current_fqn", "validate_common", "require_class"]
@@ -78,6 +78,17 @@ def check_call(what: str, fqn: str, hs, kwargs: dict, meta: CPBatchMeta) -> None
     for key in CACHE_KEYS:      # the model's default cache (use_cache, eval): not filled under CP
         if kwargs.get(key) is not None:
             kwargs[key] = None
+
+
+def mixer_call(what: str, fqn: str, name: str, cp_mesh, args: tuple, kwargs: dict):
+    """Common start of a mixer forward: ``None`` at cp 1 (run the original), else
+    ``(meta, hidden_states, rebuild, rest_args, rest_kwargs)`` after :func:`check_call`."""
+    meta = current_cp_batch_meta()
+    hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
+    check_call(what, fqn, hs, rest_kwargs, meta)
+    if cp_mesh is None or meta.cp_size == 1:
+        return None
+    return meta, hs, rebuild, rest_args, rest_kwargs
 
 
 def is_seq(t: Any, B: int, L: int) -> bool:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..comm import all_gather_seq
-from ..meta import current_cp_batch_meta
 from ..registry import inner_wrapper
-from .rows import (accepts, check_call, current_fqn, gather_any, hidden_param, map_seq, run_rows, split_hidden,
+from .rows import (accepts, current_fqn, gather_any, hidden_param, map_seq, mixer_call, run_rows,
                    validate_common)
 
 __all__ = ["sequence_gather_cp_wrapper", "validate_sequence_gather"]
@@ -32,11 +31,10 @@ def sequence_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     fqn = current_fqn()
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
-        check_call(what, fqn, hs, rest_kwargs, meta)
-        if cp_mesh is None or meta.cp_size == 1:
+        entry = mixer_call(what, fqn, name, cp_mesh, args, kwargs)
+        if entry is None:
             return original(*args, **kwargs)
+        meta, hs, rebuild, rest_args, rest_kwargs = entry
         B, L, _ = hs.shape
         lo = meta.cp_rank * L
         full = all_gather_seq(hs.contiguous(), cp_mesh, dim=1, tag="cp.mixer_gather")      # [B, S, H]

@@ -17,9 +17,8 @@ import torch.nn as nn
 
 from .... import platform as P
 from ..comm import all_gather_seq, resolve_group
-from ..meta import current_cp_batch_meta
 from .halo import halo_exchange
-from .rows import CPMixerError, check_call, run_rows, segments, split_hidden
+from .rows import CPMixerError, mixer_call, run_rows, segments
 
 __all__ = ["pack_rows", "chain_flags", "module_conv", "state_passing_entry", "halo_conv", "StateRows",
            "exchange_states"]
@@ -63,11 +62,10 @@ def module_conv(m: nn.Module, conv_fn: Callable) -> Callable:
 def state_passing_entry(what: str, fqn: str, name: str, cp_mesh, h: int, args: tuple, kwargs: dict):
     """Common start of a state-passing forward: ``None`` at cp 1 (run the original), else
     ``(meta, hidden_states, C, r)`` after the local checks (``L >= h`` for the conv halo)."""
-    meta = current_cp_batch_meta()
-    hs, _rebuild, _rest_args, rest_kwargs = split_hidden(name, args, kwargs)
-    check_call(what, fqn, hs, rest_kwargs, meta)
-    if cp_mesh is None or meta.cp_size == 1:
+    entry = mixer_call(what, fqn, name, cp_mesh, args, kwargs)
+    if entry is None:
         return None
+    meta, hs = entry[:2]
     group = resolve_group(cp_mesh)
     L = hs.shape[1]
     if L < h:
