@@ -56,8 +56,8 @@ def bench_rank(cp: int, L: int, windows: list, reps: int, threads: int) -> dict:
     from hyper_parallel import platform as P
     from hyper_parallel.distributed.context_parallel import collectives as C
     from hyper_parallel.distributed.context_parallel.meta import CPBatchMeta
-    from hyper_parallel.distributed.context_parallel.strategies.all_gather import window_kv_ranges
-    from hyper_parallel.distributed.context_parallel.strategies.base import engine_attention
+    from hyper_parallel.distributed.context_parallel.methods.colossal.strategy import window_kv_ranges
+    from hyper_parallel.distributed.context_parallel.methods.base import engine_attention
     from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
 
     torch.set_num_threads(threads)

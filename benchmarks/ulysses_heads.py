@@ -6,7 +6,7 @@ Two parts, both written to benchmarks/results/ulysses_heads.json:
   backward, the most any rank receives, in units of one head's sequence chunk ``B·(S/C)·D·e``
   (multiply by ``B·S·D·e / C`` for bytes). Colossal: ``2·Hk·(C-1)`` per direction; Ulysses and
   Hybrid: the per-rank formulas of docs/strategies/ulysses.md / hybrid.md with the head layout
-  :func:`~hyper_parallel.distributed.context_parallel.strategies.ulysses_layout.ulysses_head_layout`
+  :func:`~hyper_parallel.distributed.context_parallel.methods.ulysses.layout.ulysses_head_layout`
   picks (the same formulas tests/cp/test_comm_volume.py checks against the measured bytes);
 * **measured** on C gloo CPU ranks: one attention layer step (``strategy.attention`` forward +
   backward, fp32, causal, B=1, D=64) for each method on the same local q/k/v, bytes from the
@@ -41,7 +41,7 @@ MEASURED = [(8, 1), (8, 2), (8, 4), (6, 2)]          # (Hq, Hk) run on the gloo 
 def units(method: str, hq: int, hk: int, C: int, U: int | None = None) -> dict:
     """Per-rank forward (sent, received) in head-chunk units ``B·(S/C)·D·e`` (backward swaps them,
     plus the same gather volume), max over ranks; None where the layout is refused."""
-    from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+    from hyper_parallel.distributed.context_parallel.methods.ulysses.layout import ulysses_head_layout
 
     if method == "colossal":
         return {"recv": 2 * hk * (C - 1), "sent": 2 * hk * (C - 1), "layout": "-"}

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
+import sys
 import types
 from typing import Callable, Optional
 
@@ -145,8 +147,7 @@ def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
     """The named async Targets of one model, ``{name: fn}`` (:func:`target_names`), made by
     :func:`~..distributed.context_parallel.wrappers.factory.async_entry`: each checks the target
     is this model's attention and installs the protocol, then runs the generic preflight /
-    installation. An adapter module publishes them with
-    ``globals().update(adapter_wrappers(SPEC, __name__))``."""
+    installation. ``module_name``: their ``__module__`` (the public path, :func:`publish_adapter`)."""
     def prepare(module, who):
         check_adapter_target(module, spec, who)
         return install_protocol(module, spec)
@@ -155,3 +156,35 @@ def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
     fns = [async_entry(m, module_name, arch=spec.arch, subject=subject, prepare=prepare)
            for m in catalogue.async_methods()]
     return {fn.__name__: fn for fn in fns}
+
+
+def publish_adapter(spec: HFAttentionSpec, namespace: dict) -> list:
+    """Publish a model's async Targets from its ``models/<model_type>/async_cp.py`` (``namespace``:
+    that module's ``globals()``): the Targets go into the module, the module becomes importable at
+    the design's public ``_target_`` path (``catalogue.adapter_module``:
+    ``hyper_parallel.models.<model_type>.adapter.distributed.context_parallel_async``, also the
+    Targets' ``__module__``) and the module's ``__all__`` is returned."""
+    public = catalogue.adapter_module(spec.arch)
+    namespace.update(adapter_wrappers(spec, public))
+    _alias_module(sys.modules[namespace["__name__"]], public)
+    return ["SPEC", *target_names(spec.arch)]
+
+
+def _alias_module(module: types.ModuleType, public: str) -> None:
+    """``sys.modules[public] = module``; each missing parent of ``public`` becomes an empty package
+    (import-path only) up to the first one already imported (the model's package)."""
+    sys.modules[public] = module
+    child = public
+    while True:
+        parent, _, leaf = child.rpartition(".")
+        pkg = sys.modules.get(parent)
+        known = pkg is not None
+        if not known:
+            pkg = types.ModuleType(parent, f"Import path of {public} (the code: {module.__name__}).")
+            pkg.__spec__ = importlib.machinery.ModuleSpec(parent, None, is_package=True)
+            pkg.__path__ = []
+            sys.modules[parent] = pkg
+        setattr(pkg, leaf, sys.modules[child])
+        if known:
+            return
+        child = parent

@@ -250,7 +250,7 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
             ``(h + kv_offset) // kv_group`` instead of ``h // (Hq // Hk)`` — a contiguous run of
             query heads that starts ``kv_offset`` heads into a group of ``kv_group`` (a Ulysses
             rank of an uneven head layout, :meth:`~hyper_parallel.distributed.context_parallel.
-            strategies.ulysses_layout.UlyssesHeadLayout.kv_map_args`). The heads must read exactly
+            methods.ulysses.layout.UlyssesHeadLayout.kv_map_args`). The heads must read exactly
             the ``Hk`` KV heads given (:func:`kv_head_map`). The CPU engine reads K/V in place (dk /
             dv summed over each KV head's query heads); CUDA and NPU expand K/V to ``Hq`` heads first.
 

@@ -1,5 +1,5 @@
-"""K/V pipelining of async Colossal through the attention with an LSE merge (issue 15: hide the
-K/V gathers behind the attention, not only behind the Q branch).
+"""K/V pipelining of async Colossal through the attention with an LSE merge: the K/V gathers
+hidden behind the attention, not only behind the Q branch.
 
 The K and V handoffs split the local K/V into G sequence chunks, one AllGather each (launch
 order K_0, V_0, K_1, V_1, ...); the consumer waits chunk c, runs the engine with ``return_lse``

@@ -1,5 +1,5 @@
-"""Query-side pipelining of async Ulysses / Hybrid / Head-Tail (issue 15: hide the Q and output
-collectives).
+"""Query-side pipelining of async Ulysses / Hybrid / Head-Tail: the Q and output
+collectives hidden behind the attention chunks.
 
 The Q handoff launches G query chunks (sequence sub-chunks of the local query, one collective
 each); the consumer waits chunk c, runs its attention and launches its output collective

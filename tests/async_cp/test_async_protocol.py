@@ -1,4 +1,4 @@
-"""The handoff protocol's preflight (design 4.4) and the order of launch / wait, forward and backward.
+"""The handoff protocol's preflight and the order of launch / wait, forward and backward.
 
 Single-process checks run the generic preflight on a tiny Llama attention given the protocol by
 its adapter, with deliberately wrong protocol forwards: each must be refused by name before any

@@ -1,5 +1,5 @@
 """Async Colossal / Head-Tail / Hybrid do not keep the gathered K/V between forward and backward
-(issue 14, memory per rank): the attention's saved K/V become the local tensors the handoffs sent,
+(memory per rank falls as 1/cp): the attention's saved K/V become the local tensors the handoffs sent,
 and backward runs the forward collective again on the comm thread.
 
 On a real transformers Llama (2 layers, GQA 4:2, the async adapters of ``models/llama``), per rank:
@@ -96,7 +96,7 @@ def regather_run(method: str, kv_chunks: int | None, cp: int | None = None, head
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     B = local["input_ids"].shape[0]
     if method == "hybrid":      # [B, nk_i, S, D] gathered over the colossal group; local [B, Hk, L, D]
-        from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+        from hyper_parallel.distributed.context_parallel.methods.ulysses.layout import ulysses_head_layout
 
         u = params["ulysses_degree"]
         nk = ulysses_head_layout(cfg.num_attention_heads, hk, u).kv_counts[meta.cp_rank % u]

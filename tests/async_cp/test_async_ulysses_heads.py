@@ -1,6 +1,6 @@
-"""Async Ulysses / Hybrid on the head layouts the even split cannot take (issue 22 item 3).
+"""Async Ulysses / Hybrid on the head layouts the even split cannot take (uneven splits, replicated KV heads).
 
-The async adapters split heads with :func:`...strategies.ulysses_layout.ulysses_head_layout`, as
+The async adapters split heads with :func:`...methods.ulysses.layout.ulysses_head_layout`, as
 the sync wrappers do: KV heads fewer than the degree are replicated to every rank whose query
 heads use them (backward sums the copies' gradients), and query heads not divisible by the
 degree go in uneven contiguous blocks. Cases (fp32, one batch with packed documents and right

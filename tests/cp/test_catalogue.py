@@ -21,7 +21,7 @@ from hyper_parallel.distributed.context_parallel import catalogue
 from hyper_parallel.distributed.context_parallel.batch import policy_multiple, shard_batch_for_cp
 from hyper_parallel.distributed.context_parallel.registry import (METHODS, STYLES, get_registered, import_target,
                                                                   registered_names, wrapper_info)
-from hyper_parallel.distributed.context_parallel.strategies.factory import STRATEGY_CLASSES, build_strategy
+from hyper_parallel.distributed.context_parallel.methods.factory import STRATEGY_CLASSES, build_strategy
 
 from tests.wrappers import _workers as W
 

@@ -155,8 +155,8 @@ def colossal_regathers_kv(cp, method="colossal"):
     import weakref
 
     from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy, HeadTailStrategy
-    from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
-    from hyper_parallel.distributed.context_parallel.strategies import head_tail as HT
+    from hyper_parallel.distributed.context_parallel.methods.colossal import strategy as AG
+    from hyper_parallel.distributed.context_parallel.methods.head_tail import strategy as HT
     from hyper_parallel.platform.host_memory import track_host_tensors
     from hyper_parallel.testing.memory import settled_tensor_bytes
     from tests.cp.common import scenario_batch, shard_batch_for_cp  # noqa: F401 (re-exported there)

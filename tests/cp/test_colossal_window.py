@@ -1,4 +1,4 @@
-"""Colossal CP with a sliding window gathers only the visible K/V chunks (issue 12, item 3).
+"""Colossal CP with a sliding window gathers only the visible K/V chunks.
 
 For every case (cp 2 / 4; window 1, < L, between L and 2L, between 2L and 3L, > S; causal,
 non-causal, right/left padding, packed documents; GQA Hq/Hk = 2 and 4) each rank checks:
@@ -29,8 +29,8 @@ from hyper_parallel import platform as P
 from hyper_parallel.distributed.context_parallel import collectives as C
 from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
 from hyper_parallel.distributed.context_parallel.strategies import AllGatherStrategy
-from hyper_parallel.distributed.context_parallel.strategies import all_gather as AG
-from hyper_parallel.distributed.context_parallel.strategies.base import engine_attention
+from hyper_parallel.distributed.context_parallel.methods.colossal import strategy as AG
+from hyper_parallel.distributed.context_parallel.methods.base import engine_attention
 from hyper_parallel.ops.reference import reference_attention
 from tests.cp.common import ATOL, RTOL, global_qkv, mesh_ctx, scenario_batch
 

@@ -8,7 +8,7 @@ import torch
 from hyper_parallel import platform as P
 from hyper_parallel.distributed.context_parallel.meta import CPBatchMeta
 from hyper_parallel.distributed.context_parallel.strategies import build_strategy
-from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+from hyper_parallel.distributed.context_parallel.methods.ulysses.layout import ulysses_head_layout
 from tests.cp.common import mesh_ctx, sub_group3
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

@@ -1,4 +1,4 @@
-"""Exact CP for the token mixers of hybrid decoders (issue 21 part 2): the mixer module declared in
+"""Exact CP for the token mixers of hybrid decoders: the mixer module declared in
 plan_overrides next to the attention, on real transformers classes (tiny random configs, nothing
 downloaded, train(), dropout 0, fp32).
 

@@ -1,6 +1,6 @@
-"""CP preflight proof (issue 21 part 1, safety net of issue 12): the whole model under CP
-against its own forward without CP, layer by layer, on real transformers classes (tiny random
-configs, nothing downloaded) at cp=2 on the warm gloo pool.
+"""CP preflight proof (refuses an undeclared token mixer, and a declared method that drops a mask or
+window): the whole model under CP against its own forward without CP, layer by layer, on real
+transformers classes (tiny random configs, nothing downloaded) at cp=2 on the warm gloo pool.
 
 * hybrid decoders declared for their attention only (``*.self_attn``): Qwen3-Next (Gated
   DeltaNet), LFM2 (short conv), Falcon-H1 (Mamba2) -> refused, naming the mixer and its class;

@@ -92,7 +92,7 @@ def test_strategy_rejections_before_any_collective(ranks):
 
 
 def test_validate_messages_single_process():
-    from hyper_parallel.distributed.context_parallel.strategies.ulysses import check_head_split
+    from hyper_parallel.distributed.context_parallel.methods.ulysses.strategy import check_head_split
     with pytest.raises(ValueError, match=r"num_q_heads=2 < ulysses_degree=3 .*use ulysses_degree in \[2\]"):
         check_head_split("HybridStrategy", 2, 2, 3, "ulysses_degree", cp_size=6)
     assert check_head_split("HybridStrategy", 4, 4, 3, "ulysses_degree").q_counts == (2, 1, 1)   # uneven: split

@@ -1,4 +1,4 @@
-"""Ulysses and Hybrid for every head layout (issue 22): KV heads fewer than the degree (MQA / GQA,
+"""Ulysses and Hybrid for every head layout: KV heads fewer than the degree (MQA / GQA,
 replicated, never averaged), head counts the degree does not divide (uneven split), sinks
 following their heads, heads per TP rank.
 
@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from hyper_parallel.distributed.context_parallel.strategies.ulysses_layout import ulysses_head_layout
+from hyper_parallel.distributed.context_parallel.methods.ulysses.layout import ulysses_head_layout
 from tests.wrappers import _workers as W
 
 LOGIT_TOL = 1e-5

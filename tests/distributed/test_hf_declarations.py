@@ -1,5 +1,5 @@
 """What transformers declares drives the sharding: decoder layers from ``_no_split_modules``,
-the TP plan from ``base_model_tp_plan`` (issue 17 item 4).
+the TP plan from ``base_model_tp_plan``.
 
 Tolerances (fp32): logits max |CP - CP=1| <= 1e-5; gradients max |g_cp - g_cp1| over parameters
 <= 1e-5 x the reference's largest |g|. Every parity check prints max abs / rel next to them.

@@ -175,7 +175,7 @@ def test_graph_sees_known_edges():
     edges, _ = _graph()
     cp = "hyper_parallel.distributed.context_parallel"
     assert f"{cp}.registry" in edges[f"{cp}.wrappers.entry_points"]
-    assert f"{cp}.catalogue" in edges[f"{cp}.strategies.factory"]
+    assert f"{cp}.catalogue" in edges[f"{cp}.methods.factory"]
     assert f"{cp}.wrappers.heads" in edges[f"{cp}.wrappers"]
 
 

@@ -1,6 +1,6 @@
 """A frozen (SIGSTOP) or dead (SIGKILL) peer: the survivor prints ONE line naming the collective,
 its group, the elapsed time and the likely cause, then exits non-zero within the timeout plus a
-bound (issue 11 part 3).
+bound.
 
 Unit tests translate synthetic backend errors; the end-to-end tests run the real ``hyper-train``
 CLI under torchrun with 2 CPU ranks and ``HYPER_PARALLEL_FAULT_INJECT`` (the test hook of

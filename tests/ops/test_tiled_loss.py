@@ -1,4 +1,4 @@
-"""Exact tiled LM-head cross-entropy (issue 14 item 1) against the untiled transformers-style path:
+"""Exact tiled LM-head cross-entropy (no full-vocabulary logits held) against the untiled transformers-style path:
 ``F.cross_entropy(post(F.linear(h, W, b)).float(), reduction="none")`` with post = scale, divisor,
 softcap in the logits' dtype. Fresh random data; loss and every gradient compared; max abs and
 relative errors printed against the stated tolerance."""

@@ -1,4 +1,4 @@
-"""The tiled MLP (issue 14 item 2) on real transformers MLP classes: output, d input and every
+"""The tiled MLP (activation memory per rank) on real transformers MLP classes: output, d input and every
 parameter gradient equal the untiled module (fp32, float64), whatever the chunk boundaries; the
 trainer's install tiles exactly the dense MLPs of the decoder layers and refuses what it cannot
 tile exactly (MoE blocks, a module that mixes tokens, TP)."""

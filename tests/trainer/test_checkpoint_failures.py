@@ -1,4 +1,4 @@
-"""Checkpoints a user can trust (issue 19): a damaged or mismatching checkpoint is refused before
+"""Checkpoints a user can trust: a damaged or mismatching checkpoint is refused before
 any step with one CPConfigError naming ``schedule.resume_from``, the checkpoint and the damaged
 file / first mismatching tensor, identical on every rank (``hyper-train`` exits 2)."""
 from __future__ import annotations

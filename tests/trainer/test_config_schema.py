@@ -1,4 +1,4 @@
-"""The trainer's typed configuration schema (issue 17 item 5): one declaration per field is the
+"""The trainer's typed configuration schema: one declaration per field is the
 source of the loader's checks, ``hyper-train --help`` and the docs/trainer.md field reference.
 
 Covers: YAML 1.1 string floats (``3e-4``) read as floats, list/mapping swaps as field errors, every

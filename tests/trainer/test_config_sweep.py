@@ -1,4 +1,4 @@
-"""Config mutation sweep (issue 19 row 8): every shipped example (examples/*.yaml, examples/cp/*.yaml)
+"""Config mutation sweep: every shipped example (examples/*.yaml, examples/cp/*.yaml)
 with one mutation of each kind below is a configuration error naming the field: 0 tracebacks,
 0 silent accepts. In-process through the CLI's own config path (``cli.load_config``: YAML file +
 overrides -> schema -> cross-field checks; local, before any collective), plus a few end-to-end

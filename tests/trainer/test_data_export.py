@@ -1,7 +1,7 @@
-"""``logging.export_hf`` at the end of a packed CP=2 run (issue 13 item 5).
+"""``logging.export_hf`` at the end of a packed CP=2 run.
 
 2 ranks, CP=2 (Head-Tail), packed standard-library documents, 2 steps; ``trainer.train()`` writes
-``<out_dir>/hf`` through ``hf_checkpoint.save_hf`` (issue 18) with the tokenizer files of
+``<out_dir>/hf`` through ``hf_checkpoint.save_hf`` with the tokenizer files of
 ``data.tokenizer``. Plain ``transformers`` reloads it: the reloaded model's logits on a packed row
 (several documents, restarting position_ids) equal the trained model's (its full parameters in
 the ordinary build) within 1e-5 x max|logits|, and the exported tokenizer encodes like the source

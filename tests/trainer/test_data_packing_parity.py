@@ -1,4 +1,4 @@
-"""Packed documents under CP equal CP=1 (issue 13 item 2).
+"""Packed documents under CP equal CP=1.
 
 The trainer's own packed stream (``data.source: files``, ``packing: true``: real standard-library
 text cut into documents of about 3-50 tokens, so a row holds several documents and documents cross

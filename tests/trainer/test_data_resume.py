@@ -1,4 +1,4 @@
-"""The packed document stream resumes exactly (issue 13 item 3).
+"""The packed document stream resumes exactly.
 
 2 ranks, CP=2 (Colossal), packed standard-library documents, held-out evaluation every 2 steps.
 The data set is small enough that the 6 steps cross an epoch boundary (the second epoch's order

@@ -1,4 +1,4 @@
-"""Tokenized files and packed rows (issue 13 items 1-4), single process except the store build.
+"""Tokenized files and packed rows (sources, packing, resume state, batch fields), single process except the store build.
 
 Asserts, on the shipped standard-library slice and tokenizer:
   * the token store holds exactly the tokenizer's output per document (jsonl == parquet), is built

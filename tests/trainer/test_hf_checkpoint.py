@@ -1,4 +1,4 @@
-"""HF checkpoints shard by shard (issue 18): ``save_hf`` after sharded training reloads in plain
+"""HF checkpoints shard by shard: ``save_hf`` after sharded training reloads in plain
 transformers with the trained model's logits; ``model.path`` loads each rank's slices (dtype cast,
 tied embeddings, a vocabulary resized for the tokenizer); a checkpoint that does not match the
 config fails before the first step naming the tensor, identically on every rank.

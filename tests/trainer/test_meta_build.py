@@ -1,4 +1,4 @@
-"""Meta-device build (issue 18): the model is built on ``meta``, the plan (TP -> CP -> AC -> FSDP2)
+"""Meta-device build: the model is built on ``meta``, the plan (TP -> CP -> AC -> FSDP2)
 is applied to the empty model, and each rank materializes only its own shards.
 
 Asserted on 2 gloo ranks (one worker call per topology, several checks each):

@@ -1,4 +1,4 @@
-"""Trainer Level-0 parity (design 7.1/7.2): CP>1 trainer == CP=1 trainer, step by step.
+"""Trainer Level-0 parity: CP>1 trainer == CP=1 trainer, step by step.
 
 Every case runs the real :class:`TextTrainer` for 3 optimizer steps (fixed seed, AdamW,
 grad clipping on) on identical global micro-batches and compares, per step, against a CP=1

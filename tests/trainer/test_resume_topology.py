@@ -1,4 +1,4 @@
-"""Resume at another topology (issue 19 row 4): a CP=2 checkpoint loads at CP=1, CP=4 and at another
+"""Resume at another topology: a CP=2 checkpoint loads at CP=1, CP=4 and at another
 DP size; DCP reshards model and optimizer state (the loaded state equals the saved one, bit for
 bit), the data position carries over, and with the same global batch the resumed run continues
 the uninterrupted CP=2 loss curve within the fp32 tolerance below. Another TP size is refused by

@@ -1,4 +1,4 @@
-"""MoE router load-balancing loss (issue 24): the model's own objective, exact under CP and DP.
+"""MoE router load-balancing loss: the model's own objective, exact under CP and DP.
 
 * CP=1: the trainer's loss, router loss and every gradient equal transformers' own
   ``model(labels, attention_mask, num_items_in_batch, output_router_logits=True)`` (Qwen3-MoE, Mixtral).

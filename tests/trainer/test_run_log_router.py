@@ -1,4 +1,4 @@
-"""MoE runs show the router loss where a user looks (issue 24 item 5): the progress bar's postfix and
+"""MoE runs show the router loss where a user looks: the progress bar's postfix and
 a second panel of the loss plot; runs without it keep the one-panel plot."""
 from PIL import Image
 

@@ -1,4 +1,4 @@
-"""The LM head as a tiled loss on real transformers classes (issue 14 item 1): loss and every
+"""The LM head as a tiled loss on real transformers classes: loss and every
 gradient equal cross-entropy of the model's own logits (fp32, train(), dropout 0), including the
 head post-processing transformers declares (Gemma2 softcap, Cohere logit_scale, Granite
 logits_scaling) and tied embeddings; an unknown post-processing is detected by the probe."""

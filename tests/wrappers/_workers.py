@@ -219,7 +219,7 @@ def runtime_misfire(cfg_path: str):
         model(input_ids=local["input_ids"], position_ids=local["position_ids"])
 
 
-# ------------------------------------------------------------------ attention semantics (issue 12)
+# ------------------------------------------------------------------ attention semantics
 WRAPPERS = "hyper_parallel.distributed.context_parallel.wrappers."
 METHODS = {   # name -> (cp, inner_wrapper)
     "colossal": (2, "sdpa_hf"),

@@ -1,4 +1,4 @@
-"""The attention support matrix of docs/wrappers.md as data (issue 12).
+"""The attention support matrix of docs/wrappers.md as data.
 
 One :class:`Row` per architecture: its display name, attention implementation, one cell per
 feature (window, softcap, sinks, ALiBi, MLA, packed, RoPE) and the parity cases that run it.

@@ -1,4 +1,4 @@
-"""Attention semantics read from the call (issue 12): every attention a tiny random transformers
+"""Attention semantics read from the call: every attention a tiny random transformers
 decoder asks for is computed exactly under CP, or refused before the first step naming the module.
 
 Parity (fp32, ``train()``, dropout 0, nothing downloaded): logits over the valid tokens (max abs
@@ -188,7 +188,7 @@ def test_packed_positions_refused_where_the_model_ignores_them():
 
 
 def test_preflight_proof_accepts_what_is_exact(ranks):
-    """The whole-model preflight proof (model_proof.py) now accepts windowed / softcapped / sink /
+    """The whole-model preflight proof (model_proof/) now accepts windowed / softcapped / sink /
     MLA models on Colossal instead of refusing them (it used to refuse Mistral's dropped window)."""
     cases = [("mistral", "plain", 32), ("gemma2", "padding", 27), ("gpt_oss", "plain", 32),
              ("deepseek_v3", "packed", 27), ("qwen2", "packed_padding", 32)]

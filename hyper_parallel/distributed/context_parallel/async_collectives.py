@@ -132,11 +132,12 @@ class _Wait(torch.autograd.Function):
 # A plan is (forward_comm, backward_comm) for :class:`AsyncCollective`: each takes a tensor and
 # returns a CommHandle. Every step runs on the platform's communication thread
 # (:func:`hyper_parallel.platform.launch_chain`, FIFO, same submission order on every rank) and
-# calls the sync CP collectives of :mod:`.collectives` (the same layout functions the sync
-# strategies use) on a detached tensor, so no autograd graph is built there; the autograd
-# mirror is :class:`AsyncCollective`'s. A step with several collectives (Hybrid K/V: ulysses A2A
-# then colossal AllGather) is one chain: the dependency is kept on the comm thread.
-def _chain(steps, op: str) -> Callable[[torch.Tensor], CommHandle]:
+# calls the sync CP collectives (the same layout functions the sync strategies use) on a
+# detached tensor, so no autograd graph is built there; the autograd mirror is
+# :class:`AsyncCollective`'s. A step with several collectives (Hybrid K/V: ulysses A2A then
+# colossal AllGather) is one chain: the dependency is kept on the comm thread. Each method's
+# plans: ``methods/<method>/async_.py``.
+def comm_chain(steps, op: str) -> Callable[[torch.Tensor], CommHandle]:
     from ...platform import launch_chain
 
     def run(x: torch.Tensor) -> CommHandle:
@@ -151,97 +152,3 @@ def _no_grad(step, op: str):
         with torch.no_grad(), torch.profiler.record_function(f"hp_comm:{op}"):
             return step(y)
     return run
-
-
-def colossal_kv_plan(group, seq_dim: int = 2) -> tuple:
-    """K or V ``[B, Hk, L, D]`` -> AllGather on ``group`` -> ``[B, Hk, S, D]``; bwd: ReduceScatter(sum)."""
-    from ...platform import reduce_scatter
-    from .collectives import all_gather_seq
-
-    return (_chain([lambda y: all_gather_seq(y, group, dim=seq_dim, tag="async_kv_gather")], "async_kv_gather"),
-            _chain([lambda g: reduce_scatter(g, group, dim=seq_dim, tag="async_kv_reduce_scatter")],
-                   "async_kv_reduce_scatter"))
-
-
-def _exchange_heads(lay, kind: str) -> tuple:
-    """(``heads=`` of the forward seq->head exchange, ``num_heads=`` of its adjoint) for a tensor of
-    ``kind`` ("q" or "kv") under the Ulysses head layout ``lay``: ``(None, None)`` for the even
-    split (plain all_to_all); else ``lay.q_heads`` / ``lay.kv_heads``, the KV adjoint summing the
-    copies of a replicated KV head into it (``num_heads=Hk``)."""
-    if lay is None or lay.even:
-        return None, None
-    if kind == "q":
-        return lay.q_heads, None
-    return lay.kv_heads, lay.num_kv_heads
-
-
-def ulysses_plan(group, lay=None, kind: str = "q") -> tuple:
-    """``[B, H, L, D]`` -> seq->head A2A on ``group`` -> ``[B, n_i, u*L, D]``; bwd: the adjoint A2A.
-
-    ``lay`` (:class:`.strategies.ulysses_layout.UlyssesHeadLayout` of this group, None: even
-    split) and ``kind`` ("q": query heads ``lay.q_heads``; "kv": KV heads ``lay.kv_heads``,
-    replicated where several ranks' query heads use one) choose the heads rank ``i`` receives
-    (``n_i``), exactly as the sync :func:`.strategies.ulysses.ulysses_group_attention`. Backward:
-    ``ulysses_head_to_seq`` with the same heads; for K/V with ``num_heads=Hk``, so the gradients of
-    a replicated KV head's copies are summed into it on the rank owning the sequence chunk."""
-    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
-
-    heads, num = _exchange_heads(lay, kind)
-    return (_chain([lambda y: ulysses_seq_to_head(y, group, tag="async_seq_to_head", heads=heads)],
-                   "async_seq_to_head"),
-            _chain([lambda g: ulysses_head_to_seq(g, group, tag="async_head_to_seq", heads=heads, num_heads=num)],
-                   "async_head_to_seq"))
-
-
-def ulysses_out_plan(group, lay=None) -> tuple:
-    """Attention output ``[B, n_i, u*L', D]`` (this rank's query heads ``lay.q_heads[i]``, the
-    group's rows) -> head->seq A2A on ``group`` -> ``[B, Hq, L', D]`` (all query heads, this
-    rank's rows); bwd: the seq->head A2A of dO with the same heads (the inverse permutation: the
-    query split is disjoint). ``lay`` None / even: the plain all_to_all. The inverse of
-    :func:`ulysses_plan` ``(group, lay, "q")`` — used per pipelined query chunk (``L' = L/G``)."""
-    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
-
-    heads, _num = _exchange_heads(lay, "q")
-    return (_chain([lambda y: ulysses_head_to_seq(y, group, tag="async_out_head_to_seq", heads=heads)],
-                   "async_out_head_to_seq"),
-            _chain([lambda g: ulysses_seq_to_head(g, group, tag="async_out_seq_to_head", heads=heads)],
-                   "async_out_seq_to_head"))
-
-
-def hybrid_kv_plan(colossal_group, ulysses_group, lay=None) -> tuple:
-    """K or V: seq->head A2A on the ulysses group chained into AllGather on the colossal group
-    (``[B, Hk, S/C, D]`` -> ``[B, nk_i, S, D]``, ``nk_i`` the KV heads of ``lay.kv_heads[i]``,
-    replicated when fewer than the ulysses degree; ``Hk/u`` for the even split / ``lay`` None);
-    bwd: ReduceScatter(colossal) on that ``nk_i``-head shard chained into the adjoint A2A(ulysses)
-    (``num_heads=Hk``: copies of a replicated KV head summed). Both stages run on the comm thread."""
-    from ...platform import reduce_scatter
-    from .collectives import all_gather_seq, ulysses_head_to_seq, ulysses_seq_to_head
-
-    heads, num = _exchange_heads(lay, "kv")
-    fwd = _chain([lambda y: ulysses_seq_to_head(y, ulysses_group, tag="async_seq_to_head", heads=heads),
-                  lambda y: all_gather_seq(y, colossal_group, dim=2, tag="async_kv_gather")], "hybrid_kv_chain")
-    bwd = _chain([lambda g: reduce_scatter(g, colossal_group, dim=2, tag="async_kv_reduce_scatter"),
-                  lambda g: ulysses_head_to_seq(g, ulysses_group, tag="async_head_to_seq", heads=heads,
-                                                num_heads=num)], "hybrid_kv_chain_bwd")
-    return fwd, bwd
-
-
-def head_tail_q_plan(group) -> tuple:
-    """Q ``[B, Hq, L, D]`` (sub-chunks 2r, 2r+1) -> Head-Tail dispatch -> ``cat(q_head, q_tail)``
-    along the sequence (sub-chunks r and 2C-1-r, ``[B, Hq, L, D]``); bwd: the combine exchange
-    (the inverse permutation) of ``(dq_head, dq_tail)``."""
-    from .collectives import head_tail_combine, head_tail_dispatch
-
-    return (_chain([lambda y: torch.cat(head_tail_dispatch(y, group), dim=2)], "async_head_tail_dispatch"),
-            _chain([lambda g: head_tail_combine(*g.chunk(2, dim=2), group)], "async_head_tail_dispatch_bwd"))
-
-
-def head_tail_out_plan(group) -> tuple:
-    """Head-Tail output ``cat(o_head, o_tail)`` along the sequence (rows of sub-chunks r and
-    2C-1-r, ``[B, Hq, 2m, D]``) -> the combine exchange -> ``cat(o_lo, o_hi)`` (the same rows of
-    this rank's sub-chunks 2r, 2r+1); bwd: the dispatch exchange of the gradient. The inverse of
-    :func:`head_tail_q_plan` (forward and backward swapped), used per pipelined query chunk."""
-    from .collectives import head_tail_combine, head_tail_dispatch
-
-    return (_chain([lambda y: head_tail_combine(*y.chunk(2, dim=2), group)], "async_head_tail_combine"),
-            _chain([lambda g: torch.cat(head_tail_dispatch(g, group), dim=2)], "async_head_tail_combine_bwd"))

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...platform import group_rank, group_size
 from . import catalogue
-from .collectives import all_gather_seq
+from .comm import all_gather_seq
 from .meta import CPBatchMeta
 
 __all__ = ["CPBatch", "shard_batch_for_cp", "gather_from_cp", "policy_multiple", "cp_coords"]

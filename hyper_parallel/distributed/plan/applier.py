@@ -1,6 +1,6 @@
 """ShardingApplier: apply a :class:`~.sharding_planner.ShardingPlan` to a model.
 
-Order (design 2.1): TP placement -> the declared CP wrapper / local compute -> activation
+Order: TP placement -> the declared CP wrapper / local compute -> activation
 checkpointing -> FSDP2 ``fully_shard`` (an untied input embedding, each decoder layer, an untied
 output head, then the root, on ``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
 FSDP units) are what transformers declares (``_no_split_modules``, see

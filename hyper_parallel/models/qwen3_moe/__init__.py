@@ -1,1 +1,3 @@
-"""Qwen3-MoE adapters."""
+"""Qwen3-MoE: its async CP adapter (:mod:`.async_cp`); importing this package makes the adapter's public
+``_target_`` path (``...qwen3_moe.adapter.distributed.context_parallel_async``) resolve."""
+from . import async_cp  # noqa: F401

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from .... import platform as P
-from ..collectives import resolve_group
+from ..comm import resolve_group
 from ..registry import inner_wrapper
 from .rows import CPMixerError, accepts, current_fqn, hidden_param, is_seq, mixer_call, require_class, run_rows
 

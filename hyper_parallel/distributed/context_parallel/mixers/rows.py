@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .... import platform as P
-from ..collectives import all_gather_seq, resolve_group
+from ..comm import all_gather_seq, resolve_group
 from ..meta import CPBatchMeta, current_cp_batch_meta
 
 __all__ = ["CPMixerError", "CACHE_KEYS", "hidden_param", "accepts", "split_hidden", "check_call", "is_seq", "map_seq",

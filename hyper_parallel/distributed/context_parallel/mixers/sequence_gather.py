@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..collectives import all_gather_seq
+from ..comm import all_gather_seq
 from ..registry import inner_wrapper
 from .rows import (accepts, current_fqn, gather_any, hidden_param, map_seq, mixer_call, run_rows,
                    validate_common)

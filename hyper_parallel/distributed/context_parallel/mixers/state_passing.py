@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .... import platform as P
-from ..collectives import all_gather_seq, resolve_group
+from ..comm import all_gather_seq, resolve_group
 from .halo import halo_exchange
 from .rows import CPMixerError, mixer_call, run_rows, segments
 

@@ -1,10 +1,11 @@
-"""CP strategies behind :class:`ContextParallelStrategy` (docs/strategies/)."""
-from .all_gather import AllGatherStrategy
-from .base import ContextParallelStrategy, engine_attention
-from .factory import build_strategy
-from .head_tail import HeadTailStrategy
-from .hybrid import HybridStrategy
-from .ulysses import UlyssesStrategy
+"""The sync CP strategies behind :class:`ContextParallelStrategy` (docs/strategies/), re-exported from
+their method folders (``methods/<method>/strategy.py``) and :mod:`..methods.factory`."""
+from ..methods.base import ContextParallelStrategy, engine_attention
+from ..methods.colossal.strategy import AllGatherStrategy
+from ..methods.factory import build_strategy
+from ..methods.head_tail.strategy import HeadTailStrategy
+from ..methods.hybrid.strategy import HybridStrategy
+from ..methods.ulysses.strategy import UlyssesStrategy
 
 __all__ = ["AllGatherStrategy", "ContextParallelStrategy", "HeadTailStrategy", "HybridStrategy",
            "UlyssesStrategy", "build_strategy", "engine_attention"]

@@ -4,7 +4,7 @@
 * :func:`check_heads` — the catalogue's head and degree rules of a method for a module
   (:mod:`..catalogue`: Colossal / Head-Tail any GQA ratio; Ulysses (degree cp_size) and Hybrid
   (``1 < ulysses_degree < cp_size``) any GQA ratio with at least as many query heads as the
-  degree — the per-rank split is :func:`..strategies.ulysses_layout.ulysses_head_layout`);
+  degree — the per-rank split is :func:`..methods.ulysses.layout.ulysses_head_layout`);
 * :func:`head_layout_lines` — the plan summary's per-rank query / KV heads of Ulysses and Hybrid;
 * :func:`unrepeat_kv` — K/V that HF repeated for GQA (``repeat_kv``) as a strided view of the
   Hk distinct heads (no copy), so only Hk heads are communicated.
@@ -19,9 +19,9 @@ import torch.nn as nn
 
 from .. import catalogue
 from ..interception import AttentionCall
-from ..strategies.base import check_gqa
-from ..strategies.ulysses import check_head_split
-from ..strategies.ulysses_layout import ulysses_head_layout
+from ..methods.base import check_gqa
+from ..methods.ulysses.layout import ulysses_head_layout
+from ..methods.ulysses.strategy import check_head_split
 
 __all__ = ["module_heads", "check_heads", "unrepeat_kv", "head_layout_lines"]
 
@@ -68,7 +68,7 @@ def check_heads(method: str, module: nn.Module, cp_size: int, tp_size: int = 1, 
     break ``method``'s rules in the catalogue; heads that cannot be read from the module are left
     to the strategy's check of the real tensors at apply/run time.
 
-    For Ulysses/Hybrid every layout :func:`..strategies.ulysses_layout.ulysses_head_layout` splits
+    For Ulysses/Hybrid every layout :func:`..methods.ulysses.layout.ulysses_head_layout` splits
     exactly is accepted (uneven counts, KV heads replicated when fewer than the degree): the sync
     strategies compute from that layout and the async A2As take ``heads=layout.q_heads /
     layout.kv_heads``. Refused: fewer query heads than the degree, ``Hq % Hk != 0``."""

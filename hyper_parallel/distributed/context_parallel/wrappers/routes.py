@@ -28,7 +28,7 @@ from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, 
                             intercept_hf_interface, intercept_sdpa)
 from ..meta import CPBatchMeta, current_cp_batch_meta, with_attention_chunk
 from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale
-from ..strategies import build_strategy
+from ..methods.factory import build_strategy
 from .heads import module_heads, unrepeat_kv
 from .preflight import check_call, check_core_call, probe
 from .validate_mode import (check_repeat_kv, compare, hf_module_reference, rank_group, valid_query_rows,

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from .... import platform as P
-from ..collectives import resolve_group
+from ..comm import resolve_group
 from ..interception import AttentionCall, intercept_hf_interface, intercept_sdpa
 from ..meta import CPBatchMeta
-from ..strategies.base import engine_attention
+from ..methods.base import engine_attention
 from .heads import unrepeat_kv
 
 __all__ = ["CPValidationError", "VALIDATE_TOLERANCE", "rank_group", "valid_query_rows", "compare",

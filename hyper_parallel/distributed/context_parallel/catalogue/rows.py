@@ -1,0 +1,198 @@
+"""The catalogue's table: the calling styles (:data:`STYLES`) and one :class:`CPMethod` row per CP
+method (:data:`METHODS`), plus the public module paths the rows name. Pure data; see
+:mod:`hyper_parallel.distributed.context_parallel.catalogue` for who reads it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
+MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
+GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
+MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
+#: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
+#: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
+MAMBA2_FAMILIES = {
+    "FalconH1Mixer": "falcon_h1",
+    "BambaMixer": "bamba",
+    "NemotronHMamba2Mixer": "nemotron_h",
+    "GraniteMoeHybridMambaLayer": "granitemoehybrid",
+    "Zamba2MambaMixer": "zamba2",
+}
+# models whose adapter implements the async handoff protocol (models/<arch>/async_cp.py)
+ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+
+
+def adapter_module(arch: str) -> str:
+    """The public module path of model ``arch``'s async adapter Targets (a ``_target_`` prefix; the code is
+    in ``models/<arch>/async_cp.py``, made importable here by ``models.handoff_attention.publish_adapter``)."""
+    return f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async"
+
+
+def async_entry_name(method: str, arch: Optional[str] = None) -> str:
+    """``async_<method>_cp_wrapper`` (generic) or ``<arch>_async_<method>_cp_wrapper`` (adapter)."""
+    return f"{arch + '_' if arch else ''}async_{method}_cp_wrapper"
+
+
+def _async_targets(method: str) -> tuple:
+    """The generic async Target of ``method`` (any attention with the handoff protocol) and each
+    adapter's named one."""
+    return (f"{WRAPPERS_MODULE}.{async_entry_name(method)}",) + tuple(
+        f"{adapter_module(a)}.{async_entry_name(method, a)}" for a in ASYNC_ADAPTERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """An attention calling convention a built-in wrapper adapts (one column of the matrix)."""
+
+    name: str            # catalogue key: "hf" | "qkv" | "flex_hf" | "flex_qkv"
+    prefix: str          # entry-point / registry-name prefix: "sdpa_hf", ...
+    registry_style: str  # WrapperInfo.style: "hf" | "qkv" | "flex"
+    primitive: str       # what is intercepted: "hf_any" | "sdpa" | "hf_interface" | "flex_direct"
+    forward: str         # the module forward it binds: "hf" (hidden_states) | "qkv" (q, k, v)
+    kind: str            # words for messages: "SDPA" | "FlexAttention"
+    description: str
+
+
+STYLES: dict = {s.name: s for s in (
+    Style("hf", "sdpa_hf", "hf", "hf_any", "hf", "SDPA",
+          "HF attention `forward(hidden_states, ...)`, attn_implementation sdpa/eager"),
+    Style("qkv", "sdpa_qkv", "qkv", "sdpa", "qkv", "SDPA",
+          "core attention `forward(q, k, v, ...)` calling SDPA"),
+    Style("flex_hf", "flex_hf", "flex", "hf_interface", "hf", "FlexAttention",
+          "HF attention, attn_implementation flex_attention"),
+    Style("flex_qkv", "flex_qkv", "flex", "flex_direct", "qkv", "FlexAttention",
+          "core module `forward(q, k, v, block_mask=None, scale=None)` around flex_attention"),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """One cell of the matrix: ``entry`` (function name in ``module``) or ``reason`` it is absent."""
+
+    style: str
+    entry: Optional[str] = None
+    registry_name: Optional[str] = None   # YAML short name; None = usable as a `_target_` only
+    reason: Optional[str] = None          # why no entry (the docs print it)
+    module: str = WRAPPERS_MODULE
+
+    @property
+    def target(self) -> Optional[str]:
+        return f"{self.module}.{self.entry}" if self.entry else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CPMethod:
+    """One CP method. ``kind`` "attention" (a strategy behind the built-in attention wrappers) or
+    "mixer" (a token-mixer method of :mod:`.mixers`, declared on a non-attention module)."""
+
+    name: str
+    title: str                       # words for messages and docs
+    kind: str = "attention"
+    aliases: tuple = ()
+    strategy: Optional[str] = None   # class name in methods/<strategy_module>/strategy.py
+    strategy_module: Optional[str] = None  # the method's folder under methods/
+    batch_policy: str = "all_gather"  # shard_batch_for_cp policy
+    layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
+    length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
+    head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": heads split over the degree (methods/ulysses/layout.py) | "module"
+    head_doc: str = ""
+    degree: str = "none"             # "none": no degree | "cp": degree == cp_size | "param": named parameter
+    degree_param: Optional[str] = None
+    degree_doc: str = ""
+    async_targets: tuple = ()        # model-specific async variants (`_target_` paths)
+    async_reason: str = ""           # why there is none / which models
+    async_param: Optional[str] = None  # the async Targets' pipeline-depth parameter (default None)
+    async_doc: str = ""              # one line: what the async variant launches and where it waits
+    offers: tuple = ()               # Offer per style
+
+
+_NO_FLEX = ("not offered: no flex entry point has been written and parity-tested for {m} yet (the strategy "
+            "itself does not depend on the style); use the {m} wrapper of the sdpa_hf / sdpa_qkv style, or a "
+            "custom wrapper")
+
+METHODS: dict = {m.name: m for m in (
+    CPMethod(
+        name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
+        strategy_module="colossal", batch_policy="all_gather", head_rule="gqa",
+        head_doc="any GQA ratio (Hq % Hk == 0)",
+        degree="none", degree_doc="no degree",
+        async_targets=_async_targets("colossal"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="kv_chunks",
+        async_doc="K/V AllGather launched at the K/V handoffs in ``kv_chunks`` sequence chunks, pipelined "
+                  "through the attention (LSE merge); ReduceScatter per chunk in backward",
+        offers=(Offer("hf", "sdpa_hf_cp_wrapper", "sdpa_hf"), Offer("qkv", "sdpa_qkv_cp_wrapper", "sdpa_qkv"),
+                Offer("flex_hf", "flex_hf_cp_wrapper", "flex_hf"),
+                Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
+    CPMethod(
+        name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", strategy_module="ulysses",
+        batch_policy="ulysses",
+        head_rule="split",
+        head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
+                 "accepted",
+        degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
+        async_targets=_async_targets("ulysses"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V seq->head A2A launched at their handoffs, Q in ``q_chunks`` pipelined sequence chunks, "
+                  "each chunk's output head->seq A2A launched after its attention; inverse A2As in backward",
+        offers=(Offer("hf", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_ulysses"),
+                Offer("qkv", "sdpa_qkv_ulysses_cp_wrapper", "sdpa_qkv_ulysses"),
+                Offer("flex_hf", "flex_hf_ulysses_cp_wrapper", "flex_hf_ulysses"),
+                Offer("flex_qkv", "flex_qkv_ulysses_cp_wrapper", "flex_qkv_ulysses"))),
+    CPMethod(
+        name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", strategy_module="hybrid",
+        batch_policy="hybrid",
+        head_rule="split",
+        head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
+                 "replicated) accepted",
+        degree="param", degree_param="ulysses_degree",
+        degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
+        async_targets=_async_targets("hybrid"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V ulysses A2A chained into the colossal AllGather on the comm thread; Q / output ulysses "
+                  "A2A per pipelined ``q_chunks`` chunk; backward mirrors every stage",
+        offers=(Offer("hf", "sdpa_hf_hybrid_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_cp_wrapper"),
+                Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid")),
+                Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid")))),
+    CPMethod(
+        name="load_balance", title="Head-Tail load balance", aliases=("head_tail",), strategy="HeadTailStrategy",
+        strategy_module="head_tail", batch_policy="load_balance", layout="head_tail", length_factor=2,
+        head_rule="gqa",        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
+        async_targets=_async_targets("load_balance"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="K/V AllGather launched at their handoffs; Q of both Head-Tail branches dispatched in "
+                  "``q_chunks`` pipelined chunks, each chunk's combine launched after its attention",
+        offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
+                Offer("flex_hf", reason=_NO_FLEX.format(m="Head-Tail")),
+                Offer("flex_qkv", reason=_NO_FLEX.format(m="Head-Tail")))),
+    # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, contiguous
+    # layout only; WrapperInfo.method is "custom" and mixer=True
+    CPMethod(
+        name="sequence_gather", title="sequence gather (any mixer)", kind="mixer", batch_policy="all_gather",
+        head_rule="module", head_doc="none (the whole module runs on the gathered sequence)",
+        offers=(Offer("hf", "sequence_gather_cp_wrapper", "sequence_gather", module=MIXERS_MODULE),)),
+    CPMethod(
+        name="short_conv_halo", title="short-conv halo exchange (LFM2)", kind="mixer", batch_policy="all_gather",
+        head_rule="module", head_doc="none (kernel - 1 halo tokens from the previous rank)",
+        offers=(Offer("hf", "short_conv_halo_cp_wrapper", "short_conv_halo", module=MIXERS_MODULE),)),
+    CPMethod(
+        name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next, Qwen3.5)", kind="mixer",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="linear key and value heads divisible by cp_size",
+        offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses", module=GDN_MODULE),)),
+    CPMethod(
+        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next, Qwen3.5)", kind="mixer",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
+        offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
+                      module=GDN_MODULE),)),
+    CPMethod(
+        name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1, Bamba, NemotronH, Granite 4, Zamba2)",
+        kind="mixer",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
+)}
+
+_ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}

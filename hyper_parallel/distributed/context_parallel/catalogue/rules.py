@@ -1,0 +1,158 @@
+"""Rules read off the catalogue rows: name/alias lookup, batch policies, the degree and head
+rules, and the entry-point tables. No collective; imports only :mod:`.rows`."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from .rows import _ALIASES, METHODS, STYLES, CPMethod
+
+
+def method_names(kind: str = "attention") -> tuple:
+    """Canonical names of the rows of ``kind`` in catalogue order."""
+    return tuple(m.name for m in METHODS.values() if m.kind == kind)
+
+
+def attention_methods() -> list:
+    return [m for m in METHODS.values() if m.kind == "attention"]
+
+
+def mixer_methods() -> list:
+    return [m for m in METHODS.values() if m.kind == "mixer"]
+
+
+def get_method(name: str, kind: Optional[str] = "attention") -> CPMethod:
+    """The row for a method name or alias (of ``kind``; None: any); ValueError lists the names."""
+    key = _ALIASES.get(name) if isinstance(name, str) else None
+    row = METHODS.get(key) if key else None
+    if row is None or (kind is not None and row.kind != kind):
+        known = sorted(a for a, n in _ALIASES.items() if kind is None or METHODS[n].kind == kind)
+        raise ValueError(f"unknown CP method {name!r}; expected one of {known}")
+    return row
+
+
+def wrapper_styles() -> tuple:
+    """``WrapperInfo.style`` values: the built-in styles' plus "model" (adapters) and "custom"."""
+    out = []
+    for s in STYLES.values():
+        if s.registry_style not in out:
+            out.append(s.registry_style)
+    return tuple(out) + ("model", "custom")
+
+
+# ---------------------------------------------------------------------------- batch
+def batch_policies() -> dict:
+    """``shard_batch_for_cp`` policy strings -> (policy name, length factor): every attention
+    method's policy, canonical name and aliases."""
+    out: dict = {}
+    for m in attention_methods():
+        for key in (m.batch_policy, m.name) + m.aliases:
+            out[key] = (m.batch_policy, m.length_factor)
+    return out
+
+
+def method_policies() -> dict:
+    """Attention method -> its batch policy."""
+    return {m.name: m.batch_policy for m in attention_methods()}
+
+
+def batch_policy_for(methods: Iterable[str]) -> str:
+    """The one batch policy of a model whose attention wrappers use ``methods`` (the caller has
+    refused incompatible layouts): the latest catalogue row among them; "all_gather" for custom
+    wrappers and mixers (contiguous layout)."""
+    order = [m.name for m in attention_methods()]
+    rows = [METHODS[_ALIASES[m]] for m in methods if m in _ALIASES and METHODS[_ALIASES[m]].kind == "attention"]
+    if not rows:
+        return "all_gather"
+    return max(rows, key=lambda r: order.index(r.name)).batch_policy
+
+
+# ---------------------------------------------------------------------------- rules
+def check_degree(method, cp_size: Optional[int], degree, who: str = "") -> None:
+    """The degree rule of ``method`` (row or name): raise ValueError naming the fix.
+
+    "none": no ``ulysses_degree`` (or 1); "cp": None or exactly ``cp_size``; "param": an int
+    with ``1 < degree < cp_size`` and ``cp_size % degree == 0``. ``cp_size`` None: only the
+    parts that do not need it are checked. No collective.
+    """
+    row = method if isinstance(method, CPMethod) else get_method(method)
+    pre = f"{who}: " if who else ""
+    if row.degree == "none":
+        if degree not in (None, 1):
+            raise ValueError(
+                f"{pre}{row.title} CP takes no ulysses_degree (got ulysses_degree={degree}): Ulysses or Hybrid "
+                "combined with Head-Tail is not supported; pick one wrapper per attention")
+    elif row.degree == "cp":
+        if degree is not None and cp_size is not None and degree != cp_size:
+            raise ValueError(f"{pre}pure Ulysses uses ulysses_degree == cp_size={cp_size}, got "
+                             f"ulysses_degree={degree}; use method='hybrid' for a smaller degree")
+    elif row.degree == "param":
+        p = row.degree_param
+        if degree is None:
+            raise ValueError(f"{pre}method='{row.name}' needs {p} (1 < {p} < cp_size)")
+        if isinstance(degree, bool) or not isinstance(degree, int):
+            raise ValueError(f"{pre}{p} must be an integer, got {degree!r}")
+        if cp_size is not None and (not 1 < degree < cp_size or cp_size % degree):
+            raise ValueError(
+                f"{pre}Hybrid needs 1 < {p} < cp_size and cp_size % {p} == 0, got {p}={degree}, "
+                f"cp_size={cp_size} (use the Ulysses wrapper for {p} == cp_size, the colossal wrapper for 1)")
+
+
+def head_split(method, cp_size: int, degree=None) -> Optional[tuple]:
+    """(degree, label) the heads of a "split" method are split over; None for other head rules.
+
+    A "split" method's heads go to the ranks of its Ulysses group as
+    ``methods.ulysses.layout.ulysses_head_layout(Hq, Hk, degree)`` decides: any GQA ratio with
+    ``Hq >= degree``; counts that do not divide the degree are split unevenly (differing by at
+    most one) and KV heads fewer than the degree are replicated to the ranks that use them."""
+    row = method if isinstance(method, CPMethod) else get_method(method)
+    if row.head_rule != "split":
+        return None
+    if row.degree == "cp":
+        return cp_size, "cp_size (ulysses_degree)"
+    return degree, row.degree_param
+
+
+# ---------------------------------------------------------------------------- entry points
+def offers(kind: Optional[str] = "attention") -> list:
+    """Every (row, offer) with an entry point, in catalogue order."""
+    return [(m, o) for m in METHODS.values() if kind is None or m.kind == kind for o in m.offers if o.entry]
+
+
+def _find_entry(entry: str):
+    for m, o in offers(None):
+        if o.entry == entry:
+            return m, o
+    raise KeyError(f"{entry!r} is not an entry point of the CP method catalogue")
+
+
+def entry_meta(entry: str) -> dict:
+    """``{"method": CPMethod, "style": Style, "offer": Offer}`` of a built-in entry point."""
+    m, o = _find_entry(entry)
+    return {"method": m, "style": STYLES[o.style], "offer": o}
+
+
+def async_methods() -> list:
+    """The attention rows with async variants, in catalogue order."""
+    return [m for m in attention_methods() if m.async_targets]
+
+
+def entry_params(method: CPMethod, is_async: bool = False) -> tuple:
+    """(required, optional) named parameters of the method's entry points after the five mesh
+    parameters: the degree parameter (required) and, async, the pipeline depth (default None)."""
+    required = (method.degree_param,) if method.degree == "param" else ()
+    optional = (method.async_param,) if is_async and method.async_param else ()
+    return required, optional
+
+
+def builtin_modules() -> tuple:
+    """Modules whose import registers the built-in YAML names (in catalogue order)."""
+    out = []
+    for _m, o in offers(None):
+        if o.registry_name and o.module not in out:
+            out.append(o.module)
+    return tuple(out)
+
+
+def builtin_names(kind: Optional[str] = None) -> dict:
+    """YAML short name -> ``_target_`` path of every built-in entry point that has one."""
+    return {o.registry_name: o.target for _m, o in offers(kind) if o.registry_name}

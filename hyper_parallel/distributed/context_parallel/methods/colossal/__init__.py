@@ -1,0 +1,1 @@
+"""Colossal (AllGather) CP: ``strategy.py``, ``collectives.py``, ``async_.py``."""

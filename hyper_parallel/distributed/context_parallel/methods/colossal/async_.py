@@ -1,0 +1,15 @@
+"""Colossal async comm plans: ``(forward_comm, backward_comm)`` pairs for
+:class:`~...async_collectives.AsyncCollective`, run on the comm thread (docs/async_cp.md)."""
+from __future__ import annotations
+
+from ...async_collectives import comm_chain
+
+
+def colossal_kv_plan(group, seq_dim: int = 2) -> tuple:
+    """K or V ``[B, Hk, L, D]`` -> AllGather on ``group`` -> ``[B, Hk, S, D]``; bwd: ReduceScatter(sum)."""
+    from .....platform import reduce_scatter
+    from ...comm import all_gather_seq
+
+    return (comm_chain([lambda y: all_gather_seq(y, group, dim=seq_dim, tag="async_kv_gather")], "async_kv_gather"),
+            comm_chain([lambda g: reduce_scatter(g, group, dim=seq_dim, tag="async_kv_reduce_scatter")],
+                   "async_kv_reduce_scatter"))

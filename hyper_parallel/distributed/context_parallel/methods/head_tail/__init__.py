@@ -1,0 +1,1 @@
+"""Head-Tail load balance CP: ``strategy.py``, ``collectives.py``, ``async_.py``."""

@@ -1,0 +1,1 @@
+"""Hybrid (Ulysses x Colossal) CP: ``strategy.py``, ``collectives.py``, ``async_.py``."""

@@ -1,0 +1,25 @@
+"""Hybrid async comm plans: ``(forward_comm, backward_comm)`` pairs for
+:class:`~...async_collectives.AsyncCollective`, run on the comm thread (docs/async_cp.md)."""
+from __future__ import annotations
+
+from ...async_collectives import comm_chain
+from ..ulysses.async_ import exchange_heads
+
+
+def hybrid_kv_plan(colossal_group, ulysses_group, lay=None) -> tuple:
+    """K or V: seq->head A2A on the ulysses group chained into AllGather on the colossal group
+    (``[B, Hk, S/C, D]`` -> ``[B, nk_i, S, D]``, ``nk_i`` the KV heads of ``lay.kv_heads[i]``,
+    replicated when fewer than the ulysses degree; ``Hk/u`` for the even split / ``lay`` None);
+    bwd: ReduceScatter(colossal) on that ``nk_i``-head shard chained into the adjoint A2A(ulysses)
+    (``num_heads=Hk``: copies of a replicated KV head summed). Both stages run on the comm thread."""
+    from .....platform import reduce_scatter
+    from ...comm import all_gather_seq
+    from ..ulysses.collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    heads, num = exchange_heads(lay, "kv")
+    fwd = comm_chain([lambda y: ulysses_seq_to_head(y, ulysses_group, tag="async_seq_to_head", heads=heads),
+                  lambda y: all_gather_seq(y, colossal_group, dim=2, tag="async_kv_gather")], "hybrid_kv_chain")
+    bwd = comm_chain([lambda g: reduce_scatter(g, colossal_group, dim=2, tag="async_kv_reduce_scatter"),
+                  lambda g: ulysses_head_to_seq(g, ulysses_group, tag="async_head_to_seq", heads=heads,
+                                                num_heads=num)], "hybrid_kv_chain_bwd")
+    return fwd, bwd

@@ -1,0 +1,1 @@
+"""Ulysses (sequence <-> head all-to-all) CP: ``strategy.py``, ``collectives.py``, ``async_.py``."""

@@ -1,0 +1,50 @@
+"""Ulysses async comm plans: ``(forward_comm, backward_comm)`` pairs for
+:class:`~...async_collectives.AsyncCollective`, run on the comm thread (docs/async_cp.md)."""
+from __future__ import annotations
+
+from ...async_collectives import comm_chain
+
+
+def exchange_heads(lay, kind: str) -> tuple:
+    """(``heads=`` of the forward seq->head exchange, ``num_heads=`` of its adjoint) for a tensor of
+    ``kind`` ("q" or "kv") under the Ulysses head layout ``lay``: ``(None, None)`` for the even
+    split (plain all_to_all); else ``lay.q_heads`` / ``lay.kv_heads``, the KV adjoint summing the
+    copies of a replicated KV head into it (``num_heads=Hk``)."""
+    if lay is None or lay.even:
+        return None, None
+    if kind == "q":
+        return lay.q_heads, None
+    return lay.kv_heads, lay.num_kv_heads
+
+
+def ulysses_plan(group, lay=None, kind: str = "q") -> tuple:
+    """``[B, H, L, D]`` -> seq->head A2A on ``group`` -> ``[B, n_i, u*L, D]``; bwd: the adjoint A2A.
+
+    ``lay`` (:class:`.layout.UlyssesHeadLayout` of this group, None: even
+    split) and ``kind`` ("q": query heads ``lay.q_heads``; "kv": KV heads ``lay.kv_heads``,
+    replicated where several ranks' query heads use one) choose the heads rank ``i`` receives
+    (``n_i``), exactly as the sync :func:`.strategy.ulysses_group_attention`. Backward:
+    ``ulysses_head_to_seq`` with the same heads; for K/V with ``num_heads=Hk``, so the gradients of
+    a replicated KV head's copies are summed into it on the rank owning the sequence chunk."""
+    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    heads, num = exchange_heads(lay, kind)
+    return (comm_chain([lambda y: ulysses_seq_to_head(y, group, tag="async_seq_to_head", heads=heads)],
+                   "async_seq_to_head"),
+            comm_chain([lambda g: ulysses_head_to_seq(g, group, tag="async_head_to_seq", heads=heads, num_heads=num)],
+                   "async_head_to_seq"))
+
+
+def ulysses_out_plan(group, lay=None) -> tuple:
+    """Attention output ``[B, n_i, u*L', D]`` (this rank's query heads ``lay.q_heads[i]``, the
+    group's rows) -> head->seq A2A on ``group`` -> ``[B, Hq, L', D]`` (all query heads, this
+    rank's rows); bwd: the seq->head A2A of dO with the same heads (the inverse permutation: the
+    query split is disjoint). ``lay`` None / even: the plain all_to_all. The inverse of
+    :func:`ulysses_plan` ``(group, lay, "q")`` — used per pipelined query chunk (``L' = L/G``)."""
+    from .collectives import ulysses_head_to_seq, ulysses_seq_to_head
+
+    heads, _num = exchange_heads(lay, "q")
+    return (comm_chain([lambda y: ulysses_head_to_seq(y, group, tag="async_out_head_to_seq", heads=heads)],
+                   "async_out_head_to_seq"),
+            comm_chain([lambda g: ulysses_seq_to_head(g, group, tag="async_out_seq_to_head", heads=heads)],
+                   "async_out_seq_to_head"))

@@ -1,0 +1,215 @@
+"""Per-forward state of an async attention: the method's collectives on the cached groups
+(:func:`make_plan`), the launched collectives and their K/V regather (:class:`_Call`), and the
+query / K/V pipeline chunking (:func:`q_chunk_count`). Used by :mod:`.async_handoff`."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from ..async_collectives import AsyncCollective, trace_event, tracing
+from ..comm import regather_saved_kv
+from ..methods.colossal.async_ import colossal_kv_plan
+from ..methods.colossal.strategy import AllGatherStrategy
+from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
+from ..methods.head_tail.strategy import HeadTailStrategy
+from ..methods.hybrid.async_ import hybrid_kv_plan
+from ..methods.hybrid.strategy import HybridStrategy
+from ..methods.ulysses.async_ import ulysses_out_plan, ulysses_plan
+from ..methods.ulysses.layout import UlyssesHeadLayout, ulysses_head_layout
+from ..methods.ulysses.strategy import UlyssesStrategy
+
+
+def q_chunk_count(rows: int, q_chunks: int) -> int:
+    """The pipeline depth used for ``rows`` local query rows: the largest divisor of ``rows`` not
+    above ``q_chunks`` (Ulysses/Hybrid: ``rows`` = the local length L; Head-Tail: L/2, the rows of
+    one sub-chunk). Every chunk has the same number of rows, so every rank agrees."""
+    for g in range(min(q_chunks, rows), 0, -1):
+        if rows % g == 0:
+            return g
+    return 1
+
+
+@dataclasses.dataclass
+class _Plan:
+    method: str
+    plans: Optional[dict]    # "q"/"k"/"v"/"out" -> (forward_comm, backward_comm); None: per head layout (build)
+    checker: object          # the sync strategy of the method on the same groups (local checks only)
+    out_group: object = None  # ulysses group of the output head->seq A2A (Ulysses/Hybrid)
+    ulysses_degree: Optional[int] = None
+    group: object = None     # cp group (Head-Tail combine)
+    build: Optional[Callable] = None    # Ulysses/Hybrid: UlyssesHeadLayout -> plans
+    by_heads: dict = dataclasses.field(default_factory=dict)
+
+    def at_heads(self, num_q_heads: int, num_kv_heads: int, who: str) -> tuple:
+        """``(plans, layout)`` for a forward with these local (TP-local) heads; ``layout`` is the
+        :class:`UlyssesHeadLayout` of the Ulysses group (None for Colossal / Head-Tail). Cached per
+        head counts; raises ValueError (no collective) when no exact split exists."""
+        if self.build is None:
+            return self.plans, None
+        key = (num_q_heads, num_kv_heads)
+        if key not in self.by_heads:
+            u = self.ulysses_degree or self.checker.cp_size
+            lay = ulysses_head_layout(num_q_heads, num_kv_heads, u, who=who,
+                                      what="ulysses_degree" if self.ulysses_degree else "cp_size (ulysses_degree)")
+            self.by_heads[key] = (self.build(lay), lay)
+        return self.by_heads[key]
+
+
+def _group_of(cp_mesh):
+    if cp_mesh is None:
+        raise ValueError("async CP wrappers need an active cp mesh (accelerator.cp_size > 1)")
+    return cp_mesh if not hasattr(cp_mesh, "get_group") else cp_mesh.get_group()
+
+
+def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
+    """The collectives of ``method`` on the cached groups (never creates one)."""
+    if method == "hybrid":
+        if mesh is None or not hasattr(mesh, "hybrid_groups"):
+            raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
+        cg, ug = mesh.hybrid_groups(ulysses_degree)
+
+        def hybrid(lay):
+            kv = hybrid_kv_plan(cg, ug, lay)
+            return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
+        return _Plan(method, None, HybridStrategy(cg, ug), ug, ulysses_degree, build=hybrid)
+    group = _group_of(cp_mesh)
+    if method == "colossal":
+        kv = colossal_kv_plan(group)
+        return _Plan(method, {"k": kv, "v": kv}, AllGatherStrategy(group), group=group)
+    if method == "ulysses":
+        def ulysses(lay):
+            kv = ulysses_plan(group, lay, "kv")
+            return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
+        return _Plan(method, None, UlyssesStrategy(group), group, build=ulysses)
+    if method == "load_balance":
+        kv = colossal_kv_plan(group)
+        return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group), "out": head_tail_out_plan(group)},
+                     HeadTailStrategy(group), group=group)
+    raise ValueError(f"no async plan for CP method {method!r}")
+
+
+class _Call:
+    """State of one forward of one attention: its collectives and the compute seen since launch."""
+
+    def __init__(self):
+        # every AsyncCollective of this forward by trace name: "k", "v", the query chunks "q", "q.1", ...
+        # and the output chunks "out", "out.1", ... (chunk 0 keeps the tensor's plain name)
+        self.colls: dict = {}
+        self.q_parts: list = []                        # [(AsyncCollective, token)] per query chunk, in order
+        # Colossal K/V pipeline: "k"/"v" -> [(AsyncCollective, token)] per sequence chunk, in order;
+        # "k_rest"/"v_rest": the chunks 1.. of the first handoff, launched interleaved at the second
+        self.kv_parts: dict = {}
+        self.sent: dict = {}                           # name -> (forward_comm, the local tensor it was launched on)
+        self.plans: dict = {}                          # this forward's collectives (per head layout)
+        self.layout: Optional[UlyssesHeadLayout] = None  # Ulysses/Hybrid head split of this forward
+        self.computes_since_launch = 0
+        self.checked = False
+
+    def launch(self, name: str, plan: tuple, x: torch.Tensor) -> tuple:
+        """A new :class:`AsyncCollective` ``name`` on ``plan`` launched on ``x``: ``(coll, token)``."""
+        coll = AsyncCollective(name, *plan)
+        self.colls[name] = coll
+        if name[:1] in ("k", "v"):                    # K/V (chunks): what a regather re-sends
+            self.sent[name] = (coll.forward_comm, x)
+        return coll, coll.launch(x)
+
+    def regather(self, k_name: str, v_name: str, gathered: tuple, keep: bool = False):
+        """:func:`..comm.regather_saved_kv` around the engine call(s) consuming ``gathered``
+        (the waited results of collectives ``k_name`` / ``v_name``, or tensors they are views of):
+        backward re-runs both forward collectives on their local tensors, on the comm thread; the
+        regather of the pair created before this one (the previous chunk / layer) is started when
+        this one is read. The caller must make the same choice on every rank of the collectives'
+        groups (a rank that regathers issues the collectives in backward). ``keep``: no regather, the
+        gathered K/V stay saved for backward."""
+        if keep or k_name not in self.sent or v_name not in self.sent:
+            return contextlib.nullcontext()
+        (fk, xk), (fv, xv) = self.sent[k_name], self.sent[v_name]
+        tag = f"{k_name}+{v_name}"
+
+        def launch(kl, vl):
+            trace_event("regather_launch", tag)
+            return _PairHandle(fk(kl), fv(vl), tag)
+
+        return regather_saved_kv((xk, xv), gathered, launch=launch)
+
+
+class _PairHandle:
+    """The two handles of a K/V regather; ``wait()`` -> ``(k, v)``."""
+
+    def __init__(self, hk, hv, tag: str):
+        self.hk, self.hv, self.tag = hk, hv, tag
+
+    def wait(self) -> tuple:
+        try:
+            k = self.hk.wait()
+        finally:
+            v = self.hv.wait()          # waited even when K's wait raised: no handle left behind
+        trace_event("regather_wait", self.tag)
+        return k, v
+
+
+def _chunk_name(base: str, i: int) -> str:
+    return base if i == 0 else f"{base}.{i}"
+
+
+def _split_q(method: str, q: torch.Tensor, q_chunks: int) -> list:
+    """The G query chunks launched at the Q handoff (G = :func:`q_chunk_count`), in sequence order.
+
+    Ulysses / Hybrid: rows ``[c*L/G, (c+1)*L/G)`` of the local ``[B, Hq, L, D]``. Head-Tail: the
+    same rows of each of the two local sub-chunks (2r, 2r+1), concatenated ``[B, Hq, 2*L/(2G), D]``,
+    so one dispatch per chunk carries both branches' rows (:func:`..methods.head_tail.async_.head_tail_q_plan`)."""
+    L = q.shape[2]
+    if method == "load_balance":
+        g = q_chunk_count(L // 2, q_chunks)
+        lo, hi = q.chunk(2, dim=2)
+        return [torch.cat([a, b], dim=2) for a, b in zip(lo.chunk(g, dim=2), hi.chunk(g, dim=2))]
+    return list(q.chunk(q_chunk_count(L, q_chunks), dim=2))
+
+
+def _kv_chunk_names(key: str, g: int) -> list:
+    return [_chunk_name(key, i) for i in range(g)]
+
+
+def _launch_kv_chunk(c: "_Call", plan_kv: tuple, key: str, x: torch.Tensor, kv_chunks: int) -> None:
+    """K/V pipeline (Colossal): split ``x`` ``[B, Hk, L, D]`` into G sequence chunks; launch chunk 0
+    now; at the second of the two handoffs, also launch the remaining chunks interleaved
+    (first tensor's chunk c, then the second's), so the FIFO comm thread sends K_0, V_0, K_1, V_1, ..."""
+    parts = list(x.chunk(q_chunk_count(x.shape[2], kv_chunks), dim=2))
+    c.kv_parts[key] = [c.launch(key, plan_kv, parts[0])]
+    other = "v" if key == "k" else "k"
+    if other not in c.kv_parts:            # first of the two: keep chunks 1.. for the second handoff
+        c.kv_parts[key + "_rest"] = parts[1:]
+        return
+    first_rest = c.kv_parts.pop(other + "_rest")
+    if len(first_rest) != len(parts) - 1:
+        raise ValueError(f"K and V local lengths give different chunk counts ({len(first_rest) + 1} vs {len(parts)})")
+    for ci, (a, b) in enumerate(zip(first_rest, parts[1:]), start=1):
+        c.kv_parts[other].append(c.launch(_chunk_name(other, ci), plan_kv, a))
+        c.kv_parts[key].append(c.launch(_chunk_name(key, ci), plan_kv, b))
+
+
+def _trace_kv_chunk(k_c: torch.Tensor, v_c: torch.Tensor, ci: int) -> None:
+    """Trace the attention of gathered K/V chunk ``ci`` (forward now; backward once, when the first of
+    its dK / dV is consumed, i.e. right after the chunk's attention backward)."""
+    if tracing():
+        trace_event("compute", f"attention_kv{ci}")
+        seen = []
+
+        def once(g, ci=ci):
+            if not seen:
+                seen.append(True)
+                trace_event("bwd_compute", f"attention_kv{ci}")
+        for t in (k_c, v_c):
+            if t.requires_grad:
+                t.register_hook(once)
+
+
+def _trace_chunk(q_c: torch.Tensor, ci: int) -> None:
+    """Trace the attention of query chunk ``ci`` (forward now; backward when its dQ exists)."""
+    if tracing():
+        trace_event("compute", f"attention_q{ci}")
+        if q_c.requires_grad:
+            q_c.register_hook(lambda g, ci=ci: trace_event("bwd_compute", f"attention_q{ci}"))

@@ -1,1 +1,0 @@
-"""Llama adapter package."""

@@ -1,1 +1,0 @@
-"""Llama distributed adapters (async CP wrappers)."""

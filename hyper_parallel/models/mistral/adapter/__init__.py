@@ -1,1 +1,0 @@
-"""Mistral adapter package."""

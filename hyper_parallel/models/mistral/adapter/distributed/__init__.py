@@ -1,1 +1,0 @@
-"""Mistral distributed adapters (async CP wrappers)."""

@@ -1,0 +1,11 @@
+"""Mistral attention's async CP Targets (handoff protocol: :mod:`..handoff_attention`,
+docs/async_cp.md), importable at the design's public path
+``hyper_parallel.models.mistral.adapter.distributed.context_parallel_async``."""
+from __future__ import annotations
+
+from ..handoff_attention import HFAttentionSpec, publish_adapter
+
+SPEC = HFAttentionSpec("mistral", "Mistral", "transformers.models.mistral.modeling_mistral", "MistralAttention",
+                       qk_norm=False, window=lambda attn: getattr(attn.config, "sliding_window", None))
+# mistral_async_{colossal,ulysses,hybrid,load_balance}_cp_wrapper
+__all__ = publish_adapter(SPEC, globals())

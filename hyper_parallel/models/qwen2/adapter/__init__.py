@@ -1,1 +1,0 @@
-"""Qwen2 adapter package."""

@@ -1,1 +1,0 @@
-"""Qwen2 distributed adapters (async CP wrappers)."""

@@ -1,1 +1,0 @@
-"""Qwen3 adapter package."""

@@ -1,1 +1,0 @@
-"""Qwen3 distributed adapters (async CP wrappers)."""

@@ -1,1 +1,0 @@
-"""Qwen3-MoE adapter package."""

@@ -1,1 +1,0 @@
-"""Qwen3-MoE distributed adapters (async CP wrappers)."""
