@@ -35,6 +35,8 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
+LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
 #: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
 MAMBA2_FAMILIES = {
@@ -218,6 +220,15 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
+    CPMethod(
+        name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
+        head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "kda_state_passing_cp_wrapper", "kda_state_passing", module=KDA_MODULE),)),
+    CPMethod(
+        name="lightning_state_passing", title="lightning attention state passing (MiniMax)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
+                      module=LIGHTNING_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}

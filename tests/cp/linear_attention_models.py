@@ -1,0 +1,36 @@
+"""Tiny random Kimi Linear (``kimi_linear``: KDA + MLA) and MiniMax (``minimax``: lightning
+attention + softmax attention) for the CP parity tests: layer 0 the linear mixer, layer 1 the
+softmax attention (both modules are named ``self_attn``), fp32, nothing downloaded."""
+from __future__ import annotations
+
+import torch
+
+#: the plan matches of the two mixers (both families name every token mixer ``self_attn``)
+LINEAR_FQN = "model.layers.0.self_attn"
+ATTN_FQN = "model.layers.1.self_attn"
+
+
+def build_linear_attention(arch: str):
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, attn_implementation="sdpa",
+                  layer_types=["linear_attention", "full_attention"])
+    if arch == "kimi_linear":
+        cfg = T.KimiLinearConfig(**common, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                                 qk_nope_head_dim=16, linear_head_dim=16, linear_num_heads=4,
+                                 linear_conv_kernel_dim=4, mlp_layer_types=["dense", "dense"],
+                                 num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif arch == "minimax":
+        cfg = T.MiniMaxConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16)
+    else:
+        raise ValueError(arch)
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    if arch == "kimi_linear":      # default init forgets within a token (decay ~exp(-50)): a slow decay
+        with torch.no_grad():      # so a test can tell whether the state crossed a rank edge
+            gate = model.model.layers[0].self_attn.forget_gate
+            gate.A_log.fill_(-0.6931)
+            gate.dt_bias.fill_(-2.0)
+    return model
