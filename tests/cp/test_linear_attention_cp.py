@@ -31,3 +31,53 @@ def test_linear_attention_state_passing_exact_cp2(ranks, arch, mixer):
               f"{step['logits_rel']:.2e}, grads {step['grads']:.2e}")
         assert step["logits_rel"] > 10 * TOL or step["grads"] > 10 * TOL, step
     print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+def test_linear_attention_state_passing_exact_cp4(ranks):
+    """cp 4 (CP padding, S=66): plain rows and packed documents spanning up to four ranks, so the
+    incoming state is composed through the affine maps of several earlier ranks; Hybrid (u=2) and
+    Colossal attention."""
+    t0 = time.perf_counter()
+    _check(ranks(4).run(mixer_cases, [
+        (("kimi_linear", "hybrid", "kda_sp", 4), {"kinds": ("plain", "packed"), "S": 66, "proof": False}),
+        (("minimax", "colossal", "lightning_sp", 4), {"kinds": ("plain", "packed"), "S": 66, "proof": False}),
+    ], timeout=600.0))
+    print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+# ---------------------------------------------------------------------------- refusals (plan time, local)
+@pytest.mark.parametrize("arch,mixer,other", [("kimi_linear", "kda_sp", "lightning_state_passing"),
+                                              ("minimax", "lightning_sp", "kda_state_passing")])
+def test_linear_attention_refusals(arch, mixer, other):
+    """Refused before any step, each message naming the module, the semantic and what to declare:
+    Head-Tail with a state-passing mixer (contiguous layout needed); the other family's method on this
+    class; the softmax wrapper on the linear-attention module (both families name it ``self_attn``);
+    the linear-attention module left undeclared."""
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.cp.test_mixer_cp import build, entries
+
+    cls = {"kimi_linear": "KimiLinearDeltaAttention", "minimax": "MiniMaxLightningAttention"}[arch]
+    own = {"kda_sp": "kda_state_passing", "lightning_sp": "lightning_state_passing"}[mixer]
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    attn = {**base, "match": "model.layers.1.self_attn", "inner_wrapper": "sdpa_hf"}
+
+    def plan(overrides):
+        return ShardingPlanner(plan_overrides=overrides).plan(build(arch), None, cp_size=2)
+
+    ok = plan(entries(arch, "colossal", mixer))
+    assert [t.inner_fqn for t in ok.cp_targets if t.info.mixer] == ["model.layers.0.self_attn"]
+    with pytest.raises(CPConfigError, match=rf"token-mixer method {own}_cp_wrapper needs the contiguous layout"
+                                            r".*declares Head-Tail load balance on 'model.layers.1.self_attn'"):
+        plan(entries(arch, "head_tail", mixer))
+    with pytest.raises(CPConfigError, match=rf"'model.layers.0.self_attn'.*{other}_cp_wrapper re-runs the forward "
+                                            rf"of .*; {cls} is not one of them"):
+        plan([attn, {**base, "match": "model.layers.0.self_attn", "inner_wrapper": other}])
+    for overrides in ([{**attn, "match": "*.self_attn"}], [attn]):
+        with pytest.raises(CPConfigError) as err:
+            plan(overrides)
+        msg = str(err.value)
+        print(msg)
+        assert "'model.layers.0.self_attn'" in msg, msg
+        assert f"if {cls} is a token mixer" in msg or f"({cls}) is a token mixer" in msg, msg
+        assert f"sequence_gather | {own}" in msg, msg
