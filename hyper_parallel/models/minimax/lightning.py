@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
-from ...distributed.context_parallel.mixers.rows import current_fqn, hidden_param, require_class
+from ...distributed.context_parallel.mixers.rows import CPMixerError, current_fqn, hidden_param, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["LIGHTNING_CLASSES", "lightning_state_passing_cp_wrapper", "validate_lightning_state_passing",
-           "lightning_scan"]
+           "check_decay", "lightning_scan"]
 
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 WHAT = "lightning_state_passing_cp_wrapper"
@@ -36,12 +36,19 @@ def validate_lightning_state_passing(target_module: nn.Module, *, cp_size: int, 
     missing = [f for f in need if not hasattr(m, f)]
     if missing:
         raise ValueError(f"{WHAT}: {cls} has no {', '.join(missing)}: not transformers 5.24's lightning layout")
+    if not m.slope_rate.is_meta:        # a meta model (the trainer plans before init) is checked at first call
+        check_decay(m)
+
+
+def check_decay(m: nn.Module) -> None:
+    """The block decays (``query_decay``) are ``exp(-slope_rate * (1..block_size))`` per head: the decay
+    the method passes between ranks in closed form is the module's; ValueError otherwise."""
     slope = m.slope_rate.detach().float().cpu()
     j = torch.arange(int(m.block_size), dtype=torch.float32) + 1
     if tuple(slope.shape) != (m.num_attention_heads, 1, 1) or not torch.allclose(
             m.query_decay.detach().float().cpu(), torch.exp(-slope * j[:, None]), rtol=1e-5, atol=0):
-        raise ValueError(f"{WHAT}: {cls}.query_decay is not exp(-slope_rate * (1..block_size)) per head: the "
-                         "decay the method passes between ranks would differ from the module's; declare "
+        raise ValueError(f"{WHAT}: {type(m).__name__}.query_decay is not exp(-slope_rate * (1..block_size)) per "
+                         "head: the decay the method passes between ranks would differ from the module's; declare "
                          "sequence_gather (generic, exact) for it instead")
 
 
@@ -82,11 +89,18 @@ def lightning_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep
     name = hidden_param(m)
     fqn = current_fqn()
     H, d = m.num_attention_heads, m.head_dim
+    checked = []
 
     def forward(*args, **kwargs):
         entry = SP.state_passing_entry(WHAT, fqn, name, cp_mesh, 0, args, kwargs)
         if entry is None:
             return original(*args, **kwargs)
+        if not checked:         # local, before any collective; the same on every rank
+            try:
+                check_decay(m)
+            except ValueError as exc:
+                raise CPMixerError(f"{exc} (module '{fqn}')") from None
+            checked.append(True)
         meta, hs, C, r = entry
         B, L, _ = hs.shape
         qkv = m.act_fn(m.qkv_proj(hs)).reshape(B, L, H, 3 * d)
