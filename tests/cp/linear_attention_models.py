@@ -1,6 +1,7 @@
-"""Tiny random Kimi Linear (``kimi_linear``: KDA + MLA) and MiniMax (``minimax``: lightning
-attention + softmax attention) for the CP parity tests: layer 0 the linear mixer, layer 1 the
-softmax attention (both modules are named ``self_attn``), fp32, nothing downloaded."""
+"""Tiny random Kimi Linear (``kimi_linear``: KDA + MLA), MiniMax (``minimax``: lightning attention +
+softmax attention), Jamba (``jamba``: Mamba1 ``mamba`` + attention) and Falcon-Mamba (``falcon_mamba``:
+Mamba1 ``mixer`` only) for the CP parity tests: layer 0 the linear mixer, layer 1 the softmax
+attention (Kimi Linear and MiniMax name both ``self_attn``), fp32, nothing downloaded."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,14 @@ def build_linear_attention(arch: str):
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
     elif arch == "minimax":
         cfg = T.MiniMaxConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16)
+    elif arch == "jamba":
+        common.pop("layer_types")
+        cfg = T.JambaConfig(**common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)
+    elif arch == "falcon_mamba":
+        cfg = T.FalconMambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  state_size=8, conv_kernel=4, time_step_rank=8)
     else:
         raise ValueError(arch)
     model = T.AutoModelForCausalLM.from_config(cfg)

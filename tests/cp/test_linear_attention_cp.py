@@ -1,6 +1,7 @@
-"""Exact CP for the linear-attention mixers of Kimi Linear (KDA, ``kda_state_passing``) and MiniMax
-(lightning attention, ``lightning_state_passing``): the recurrent state passed between ranks through
-the same affine-state composition as the Gated DeltaNet's. Real transformers classes, tiny random
+"""Exact CP for the linear-attention / recurrent mixers of Kimi Linear (KDA, ``kda_state_passing``),
+MiniMax (lightning attention, ``lightning_state_passing``), Jamba and Falcon-Mamba (Mamba1,
+``mamba1_state_passing``): the recurrent state passed between ranks through the same affine-state
+composition as the Gated DeltaNet's. Real transformers classes, tiny random
 configs (tests/cp/linear_attention_models.py), train(), dropout 0, fp32; the softmax attention
 declared with Colossal / Ulysses / Head-Tail where the layout allows it; logits and EVERY gradient
 vs CP=1 for plain, padded and packed rows, the preflight proof passing (tests/cp/test_mixer_cp.py
@@ -14,16 +15,19 @@ import pytest
 from tests.cp.test_mixer_cp import TOL, _check, dropped_state_case, mixer_cases
 
 
-@pytest.mark.parametrize("arch,mixer", [("kimi_linear", "kda_sp"), ("minimax", "lightning_sp")])
-def test_linear_attention_state_passing_exact_cp2(ranks, arch, mixer):
+@pytest.mark.parametrize("arch,mixer,attn2", [("kimi_linear", "kda_sp", "ulysses"),
+                                              ("minimax", "lightning_sp", "ulysses"),
+                                              ("jamba", "m1_sp", "ulysses"),
+                                              ("falcon_mamba", "m1_sp", "colossal")])
+def test_linear_attention_state_passing_exact_cp2(ranks, arch, mixer, attn2):
     """cp 2: Colossal attention on plain / padded / packed rows (S=45: documents cross the rank edge,
-    MiniMax runs several lightning blocks per rank), Ulysses on padded / packed; the incoming state
-    dropped must be visibly wrong."""
+    MiniMax runs several lightning blocks per rank), Ulysses on padded / packed (Falcon-Mamba has no
+    attention); the incoming state dropped must be visibly wrong."""
     t0 = time.perf_counter()
     pool = ranks(2)
     _check(pool.run(mixer_cases, [
         ((arch, "colossal", mixer, 2), {"S": 45}),
-        ((arch, "ulysses", mixer, 2), {"kinds": ("padding", "packed"), "S": 37}),
+        ((arch, attn2, mixer, 2), {"kinds": ("padding", "packed"), "S": 37}),
     ], timeout=600.0))
     for res in pool.run(dropped_state_case, arch, mixer, timeout=300.0):
         step = res["steps"][0]

@@ -35,6 +35,7 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+MAMBA1_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba1"
 KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
 LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
@@ -220,6 +221,10 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
+    CPMethod(
+        name="mamba1_state_passing", title="Mamba1 state passing (Jamba, Falcon-Mamba)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
+        offers=(Offer("hf", "mamba1_state_passing_cp_wrapper", "mamba1_state_passing", module=MAMBA1_MODULE),)),
     CPMethod(
         name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
         head_rule="module", head_doc="none (all heads on the local tokens)",
