@@ -1,6 +1,7 @@
 """Tiny random Kimi Linear (``kimi_linear``: KDA + MLA), MiniMax (``minimax``: lightning attention +
 softmax attention), Jamba (``jamba``: Mamba1 ``mamba`` + attention) and Falcon-Mamba (``falcon_mamba``:
-Mamba1 ``mixer`` only) for the CP parity tests: layer 0 the linear mixer, layer 1 the softmax
+Mamba1 ``mixer`` only), RecurrentGemma (``recurrent_gemma``: RG-LRU + local attention, both
+``temporal_block``) for the CP parity tests: layer 0 the linear mixer, layer 1 the softmax
 attention (Kimi Linear and MiniMax name both ``self_attn``), fp32, nothing downloaded."""
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def build_linear_attention(arch: str):
     elif arch == "falcon_mamba":
         cfg = T.FalconMambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   state_size=8, conv_kernel=4, time_step_rank=8)
+    elif arch == "recurrent_gemma":
+        cfg = T.RecurrentGemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, lru_width=64, conv1d_width=4,
+                                     attention_window_size=1024, block_types=["recurrent", "attention"],
+                                     attn_implementation="sdpa")
     else:
         raise ValueError(arch)
     model = T.AutoModelForCausalLM.from_config(cfg)

@@ -1,6 +1,6 @@
 """Exact CP for the linear-attention / recurrent mixers of Kimi Linear (KDA, ``kda_state_passing``),
 MiniMax (lightning attention, ``lightning_state_passing``), Jamba and Falcon-Mamba (Mamba1,
-``mamba1_state_passing``): the recurrent state passed between ranks through the same affine-state
+``mamba1_state_passing``), RecurrentGemma (RG-LRU, ``rglru_state_passing``): the recurrent state passed between ranks through the same affine-state
 composition as the Gated DeltaNet's. Real transformers classes, tiny random
 configs (tests/cp/linear_attention_models.py), train(), dropout 0, fp32; the softmax attention
 declared with Colossal / Ulysses / Head-Tail where the layout allows it; logits and EVERY gradient
@@ -18,7 +18,8 @@ from tests.cp.test_mixer_cp import TOL, _check, dropped_state_case, mixer_cases
 @pytest.mark.parametrize("arch,mixer,attn2", [("kimi_linear", "kda_sp", "ulysses"),
                                               ("minimax", "lightning_sp", "ulysses"),
                                               ("jamba", "m1_sp", "ulysses"),
-                                              ("falcon_mamba", "m1_sp", "colossal")])
+                                              ("falcon_mamba", "m1_sp", "colossal"),
+                                              ("recurrent_gemma", "rglru_sp", "ulysses")])
 def test_linear_attention_state_passing_exact_cp2(ranks, arch, mixer, attn2):
     """cp 2: Colossal attention on plain / padded / packed rows (S=45: documents cross the rank edge,
     MiniMax runs several lightning blocks per rank), Ulysses on padded / packed (Falcon-Mamba has no

@@ -37,6 +37,7 @@ GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
 MAMBA1_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba1"
 KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
+RGLRU_MODULE = "hyper_parallel.models.recurrent_gemma.rglru"
 LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
 #: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
@@ -225,6 +226,10 @@ METHODS: dict = {m.name: m for m in (
         name="mamba1_state_passing", title="Mamba1 state passing (Jamba, Falcon-Mamba)", kind="mixer",
         batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
         offers=(Offer("hf", "mamba1_state_passing_cp_wrapper", "mamba1_state_passing", module=MAMBA1_MODULE),)),
+    CPMethod(
+        name="rglru_state_passing", title="RG-LRU state passing (RecurrentGemma)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
+        offers=(Offer("hf", "rglru_state_passing_cp_wrapper", "rglru_state_passing", module=RGLRU_MODULE),)),
     CPMethod(
         name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
         head_rule="module", head_doc="none (all heads on the local tokens)",
