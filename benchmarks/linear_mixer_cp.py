@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scaling", action="store_true", help="per-rank FLOPs / time of every state-passing method")
     ap.add_argument("--scaling-seq", type=int, default=1024)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--methods", nargs="+", default=None, help="--scaling: only these (rows of others kept)")
     args = ap.parse_args(argv)
     previous = {}
     if os.path.exists(args.out):
@@ -216,10 +217,17 @@ def main(argv=None) -> int:
 
 
 def scaling_main(args, previous: dict) -> int:
-    from linear_mixer_scaling import FAMILIES, HIDDEN, run_scaling
+    from linear_mixer_scaling import FAMILIES, HIDDEN, run_scaling, with_ratios
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    rows = run_scaling(list(FAMILIES), args.scaling_seq, args.cps, args.reps, args.threads)
+    methods = args.methods or list(FAMILIES)
+    new = run_scaling(methods, args.scaling_seq, args.cps, args.reps, args.threads)
+    for row in new:
+        row["load_avg_1min"] = load
+    kept = [row for row in previous.get("per_rank_scaling", {}).get("rows", [])
+            if (row["method"], row["cp"]) not in {(n["method"], n["cp"]) for n in new}
+            and row["S"] == args.scaling_seq]
+    rows = with_ratios(sorted(kept + new, key=lambda x: (x["cp"], list(FAMILIES).index(x["method"]))))
     print(f"state-passing mixers, one layer (hidden {HIDDEN}, 4 heads x 64), S={args.scaling_seq} global tokens, "
           f"fp32 fwd+bwd, {args.threads} thread(s)/rank; CPU: {cpu_name()}, load avg {load}")
     print(f"{'method':<30} {'cp':>3} {'GFLOP per rank':<28} {'max/cp1':>8} {'min/cp1':>8}  ms per rank")

@@ -2,7 +2,8 @@
 
 One layer of each family (transformers' own module and torch paths, hidden 256, 4 heads of dim 64):
 ``gated_deltanet_state_passing`` (Qwen3-Next GDN), ``kda_state_passing`` (Kimi Linear KDA),
-``lightning_state_passing`` (MiniMax), ``mamba2_state_passing`` (Bamba). One sequence of S global
+``lightning_state_passing`` (MiniMax), ``mamba2_state_passing`` (Bamba), ``mamba1_state_passing``
+(Jamba), ``rglru_state_passing`` (RecurrentGemma). One sequence of S global
 tokens, fp32, forward + backward of ``out.sum()``. cp 1 runs the module's own forward; cp C runs the
 CP method on C gloo ranks. Per rank: the FLOPs ``torch.utils.flop_counter.FlopCounterMode`` counts
 (matmuls, convs, SDPA; load-independent) and the wall time (median of ``reps``; the machine's load
@@ -14,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["FAMILIES", "build_layer", "scaling_rank", "run_scaling"]
+__all__ = ["FAMILIES", "build_layer", "scaling_rank", "run_scaling", "with_ratios"]
 
 LIN = ["linear_attention"]
 FAMILIES = {   # method -> (transformers config class, module class path, config kwargs)
@@ -28,11 +29,17 @@ FAMILIES = {   # method -> (transformers config class, module class path, config
     "mamba2_state_passing": ("BambaConfig", "bamba.modeling_bamba.BambaMixer",
                              dict(mamba_n_heads=4, mamba_d_head=128, mamba_n_groups=1, mamba_d_state=64,
                                   mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256)),
+    "mamba1_state_passing": ("JambaConfig", "jamba.modeling_jamba.JambaMambaMixer",
+                             dict(mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=16)),
+    "rglru_state_passing": ("RecurrentGemmaConfig", "recurrent_gemma.modeling_recurrent_gemma."
+                            "RecurrentGemmaRecurrentBlock", dict(lru_width=256, conv1d_width=4)),
 }
 TARGETS = {"gated_deltanet_state_passing": "hyper_parallel.models.qwen3_next.gated_deltanet",
            "kda_state_passing": "hyper_parallel.models.kimi_linear.kda",
            "lightning_state_passing": "hyper_parallel.models.minimax.lightning",
-           "mamba2_state_passing": "hyper_parallel.distributed.context_parallel.mixers.mamba2"}
+           "mamba2_state_passing": "hyper_parallel.distributed.context_parallel.mixers.mamba2",
+           "mamba1_state_passing": "hyper_parallel.distributed.context_parallel.mixers.mamba1",
+           "rglru_state_passing": "hyper_parallel.models.recurrent_gemma.rglru"}
 HIDDEN = 256
 
 
@@ -86,8 +93,13 @@ def scaling_rank(method: str, S: int, cp: int, reps: int, threads: int) -> dict:
     if cp == 1:
         h = torch.randn(1, S, HIDDEN, requires_grad=True)
 
+        pos = torch.arange(S)[None]
+
         def step():
-            out = mod(h, None, None) if method == "lightning_state_passing" else mod(h)
+            if method == "rglru_state_passing":
+                out = mod(h, pos, None, use_cache=False)
+            else:
+                out = mod(h, None, None) if method == "lightning_state_passing" else mod(h)
             (out[0] if isinstance(out, tuple) else out).sum().backward()
         flops, dt = _flops_and_time(step, reps, lambda: None)
         return {"rank": 0, "flops": flops, "fwd_bwd_ms": dt * 1e3}
@@ -120,6 +132,11 @@ def run_scaling(methods: list, S: int, cps: list, reps: int, threads: int) -> li
                              "fwd_bwd_ms_per_rank": [round(x["fwd_bwd_ms"], 1) for x in res]})
         finally:
             pool.shutdown()
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list) -> list:
+    """Add ``max_flops_vs_cp1`` / ``min_flops_vs_cp1`` to every row whose method has a cp 1 row."""
     base = {row["method"]: row["flops_per_rank"][0] for row in rows if row["cp"] == 1}
     for row in rows:
         if row["method"] in base:
