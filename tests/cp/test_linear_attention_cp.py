@@ -86,3 +86,24 @@ def test_linear_attention_refusals(arch, mixer, other):
         assert "'model.layers.0.self_attn'" in msg, msg
         assert f"if {cls} is a token mixer" in msg or f"({cls}) is a token mixer" in msg, msg
         assert f"sequence_gather | {own}" in msg, msg
+
+
+def test_recurrent_state_passing_refusals():
+    """Mamba1 / RG-LRU state passing refused, naming the method and the class, on a mixer whose
+    forward they do not re-run (Falcon-H1's Mamba2, Jamba's Mamba1 for RG-LRU); accepted as built."""
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.cp.test_mixer_cp import build, entries
+
+    def plan(arch, mixer, model_arch=None):
+        return ShardingPlanner(plan_overrides=entries(arch, "colossal", mixer)).plan(
+            build(model_arch or arch), None, cp_size=2)
+
+    assert plan("jamba", "m1_sp").batch_policy == "all_gather"
+    assert plan("recurrent_gemma", "rglru_sp").batch_policy == "all_gather"
+    with pytest.raises(CPConfigError, match=r"mamba1_state_passing_cp_wrapper re-runs the forward of JambaMambaMixer, "
+                                            r"FalconMambaMixer .*FalconH1Mixer is not one of them"):
+        plan("falcon_h1", "m1_sp")
+    with pytest.raises(CPConfigError, match=r"rglru_state_passing_cp_wrapper re-runs the forward of "
+                                            r"RecurrentGemmaRecurrentBlock .*JambaMambaMixer is not one of them"):
+        plan("jamba", "rglru_sp")
