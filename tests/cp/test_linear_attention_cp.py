@@ -2,10 +2,11 @@
 MiniMax (lightning attention, ``lightning_state_passing``), Jamba and Falcon-Mamba (Mamba1,
 ``mamba1_state_passing``), RecurrentGemma (RG-LRU, ``rglru_state_passing``): the recurrent state
 passed between ranks through the same affine-state composition as the Gated DeltaNet's. Real
-transformers classes, tiny random configs (tests/cp/linear_attention_models.py), train(), dropout 0, fp32; the softmax attention
-declared with Colossal / Ulysses / Hybrid (Head-Tail is refused next to a mixer method); logits and EVERY gradient
-vs CP=1 for plain, padded and packed rows, the preflight proof passing (tests/cp/test_mixer_cp.py
-helpers and tolerance); the incoming state dropped is visibly wrong (negative control)."""
+transformers classes, tiny random configs (tests/cp/linear_attention_models.py), train(), dropout
+0, fp32; the softmax attention declared with Colossal / Ulysses / Hybrid (Head-Tail is refused next
+to a mixer method); logits and EVERY gradient vs CP=1 for plain, padded and packed rows, the
+preflight proof passing (tests/cp/test_mixer_cp.py helpers and tolerance); the incoming state
+dropped is visibly wrong (negative control)."""
 from __future__ import annotations
 
 import time
