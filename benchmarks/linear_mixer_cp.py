@@ -17,6 +17,12 @@ platform layer moved (``platform.comm_counter``), and the time spent inside coll
 waiting for the other rank: the idle time of a rank whose peer is not ready). Table + JSON + PNG.
 
     python benchmarks/linear_mixer_cp.py [--seqs 8192 16384 32768] [--reps 3] [--threads 1]
+
+``--scaling``: instead, every state-passing method (GDN, KDA, MiniMax lightning, Mamba2) at cp 1, 2
+and 4 — FLOPs and step time per rank (:mod:`linear_mixer_scaling`), stored under
+``"per_rank_scaling"`` in the same JSON (the Ulysses-vs-state-passing rows are kept):
+
+    python benchmarks/linear_mixer_cp.py --scaling [--scaling-seq 1024] [--cps 1 2 4] [--reps 2]
 """
 from __future__ import annotations
 
@@ -143,7 +149,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "linear_mixer_cp.json"))
+    ap.add_argument("--scaling", action="store_true", help="per-rank FLOPs / time of every state-passing method")
+    ap.add_argument("--scaling-seq", type=int, default=1024)
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--methods", nargs="+", default=None, help="--scaling: only these (rows of others kept)")
     args = ap.parse_args(argv)
+    previous = {}
+    if os.path.exists(args.out):
+        with open(args.out) as fh:
+            previous = json.load(fh)
+    if args.scaling:
+        return scaling_main(args, previous)
     from hyper_parallel.testing import RankPool
 
     # ranks wait for each other inside collectives for as long as the slower one computes
@@ -170,8 +186,9 @@ def main(argv=None) -> int:
               f"{row0['in_collectives_ms']:12.1f} {row1['in_collectives_ms']:12.1f} {mb}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"config": CFG, "cpu": cpu_name(), "threads": args.threads, "reps": args.reps, "rows": table}, fh,
-                  indent=2)
+        json.dump({"config": CFG, "cpu": cpu_name(), "threads": args.threads, "reps": args.reps, "rows": table,
+                   **({"per_rank_scaling": previous["per_rank_scaling"]} if "per_rank_scaling" in previous else {})},
+                  fh, indent=2)
     print(f"wrote {args.out}")
     try:
         import matplotlib
@@ -196,6 +213,36 @@ def main(argv=None) -> int:
         print(f"wrote {args.out.replace('.json', '.png')}")
     except ImportError:
         pass
+    return 0
+
+
+def scaling_main(args, previous: dict) -> int:
+    from linear_mixer_scaling import FAMILIES, HIDDEN, run_scaling, with_ratios
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    methods = args.methods or list(FAMILIES)
+    new = run_scaling(methods, args.scaling_seq, args.cps, args.reps, args.threads)
+    for row in new:
+        row["load_avg_1min"] = load
+    kept = [row for row in previous.get("per_rank_scaling", {}).get("rows", [])
+            if (row["method"], row["cp"]) not in {(n["method"], n["cp"]) for n in new}
+            and row["S"] == args.scaling_seq]
+    rows = with_ratios(sorted(kept + new, key=lambda x: (x["cp"], list(FAMILIES).index(x["method"]))))
+    print(f"state-passing mixers, one layer (hidden {HIDDEN}, 4 heads x 64), S={args.scaling_seq} global tokens, "
+          f"fp32 fwd+bwd, {args.threads} thread(s)/rank; CPU: {cpu_name()}, load avg {load}")
+    print(f"{'method':<30} {'cp':>3} {'GFLOP per rank':<28} {'max/cp1':>8} {'min/cp1':>8}  ms per rank")
+    for row in rows:
+        gf = ", ".join(f"{f / 1e9:.2f}" for f in row["flops_per_rank"])
+        print(f"{row['method']:<30} {row['cp']:>3} {gf:<28} {row.get('max_flops_vs_cp1', 0):8.3f} "
+              f"{row.get('min_flops_vs_cp1', 0):8.3f}  {row['fwd_bwd_ms_per_rank']}")
+    previous["per_rank_scaling"] = {"S": args.scaling_seq, "hidden": HIDDEN, "cpu": cpu_name(), "load_avg_1min": load,
+                                    "threads": args.threads, "reps": args.reps,
+                                    "flops": "torch.utils.flop_counter.FlopCounterMode total (matmul/conv/SDPA)",
+                                    "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(previous, fh, indent=2)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -43,20 +43,28 @@ ATTN = {   # name -> inner_wrapper
 MIXER_FQN = {"qwen3_next": "*.linear_attn", "qwen3_next_h4": "*.linear_attn", "qwen3_5": "*.linear_attn",
              "qwen3_5_moe": "*.linear_attn", "lfm2": "*[0-9].conv",
              "falcon_h1": "*.mamba", "falcon_h1_rms": "*.mamba", "bamba": "*.mamba", "granitemoehybrid": "*.mamba",
-             "zamba2": "*.mamba", "nemotron_h": "model.layers.0.mixer"}
-#: the attention modules' match where it is not "*.self_attn" (NemotronH names every mixer "mixer")
-ATTN_FQN = {"nemotron_h": "model.layers.1.mixer"}
+             "zamba2": "*.mamba", "nemotron_h": "model.layers.0.mixer",
+             "kimi_linear": "model.layers.0.self_attn", "minimax": "model.layers.0.self_attn",
+             "jamba": "*.mamba", "falcon_mamba": "*.mixer", "recurrent_gemma": "model.layers.0.temporal_block"}
+#: the attention modules' match where it is not "*.self_attn" (NemotronH names every mixer "mixer"; Kimi
+#: Linear and MiniMax name every mixer "self_attn")
+ATTN_FQN = {"nemotron_h": "model.layers.1.mixer", "kimi_linear": "model.layers.1.self_attn",
+            "minimax": "model.layers.1.self_attn", "falcon_mamba": None,
+            "recurrent_gemma": "model.layers.1.temporal_block"}
 MIXER = {"gather": "sequence_gather", "gather_target": {"_target_": MIXERS + "sequence_gather_cp_wrapper"},
          "halo": "short_conv_halo", "gdn_ulysses": "gated_deltanet_ulysses",
          "gdn_sp": "gated_deltanet_state_passing", "m2_sp": "mamba2_state_passing",
+         "kda_sp": "kda_state_passing", "lightning_sp": "lightning_state_passing", "m1_sp": "mamba1_state_passing",
+         "rglru_sp": "rglru_state_passing",
          "gdn_sp_target": {"_target_": "hyper_parallel.models.qwen3_next.gated_deltanet."
                                        "gated_deltanet_state_passing_cp_wrapper"}}
 
 
 def entries(arch: str, attn: str, mixer: str) -> list:
     base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
-    return [{**base, "match": ATTN_FQN.get(arch, "*.self_attn"), "inner_wrapper": ATTN[attn]},
-            {**base, "match": MIXER_FQN[arch], "inner_wrapper": MIXER[mixer]}]
+    attn_fqn = ATTN_FQN.get(arch, "*.self_attn")        # None: a model without attention (Falcon-Mamba)
+    return [{**base, "match": attn_fqn, "inner_wrapper": ATTN[attn]}] * (attn_fqn is not None) + [
+        {**base, "match": MIXER_FQN[arch], "inner_wrapper": MIXER[mixer]}]
 
 
 # ============================================================================ rank functions
@@ -124,6 +132,9 @@ def build(arch: str):
     Ulysses at cp 4) and the Mamba2 families."""
     import transformers as T
 
+    if arch in ("kimi_linear", "minimax", "jamba", "falcon_mamba", "recurrent_gemma"):
+        from tests.cp.linear_attention_models import build_linear_attention
+        return build_linear_attention(arch)
     if arch in ("bamba", "nemotron_h", "granitemoehybrid", "zamba2"):
         model = build_mamba2_family(arch)
         make_state_visible(model)
@@ -307,7 +318,9 @@ def _check(results: list) -> None:
             method = res["case"].split("+")[1].split("/")[0]
             want = {"halo": "short_conv_halo_cp_wrapper", "gdn_ulysses": "gated_deltanet_ulysses_cp_wrapper",
                     "gdn_sp": "gated_deltanet_state_passing_cp_wrapper",
-                    "m2_sp": "mamba2_state_passing_cp_wrapper",
+                    "m2_sp": "mamba2_state_passing_cp_wrapper", "kda_sp": "kda_state_passing_cp_wrapper",
+                    "lightning_sp": "lightning_state_passing_cp_wrapper", "m1_sp": "mamba1_state_passing_cp_wrapper",
+                    "rglru_sp": "rglru_state_passing_cp_wrapper",
                     "gdn_sp_target": "gated_deltanet_state_passing_cp_wrapper"}
             assert res["mixers"] and res["installed"] == [want.get(method, "sequence_gather_cp_wrapper")], res
             if "proof_rel" in res:

@@ -26,6 +26,14 @@ EXAMPLES = {
     "qwen3_5_text_cp2.yaml": {"*.self_attn": "sdpa_hf", "*.linear_attn": "gated_deltanet_state_passing"},
     # tiny Llama 4 text: chunked attention and temperature tuning carried by the Colossal wrapper
     "llama4_text_cp2.yaml": {"*.self_attn": "sdpa_hf"},
+    # tiny Kimi Linear: MLA Colossal, KDA state passing (every mixer is named self_attn: by layer index)
+    "kimi_linear_cp2.yaml": {"model.layers.3.self_attn": "sdpa_hf",
+                             "model.layers.[012].self_attn": "kda_state_passing"},
+    # tiny MiniMax: softmax attention Ulysses, lightning attention state passing
+    "minimax_cp2.yaml": {"model.layers.3.self_attn": "sdpa_hf_ulysses",
+                         "model.layers.[012].self_attn": "lightning_state_passing"},
+    # tiny NemotronH: attention Colossal, Mamba2 state passing (every mixer is named mixer)
+    "nemotron_h_cp2.yaml": {"model.layers.3.mixer": "sdpa_hf", "model.layers.[02].mixer": "mamba2_state_passing"},
 }
 
 #: fp32 tolerance on the per-step loss (global token mean), relative: the CP run computes the same

@@ -182,40 +182,13 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
         mixed = torch.cat([x.reshape(B, L, -1) for x in (q, k, v)], dim=-1)            # [B, L, F] pre-conv
         key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
         mixed = SP.halo_conv(conv, mixed, cp_mesh, h, key_doc, r, what, fqn)              # [B, L, F], pads 0
-        beta = b.sigmoid()
+        qq, kk, vv = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)                  # [B, L, Hv]
-
-        # -- documents of the local chunk as right-aligned rows (beta = g = 0 after a row's end: the
-        # state is unchanged there, so a row's final state is its document's)
-        cont, through = SP.chain_flags(key_doc, B, C, L)
-        rows = SP.StateRows(None if key_doc is None else key_doc[:, r * L:(r + 1) * L], B, L, hs.device, cont[r])
-        N, Lmax, c_idx = rows.N, rows.Lmax, rows.first_cont
-        x = rows.pack(mixed).float()
-        qq, kk, vv = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        qq, kk, vv = qq.reshape(N, Lmax, Hk, dk), kk.reshape(N, Lmax, Hk, dk), vv.reshape(N, Lmax, Hv, dv)
-        gg, bb = rows.pack(g), rows.pack(beta.float())
-        o0, s0 = rule(qq, kk, vv, g=gg, beta=bb, initial_state=None, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)                                    # [N, Lmax, Hv, dv], [N,Hv,dk,dv]
-
-        # -- the continuing first run of each batch row: identity run -> P_t^T q_t and P_T
-        oI, P_last = None, [-1] * B
-        pT = s0.new_zeros(0, Hv, dk, dk)
-        if c_idx.numel():
-            eye = torch.eye(dk, dtype=s0.dtype, device=hs.device).expand(len(c_idx), Hv, dk, dk).contiguous()
-            oI, pT = rule(qq[c_idx], kk[c_idx], vv.new_zeros(len(c_idx), Lmax, Hv, dk), g=gg[c_idx], beta=bb[c_idx],
-                          initial_state=eye, output_final_state=True, use_qk_l2norm_in_kernel=True)
-            for i, ci in enumerate(c_idx.tolist()):
-                rb = int(rows.rows[ci])
-                if bool(through[r, rb]):
-                    P_last[rb] = i
-        anchor, s_in = SP.exchange_states(rows.per_batch_row(pT, P_last, (Hv, dk, dk)),
-                                        rows.per_batch_row(s0, rows.last, (Hv, dk, dv)), x, cp_mesh, r, through,
-                                        lambda t, s_: t @ s_, "cp.gdn_state")
-        o = o0 + anchor
-        if oI is not None and s_in is not None:
-            o = o.index_add(0, c_idx, torch.einsum("nthk,nhkv->nthv", oI, s_in[rows.rows[c_idx]]))
-        # -- rows back to [B, L, Hv*dv] (padding outputs 0), gated norm and out_proj as the module
-        core = rows.unpack(o.reshape(N, Lmax, Hv * dv)).to(hs.dtype).view(B, L, Hv, dv)
+        core = SP.passed_delta_rule(rule, qq.reshape(B, L, Hk, dk), kk.reshape(B, L, Hk, dk),
+                                    vv.reshape(B, L, Hv, dv), g, b.sigmoid(), key_doc, cp_mesh, C, r,
+                                    "cp.gdn_state")                                     # [B, L, Hv, dv]
+        # -- gated norm and out_proj as the module (padding outputs out_proj(norm(0, z)))
+        core = core.to(hs.dtype)
         core = m.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(B, L, -1)
         return m.out_proj(core)
 

@@ -10,6 +10,10 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+MAMBA1_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba1"
+KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
+RGLRU_MODULE = "hyper_parallel.models.recurrent_gemma.rglru"
+LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
 #: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
 #: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
@@ -193,6 +197,23 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
+    CPMethod(
+        name="mamba1_state_passing", title="Mamba1 state passing (Jamba, Falcon-Mamba)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
+        offers=(Offer("hf", "mamba1_state_passing_cp_wrapper", "mamba1_state_passing", module=MAMBA1_MODULE),)),
+    CPMethod(
+        name="rglru_state_passing", title="RG-LRU state passing (RecurrentGemma)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
+        offers=(Offer("hf", "rglru_state_passing_cp_wrapper", "rglru_state_passing", module=RGLRU_MODULE),)),
+    CPMethod(
+        name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
+        head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "kda_state_passing_cp_wrapper", "kda_state_passing", module=KDA_MODULE),)),
+    CPMethod(
+        name="lightning_state_passing", title="lightning attention state passing (MiniMax)", kind="mixer",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
+                      module=LIGHTNING_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}

@@ -6,8 +6,9 @@ convolution, ...) is declared under CP like the attention, on its own module (``
 only, and one row of :mod:`..catalogue`. The generic methods live here — :mod:`.sequence_gather`
 (any mixer; compute not divided by cp) and :mod:`.halo` (LFM2's short conv) — with what every
 method shares (:mod:`.rows`: documents as rows, call checks; :mod:`.state_passing`: the blocks of
-a recurrence run on the local tokens from a passed state). Model-specific methods live in
-``hyper_parallel/models/<model_type>/`` (Qwen3-Next Gated DeltaNet, Falcon-H1 Mamba2). Padding
+a recurrence run on the local tokens from a passed state; :mod:`.mamba2` / :mod:`.mamba1`: the SSM
+cores). Model-specific methods live in ``hyper_parallel/models/<model_type>/`` (Gated DeltaNet,
+Kimi Linear KDA, MiniMax lightning attention, RecurrentGemma RG-LRU, the Mamba2 families' specs). Padding
 and packed documents: every document is run as its own sequence (state and conv window restart;
 padding outputs 0). Training only (a cache is neither read nor filled). docs/wrappers.md.
 """

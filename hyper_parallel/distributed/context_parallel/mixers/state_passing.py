@@ -21,7 +21,7 @@ from .halo import halo_exchange
 from .rows import CPMixerError, mixer_call, run_rows, segments
 
 __all__ = ["pack_rows", "chain_flags", "module_conv", "state_passing_entry", "halo_conv", "StateRows",
-           "exchange_states"]
+           "exchange_states", "passed_delta_rule"]
 
 
 def pack_rows(doc: Optional[torch.Tensor], B: int, L: int, device):
@@ -162,3 +162,41 @@ def exchange_states(trans: torch.Tensor, state: torch.Tensor, anchor: torch.Tens
             thr = through[jr].to(state.device).view(B, *([1] * (state.dim() - 1)))
             s_in = torch.where(thr, apply(tj, s_in), torch.zeros_like(s_in)) + sj
     return allst.sum() * 0, s_in
+
+
+def passed_delta_rule(rule: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, key_doc: Optional[torch.Tensor], cp_mesh, C: int, r: int,
+                      tag: str) -> torch.Tensor:
+    """``[B, L, Hv, dv]`` (fp32): a gated delta rule over this rank's post-conv ``q, k [B, L, Hk, dk]``,
+    ``v [B, L, Hv, dv]``, decay ``g [B, L, Hv(, dk)]`` (log space) and ``beta [B, L, Hv]`` as over the
+    whole sequence. ``rule`` is the module's transformers chunk kernel (``torch_chunk_gated_delta_rule``
+    or ``chunk_kimi_delta_attention``: same call). The rule is affine in its initial state: each local
+    document runs from a zero state; the one continuing the previous rank's also runs with values 0
+    and ``initial_state = I``, giving ``P_t^T q_t`` and ``P_T``; :func:`exchange_states` composes the
+    incoming state and ``(P_t^T q_t) S_in`` is added. Rows are right-aligned (``g = beta = 0`` on the
+    pads leaves the state unchanged). Tokens outside every document: 0."""
+    B, L, _Hk, dk = k.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    cont, through = chain_flags(key_doc, B, C, L)
+    rows = StateRows(None if key_doc is None else key_doc[:, r * L:(r + 1) * L], B, L, q.device, cont[r])
+    N, Lmax, c_idx = rows.N, rows.Lmax, rows.first_cont
+    qq, kk, vv, gg, bb = (rows.pack(t.float()) for t in (q, k, v, g, beta))
+    o0, s0 = rule(qq, kk, vv, g=gg, beta=bb, initial_state=None, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)                                     # [N, Lmax, Hv, dv], [N, Hv, dk, dv]
+    oI, P_last = None, [-1] * B
+    pT = s0.new_zeros(0, Hv, dk, dk)
+    if c_idx.numel():          # the continuing first run of each batch row: P_t^T q_t and P_T
+        eye = torch.eye(dk, dtype=s0.dtype, device=q.device).expand(len(c_idx), Hv, dk, dk).contiguous()
+        oI, pT = rule(qq[c_idx], kk[c_idx], vv.new_zeros(len(c_idx), Lmax, Hv, dk), g=gg[c_idx], beta=bb[c_idx],
+                      initial_state=eye, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        for i, ci in enumerate(c_idx.tolist()):
+            rb = int(rows.rows[ci])
+            if bool(through[r, rb]):
+                P_last[rb] = i
+    anchor, s_in = exchange_states(rows.per_batch_row(pT, P_last, (Hv, dk, dk)),
+                                   rows.per_batch_row(s0, rows.last, (Hv, dk, dv)), qq, cp_mesh, r, through,
+                                   lambda t, s_: t @ s_, tag)
+    o = o0.float() + anchor
+    if oI is not None and s_in is not None:
+        o = o.index_add(0, c_idx, torch.einsum("nthk,nhkv->nthv", oI.float(), s_in[rows.rows[c_idx]]))
+    return rows.unpack(o.reshape(N, Lmax, Hv * dv)).view(B, L, Hv, dv)

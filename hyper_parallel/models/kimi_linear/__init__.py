@@ -1,0 +1,1 @@
+"""Kimi Linear (transformers ``kimi_linear``): the KDA mixer under CP (:mod:`.kda`)."""

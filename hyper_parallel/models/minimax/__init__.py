@@ -1,0 +1,1 @@
+"""MiniMax (transformers ``minimax``): the lightning attention under CP (:mod:`.lightning`)."""
