@@ -355,14 +355,15 @@ def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **mode
                     generator=torch.Generator().manual_seed(seed))
     w[:, :S] *= valid[..., None]
     w[:, S:] = 0
-    lo = meta.cp_rank * meta.local_seq_len
     for p in model.parameters():
         p.grad = None
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **model_kwargs).logits
-        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
-    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
-    return full, w[:, :S], meta
+        (logits * w.index_select(1, meta.q_index)).sum().backward()    # this rank's tokens (any split)
+    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)
+    if meta.perm is not None:                                           # balanced split: back to global order
+        full = full.index_select(1, torch.argsort(meta.perm))
+    return full[:, :S], w[:, :S], meta
 
 
 def grad_error(model, ref, mesh) -> tuple[float, float]:

@@ -322,7 +322,7 @@ def _preserved(model: nn.Module, upcast: bool):
 class _Layout:
     """Maps valid global tokens (row b, position s) to reference tokens (ref row r, position p)."""
 
-    def __init__(self, docs, S: int, lo: int, hi: int, device):
+    def __init__(self, docs, S: int, lo: int, hi: int, device, slot=None):
         gb, gs, rr, rp = [], [], [], []
         for r, (b, start, length) in enumerate(docs):
             for j in range(length):
@@ -332,6 +332,8 @@ class _Layout:
                 rp.append(j)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         self.gb, self.gs, self.rr, self.rp = t(gb), t(gs), t(rr), t(rp)
+        if slot is not None:                      # balanced split: global index -> slot of the permuted row
+            self.gs = slot.to(device)[self.gs]
         self.S, self.lo, self.hi = S, lo, hi
         sel = (self.gs >= lo) & (self.gs < hi)
         self.lb, self.ls = self.gb[sel], self.gs[sel] - lo
@@ -432,7 +434,8 @@ class _Prover:
         self.meta = meta
         self.L = meta.local_seq_len
         lo = meta.cp_rank * meta.local_seq_len
-        self.layout = _Layout(docs, self.S, lo, lo + self.L, self.device)
+        slot = None if meta.perm is None else torch.argsort(meta.perm)
+        self.layout = _Layout(docs, self.S, lo, lo + self.L, self.device, slot)
         R, T = self.layout.R, self.layout.ref_len
         ref_ids = torch.full((R, T), self.pad_token_id, dtype=torch.int64)
         ref_mask = torch.zeros(R, T, dtype=torch.int64)
