@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 ATTN = {"when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": "sdpa_hf_balanced"}
@@ -112,3 +113,102 @@ def test_balanced_split_cp2_matches_cp1(ranks):
 def test_balanced_split_cp4_matches_cp1(ranks):
     """The same at cp 4 (Gemma 3: the mixed-layer profile)."""
     _check(ranks(4).run(cases, [("gemma3", 4)], timeout=300.0))
+
+
+# ---------------------------------------------------------------- batch contract and refusals (local, no ranks)
+def test_balanced_batch_permutes_every_field_after_the_global_shift():
+    """Labels are shifted on the global row before the permutation; positions, ids and labels travel
+    with their tokens; the ranks' tokens partition the padded row; valid-token counts add up."""
+    from hyper_parallel.distributed.context_parallel.balance.split import BalancedSplit
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+
+    batch, _docs = packed_padded_batch(50, 3)
+    cp, pol = 4, BalancedSplit(block=2)
+    glob = shard_batch_for_cp(batch, (0, 1), "all_gather")             # CP=1: the global fields
+    seen, valid = [], 0
+    for r in range(cp):
+        loc = shard_batch_for_cp(batch, (r, cp), pol)
+        idx = loc.meta.q_index
+        n = glob["input_ids"].shape[1]
+        keep = idx < n
+        for key in ("input_ids", "shift_labels", "position_ids"):
+            assert torch.equal(loc[key][:, keep], glob[key][:, idx[keep]]), key
+        assert bool((loc["shift_labels"][:, ~keep] == -100).all())
+        assert int(loc["seq_lens"].sum()) == int((loc.meta.doc_slice(idx) >= 0).sum())
+        seen.append(idx)
+        valid += loc.num_valid_tokens_local
+    perm = torch.cat(seen)
+    assert sorted(perm.tolist()) == list(range(perm.numel())) and not torch.equal(perm, torch.arange(perm.numel()))
+    assert valid == glob.num_valid_tokens_local
+
+
+def test_other_strategies_refuse_a_permuted_batch_and_balanced_needs_one():
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.strategies.all_gather import AllGatherStrategy
+    from hyper_parallel.distributed.context_parallel.strategies.balanced import BalancedStrategy
+
+    batch, _ = packed_padded_batch(50, 3)
+    meta = shard_batch_for_cp(batch, (0, 1), "balanced").meta
+    meta.perm = torch.arange(meta.global_seq_len)
+    q = torch.zeros(2, 2, meta.local_seq_len, 4)
+    with pytest.raises(ValueError, match="only the 'balanced' CP method computes"):
+        AllGatherStrategy(None).check_inputs(q, q, q, meta, cp_size=1, cp_rank=0)
+    BalancedStrategy(None).check_inputs(q, q, q, meta, cp_size=1, cp_rank=0)
+
+
+def test_balanced_with_a_token_mixer_or_another_method_is_refused():
+    """A token mixer (GDN state passing) needs the contiguous layout: refused at planning, naming the
+    module and the fix; mixing the balanced split with another attention method is refused too."""
+    from hyper_parallel.distributed.errors import CPConfigError
+    from tests.cp.test_mixer_cp import MIXER, MIXER_FQN, _plan
+
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    with pytest.raises(CPConfigError) as err:
+        _plan("qwen3_next", [{**base, "match": "*.self_attn", "inner_wrapper": "sdpa_hf_balanced"},
+                             {**base, "match": MIXER_FQN["qwen3_next"], "inner_wrapper": MIXER["gdn_sp"]}])
+    msg = str(err.value)
+    print(msg)
+    assert "needs the contiguous layout" in msg and "balanced split" in msg and "model.layers.0.linear_attn" in msg
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.wrappers._workers import build_arch
+
+    mixed = [{**base, "match": "*.0.self_attn", "inner_wrapper": "sdpa_hf_balanced"},
+             {**base, "match": "*.1.self_attn", "inner_wrapper": "sdpa_hf"}]
+    with pytest.raises(CPConfigError, match="reorders the whole sequence"):
+        ShardingPlanner(plan_overrides=mixed).plan(build_arch("llama")[0], None, cp_size=2)
+
+
+def test_example_yaml_plans_the_balanced_split_on_the_main_job_data(tmp_path):
+    """examples/train_long_cp4_balanced.yaml parses and plans at cp 4 (no 4-rank 32k training here):
+    the plan's batch policy is the balanced split with the model's profile, and the first batch of
+    the main job's data is split into 4 x 8192 tokens with slowest/mean work <= 1.01."""
+    import os
+
+    from hyper_parallel.distributed.context_parallel.balance.split import BalancedSplit, split_report
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.data import build_data_stream
+    from hyper_parallel.trainer.model import HyperAutoModel
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    slice_ = os.path.join(root, "examples", "data", "stdlib_small.jsonl")   # the shipped slice of the main job's data
+    cfg = TrainerConfig.from_yaml(os.path.join(root, "examples", "train_long_cp4_balanced.yaml"),
+                                  [f"data.files=[{slice_}]", f"data.cache_dir={tmp_path}"])
+    assert cfg.accelerator.cp_size == 4 and cfg.data.seq_len == 32768
+    model = HyperAutoModel.from_config(cfg.model)
+    plan = ShardingPlanner(plan_overrides=cfg.plan_overrides).plan(model, None, cp_size=4)
+    assert isinstance(plan.batch_policy, BalancedSplit), plan.batch_policy
+    assert plan.batch_policy.profile.kinds[0].layers == model.config.num_hidden_layers
+    stream, _ = build_data_stream(cfg.data, dp_rank=0, dp_size=1, vocab_size=model.config.vocab_size)
+    batch = stream.next_micro_batches(1)[0]
+    assert batch["seq_lens"].shape[1] > 1, "the row packs several documents"
+    loc = shard_batch_for_cp(batch, (1, 4), plan.batch_policy)
+    assert loc["input_ids"].shape[1] == 8192
+    rep = split_report(loc.meta.key_doc, batch["input_ids"].shape[0], loc.meta.global_seq_len, 4,
+                       plan.batch_policy, loc.meta.perm)
+    ht = shard_batch_for_cp(batch, (1, 4), "load_balance").meta
+    print(f"main job first batch, cp 4: balanced max/mean {rep['max_over_mean']:.4f}, contiguous "
+          f"{rep['contiguous']:.3f}, split {rep['seconds'] * 1e3:.1f} ms")
+    assert ht.global_seq_len == loc.meta.global_seq_len
+    assert rep["max_over_mean"] <= 1.01
