@@ -8,7 +8,8 @@ slowest rank's work is minimised by
 1. LPT with a cardinality cap: blocks by decreasing work (stable), each to the least loaded rank
    that still has room (ties: lowest rank);
 2. pairwise refinement: swap one block of the slowest rank with one of another rank when that
-   lowers the larger of the two loads, best swap first, until no swap helps (bounded rounds).
+   lowers the larger of the two loads, best swap first, until no swap helps, slowest/mean is within
+   ``tol`` (1e-4) of 1, or the round bound.
 
 Deterministic (numpy, stable sorts, no randomness): every rank computes the same split from the
 same batch, without communicating. :func:`token_permutation` expands blocks to a token
@@ -36,13 +37,15 @@ def _lpt(work: np.ndarray, cp: int, m: int) -> list:
     return members
 
 
-def _refine(work: np.ndarray, members: list, rounds: int) -> list:
-    cp = len(members)
+def _refine(work: np.ndarray, members: list, rounds: int, tol: float) -> list:
     idx = np.array(members, dtype=np.int64)             # [cp, m]
     w = work[idx]
     load = w.sum(axis=1)
+    target = load.mean() * (1.0 + tol)
     for _ in range(rounds):
         top = int(np.argmax(load))
+        if load[top] <= target:                          # balanced to within tol: no swap is worth its time
+            break
         best = None
         for r in np.argsort(load, kind="stable"):
             r = int(r)
@@ -68,9 +71,10 @@ def _refine(work: np.ndarray, members: list, rounds: int) -> list:
     return [sorted(int(b) for b in row) for row in idx]
 
 
-def solve(work, cp: int, *, rounds: int | None = None) -> np.ndarray:
+def solve(work, cp: int, *, rounds: int | None = None, tol: float = 1e-4) -> np.ndarray:
     """Block order ``[n]`` (rank r: entries ``r*m .. (r+1)*m-1``, ascending) minimising the slowest
-    rank's summed ``work``; ``len(work)`` must be a multiple of ``cp``."""
+    rank's summed ``work``; ``len(work)`` must be a multiple of ``cp``. Refinement stops after
+    ``rounds`` swaps (default ``4 n``) or once slowest/mean <= ``1 + tol``."""
     work = np.asarray(work, dtype=np.float64)
     n = work.size
     if cp < 1 or n % cp:
@@ -79,7 +83,7 @@ def solve(work, cp: int, *, rounds: int | None = None) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
     m = n // cp
     members = _lpt(work, cp, m)
-    members = _refine(work, members, rounds if rounds is not None else 4 * n)
+    members = _refine(work, members, rounds if rounds is not None else 4 * n, tol)
     members.sort(key=lambda row: row[0])                  # rank order: by first block (stable, deterministic)
     return np.array([b for row in members for b in row], dtype=np.int64)
 

@@ -87,3 +87,28 @@ def split_report(key_doc: Optional[torch.Tensor], batch: int, seq_len: int, cp_s
     n = work.size
     return {"max_over_mean": spread(rank_work(work, blocks, cp_size)),
             "contiguous": spread(rank_work(work, np.arange(n), cp_size)), "seconds": secs}
+
+
+def step_work_spread(metas: list, profile: Optional[AttentionProfile] = None) -> Optional[float]:
+    """Slowest / mean attention work per CP rank of one step (its micro-batches' metas, summed), for
+    the token splits it knows: contiguous (policy ``all_gather``), Head-Tail (``load_balance``: rank r
+    computes chunks r and 2C-1-r) and the balanced split (``meta.perm``). None for other policies
+    (Ulysses / Hybrid split heads) or without CP. Every rank computes the same number from the batch
+    (no collective); O(B*S) per micro-batch."""
+    loads = None
+    for meta in metas:
+        if meta is None or meta.cp_size < 2 or meta.policy not in ("all_gather", "load_balance", "balanced"):
+            return None
+        C, S = meta.cp_size, meta.global_seq_len
+        B = 1 if meta.key_doc is None else meta.key_doc.shape[0]
+        doc = np.zeros((B, S), np.int64) if meta.key_doc is None else meta.key_doc.detach().cpu().numpy()
+        tok = block_work(doc, 1, (profile or CAUSAL))                    # per-token work, summed over rows
+        if meta.perm is not None:
+            per = tok[meta.perm.cpu().numpy()].reshape(C, -1).sum(1)
+        elif meta.policy == "load_balance":
+            ch = tok.reshape(2 * C, -1).sum(1)
+            per = ch[:C] + ch[::-1][:C]
+        else:
+            per = tok.reshape(C, -1).sum(1)
+        loads = per if loads is None else loads + per
+    return None if loads is None else spread(loads)
