@@ -212,3 +212,21 @@ def test_example_yaml_plans_the_balanced_split_on_the_main_job_data(tmp_path):
           f"{rep['contiguous']:.3f}, split {rep['seconds'] * 1e3:.1f} ms")
     assert ht.global_seq_len == loc.meta.global_seq_len
     assert rep["max_over_mean"] <= 1.01
+
+
+def test_router_loss_mask_follows_the_balanced_split():
+    """MoE router statistics count this rank's real input tokens: under the balanced split those are
+    the permuted slots (``meta.q_index``), not a contiguous slice."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.distributed.context_parallel.balance.split import BalancedSplit
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.trainer.router_loss import valid_input_mask
+
+    batch, _ = packed_padded_batch(50, 3)
+    for r in range(4):
+        loc = shard_batch_for_cp(batch, (r, 4), BalancedSplit(block=2))
+        got = valid_input_mask(SimpleNamespace(local=loc), "cpu")
+        want = (loc.meta.key_doc.index_select(1, loc.meta.q_index) >= 0).reshape(-1).float()
+        assert torch.equal(got, want)
+        assert int(got.sum()) == int(loc["seq_lens"].sum())
