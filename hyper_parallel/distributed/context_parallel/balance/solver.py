@@ -58,7 +58,7 @@ def _refine(work: np.ndarray, members: list, rounds: int, tol: float) -> list:
             new = np.maximum(load[top] - d, load[r] + d)
             new = np.where(d > 0, new, np.inf)
             i, j = np.unravel_index(int(np.argmin(new)), new.shape)
-            if new[i, j] < load[top] - 1e-12 * max(load[top], 1.0):
+            if new[i, j] < load[top] - 1e-3 * tol * target:      # a swap must gain a visible amount
                 cand = (float(new[i, j]), r, int(i), int(j))
                 if best is None or cand[0] < best[0]:
                     best = cand
