@@ -84,8 +84,8 @@ def case(arch: str, cp: int) -> dict:
     mesh = mesh_ctx(cp)
     entry = [{**ATTN, "match": W.ATTN_MATCH.get(arch, "*.self_attn")}]
     plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
-    policy = str(plan.batch_policy)
     plan.batch_policy = dataclasses.replace(plan.batch_policy, block=4)
+    policy = str(plan.batch_policy)
     model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
     return {"case": f"{arch} cp{cp}", "policy": policy, **parity(model, ref, mesh, plan, 11)}
 
