@@ -83,8 +83,9 @@ def _work_spread(trainer, prepared: list):
     profile = getattr(trainer.cp_policy, "profile", None) or profile_from_config(getattr(trainer.model, "config", None))
     value = step_work_spread([p.meta for p in prepared], profile)
     if value is not None and trainer.step == 0 and trainer.rank == 0:   # the start-up line (every step: JSONL)
-        print(f"attention work per rank: max/mean {value:.3f} (first batch; batch policy {trainer.cp_policy}; "
-              f"{profile.describe()})", flush=True)
+        extra = "" if hasattr(trainer.cp_policy, "profile") else f"; {profile.describe()}"
+        print(f"attention work per rank: max/mean {value:.3f} (first batch; batch policy {trainer.cp_policy}{extra})",
+              flush=True)
     return value
 
 
