@@ -217,7 +217,7 @@ class BaseTrainer:
         return {"title": f"{self.cfg.model.architecture or 'model'} cp={self.cp_size} "
                          f"world={self.mesh.world_size}",
                 "config": self.cfg.to_dict(), "topology": ckpt.topology_of(self.mesh),
-                "cp_policy": self.cp_policy, "fsdp": self.uses_fsdp, "grad_scale": self.grad_scale,
+                "cp_policy": None if self.cp_policy is None else str(self.cp_policy), "fsdp": self.uses_fsdp, "grad_scale": self.grad_scale,
                 "plan": self.setup.plan.summary()}
 
     # ------------------------------------------------------------------ batch + loss

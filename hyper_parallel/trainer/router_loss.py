@@ -129,8 +129,7 @@ def valid_input_mask(prepared, device) -> torch.Tensor | None:
     key_doc = getattr(meta, "key_doc", None)
     if key_doc is None:
         return None
-    lo = meta.cp_rank * meta.local_seq_len
-    kd = key_doc[:, lo:lo + meta.local_seq_len]
+    kd = meta.doc_slice(meta.q_index)                 # this rank's tokens (contiguous or balanced split)
     return (kd >= 0).reshape(-1).to(device=device, dtype=torch.float32)
 
 

@@ -55,6 +55,7 @@ class StepResult:
     grads: dict | None = None
     params: dict | None = None
     nonfinite: bool = False   # loss or grad norm NaN/Inf on some rank: the update was not applied
+    attn_work_spread: float | None = None   # slowest/mean attention work per CP rank (balance/split.py)
 
     def record(self) -> dict:
         return {"step": self.step, "loss": self.loss, "valid_tokens": self.valid_tokens,
@@ -66,7 +67,26 @@ class StepResult:
                    {"peak_tensor_gb_per_rank": self.peak_tensor_gb_per_rank}),
                 **({} if self.router_loss is None else {"router_loss": self.router_loss,
                                                         "expert_load": self.expert_load}),
-                **({"nonfinite": True} if self.nonfinite else {})}
+                **({"nonfinite": True} if self.nonfinite else {}),
+                **({} if self.attn_work_spread is None else {"attn_work_max_over_mean":
+                                                             round(self.attn_work_spread, 4)})}
+
+
+def _work_spread(trainer, prepared: list):
+    """Slowest/mean attention work per CP rank of this step (the cost model of the plan's balanced
+    split, else of the model's config); logged once at the first step. No collective."""
+    if trainer.cp_size < 2:
+        return None
+    from ..distributed.context_parallel.balance.cost import profile_from_config
+    from ..distributed.context_parallel.balance.split import step_work_spread
+
+    profile = getattr(trainer.cp_policy, "profile", None) or profile_from_config(getattr(trainer.model, "config", None))
+    value = step_work_spread([p.meta for p in prepared], profile)
+    if value is not None and trainer.step == 0 and trainer.rank == 0:   # the start-up line (every step: JSONL)
+        extra = "" if hasattr(trainer.cp_policy, "profile") else f"; {profile.describe()}"
+        print(f"attention work per rank: max/mean {value:.3f} (first batch; batch policy {trainer.cp_policy}{extra})",
+              flush=True)
+    return value
 
 
 def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None) -> StepResult:
@@ -77,6 +97,7 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     trainer.capture_logits = bool(probe and probe.logits)     # the tiled loss produces no logits
     # batch -> CP shard (+ the step's global valid-target count: one all-reduce)
     prepared = [trainer.prepare_batch(b) for b in micro_batches]
+    work_spread = _work_spread(trainer, prepared)
     n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), mesh.dp_cp_mesh, trainer.device)
     maybe_inject_fault(trainer.rank, trainer.step + 1, "forward")   # test hook (platform/faults.py)
     loss_sum_total = torch.zeros((), dtype=torch.float32, device=trainer.device)
@@ -151,4 +172,5 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     tensor_peaks = None if any(t < 0 for _, t in gathered) else [round(t / 2**30, 4) for _, t in gathered]
     return StepResult(trainer.step, float(loss_value), n, float(grad_norm), lr, dt, n / max(dt, 1e-9), peaks,
                       tensor_peaks,
-                      router_value, expert_load, logits_out, grads, full_params, nonfinite)
+                      router_value, expert_load, logits_out, grads, full_params, nonfinite,
+                      attn_work_spread=work_spread)

@@ -13,7 +13,8 @@ from tests.cp.common import mesh_ctx, sub_group3
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "docs", "strategies")
-PAGES = {"colossal": "colossal.md", "ulysses": "ulysses.md", "hybrid": "hybrid.md", "load_balance": "head_tail.md"}
+PAGES = {"colossal": "colossal.md", "ulysses": "ulysses.md", "hybrid": "hybrid.md", "load_balance": "head_tail.md",
+         "balanced": "load_balance_packed.md"}
 KEYS = ("forward_sent", "forward_received", "backward_sent", "backward_received")
 
 
@@ -36,7 +37,7 @@ def measure(cp, plans):
         dtype = getattr(torch, dt)
         L = S // cp
         meta = CPBatchMeta(cp_rank=ctx.cp_rank, cp_size=cp, global_seq_len=S, local_seq_len=L, key_doc=None,
-                           policy=strategy.name)
+                           policy=strategy.name, perm=torch.arange(S).flip(0) if method == "balanced" else None)
         g = torch.Generator().manual_seed(ctx.cp_rank)
         q = torch.randn(B, Hq, L, D, generator=g).to(dtype).requires_grad_(True)
         k = torch.randn(B, Hk, L, D, generator=g).to(dtype).requires_grad_(True)
@@ -53,12 +54,14 @@ def measure(cp, plans):
 PLANS = {
     2: [("colossal", None, 2, 16, 4, 2, 8, "float32"), ("ulysses", None, 1, 8, 4, 2, 4, "float32"),
         ("ulysses", None, 1, 8, 3, 1, 4, "float32"),                        # MQA, uneven 2/1
-        ("load_balance", None, 2, 16, 4, 1, 8, "float32"), ("colossal", None, 1, 8, 2, 2, 4, "float64")],
+        ("load_balance", None, 2, 16, 4, 1, 8, "float32"), ("colossal", None, 1, 8, 2, 2, 4, "float64"),
+        ("balanced", None, 2, 16, 4, 2, 8, "float32")],
     4: [("colossal", None, 2, 32, 4, 2, 8, "float32"), ("ulysses", None, 2, 16, 8, 4, 4, "float32"),
         ("hybrid", 2, 2, 32, 4, 2, 8, "float32"), ("load_balance", None, 1, 32, 4, 2, 4, "float32"),
         ("load_balance", None, 1, 16, 2, 2, 4, "float64"),
         ("ulysses", None, 1, 16, 4, 1, 4, "float32"), ("ulysses", None, 2, 16, 6, 2, 4, "float32"),  # MQA; uneven
-        ("hybrid", 2, 1, 32, 3, 1, 4, "float32")],                         # Hybrid sub-group: MQA, uneven
+        ("hybrid", 2, 1, 32, 3, 1, 4, "float32"),                          # Hybrid sub-group: MQA, uneven
+        ("balanced", None, 1, 32, 4, 1, 4, "float32")],
     8: [("hybrid", 2, 1, 32, 4, 2, 4, "float32"), ("hybrid", 4, 1, 32, 8, 4, 4, "float32"),
         ("load_balance", None, 1, 32, 2, 1, 4, "float32")],
 }

@@ -81,19 +81,21 @@ def cp_parity(cfg_path: str, overrides=(), *, model_kind: str = "hf", mode: str 
     valid = batch["attention_mask"].bool() if padding else torch.ones(B, S, dtype=torch.bool)
     w[:, :S] *= valid[..., None]          # padded queries carry no loss (their outputs are defined as 0 by CP)
     w[:, S:] = 0
-    lo = local.meta.cp_rank * local.meta.local_seq_len
-    w_local = w[:, lo:lo + local.meta.local_seq_len]
+    w_local = w.index_select(1, local.meta.q_index)             # this rank's tokens (any split)
     with cp_batch_context(local.meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
         logits = _full(logits)
         if grads:
             (logits * w_local).sum().backward()
-    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
+    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)
+    if local.meta.perm is not None:                               # balanced split: back to global order
+        full = full.index_select(1, torch.argsort(local.meta.perm))
+    full = full[:, :S]
 
     ref_logits = ref(**batch).logits
     diff = ((full - ref_logits.detach()).abs() * valid[..., None]).max().item()
     ref_max = (ref_logits.detach().abs() * valid[..., None]).max().item()
-    out = {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "policy": plan.batch_policy,
+    out = {"logits": diff, "logits_rel": diff / max(ref_max, 1e-12), "policy": getattr(plan.batch_policy, "name", plan.batch_policy),
            "summary": plan.summary(),
            "fsdp_dims": tuple(mesh.fsdp_mesh.mesh_dim_names or ()),
            "sharded": len(tp_info.sharded), "replicated": len(tp_info.replicated)}
@@ -355,14 +357,15 @@ def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **mode
                     generator=torch.Generator().manual_seed(seed))
     w[:, :S] *= valid[..., None]
     w[:, S:] = 0
-    lo = meta.cp_rank * meta.local_seq_len
     for p in model.parameters():
         p.grad = None
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **model_kwargs).logits
-        (logits * w[:, lo:lo + meta.local_seq_len]).sum().backward()
-    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)[:, :S]
-    return full, w[:, :S], meta
+        (logits * w.index_select(1, meta.q_index)).sum().backward()    # this rank's tokens (any split)
+    full = gather_from_cp(logits.detach().contiguous(), mesh.cp_mesh, dim=1)
+    if meta.perm is not None:                                           # balanced split: back to global order
+        full = full.index_select(1, torch.argsort(meta.perm))
+    return full[:, :S], w[:, :S], meta
 
 
 def grad_error(model, ref, mesh) -> tuple[float, float]:

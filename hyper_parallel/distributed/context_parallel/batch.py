@@ -14,7 +14,8 @@ Order of work (no collective anywhere; cp rank/size come from the mesh):
   3. pad S to the policy multiple (cp for all_gather/ulysses/hybrid, 2*cp for load_balance):
      pad keys get doc -1, pad labels ``ignore_index``, pad ids ``pad_token_id``, pad embeds 0;
   4. slice the contiguous chunk ``cp_rank`` of every sequence field; recompute packed lengths
-     for the local chunk.
+     for the local chunk. Policy ``balanced`` permutes the padded row first (one block permutation
+     per micro-batch, :mod:`.balance.split`; ``meta.perm``) and slices the permuted row.
 
 Fields ([B, S, ...]): input_ids, inputs_embeds [B,S,H], labels, shift_labels, position_ids
 ([B,S] or [1,S]), attention_mask ([B,S] 1/0 key validity: it becomes key doc -1 in the meta —
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...platform import group_rank, group_size
 from . import catalogue
+from .balance.split import balanced_permutation, local_counts
 from .comm import all_gather_seq
 from .meta import CPBatchMeta
 
@@ -355,21 +357,26 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
         pos = torch.cat([pos, cont], dim=1)
     full["position_ids"] = pos
 
-    # -- slice the contiguous local chunk ---------------------------------------------------
+    # -- slice the contiguous local chunk (of the balanced permutation of the row, policy 'balanced') --
     L = S_pad // cp_size
     lo, hi = cp_rank * L, (cp_rank + 1) * L
+    glob_pos, perm = full["position_ids"], None
+    if policy_name == "balanced":
+        perm = balanced_permutation(key_doc, B, S_pad, cp_size, policy)
+        full = {k: v.index_select(1, perm.to(v.device)) for k, v in full.items()}
+    count = _local_lengths if perm is None else (lambda st, n, a, z: local_counts(perm, a, z, st, n))
     out = CPBatch({k: v[:, lo:hi] for k, v in full.items()})
     if b.get("seq_lens") is not None:
-        out["seq_lens"] = _local_lengths(start, lens, lo, hi).to(b["seq_lens"].dtype)
+        out["seq_lens"] = count(start, lens, lo, hi).to(b["seq_lens"].dtype)
         if b.get("seq_lens_padded") is not None:
-            out["seq_lens_padded"] = _local_lengths(start, slots, lo, hi).to(b["seq_lens_padded"].dtype)
+            out["seq_lens_padded"] = count(start, slots, lo, hi).to(b["seq_lens_padded"].dtype)
     for key, val in b.items():
         if key in passthrough or (key not in out and key not in SEQ_FIELDS + PACK_FIELDS
                                   and key != "past_key_values"):
             out[key] = val
     out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
-                           key_doc=key_doc, policy=policy_name, causal=True,
-                           position_ids=full["position_ids"], seq_len=S)   # global, for RoPE (rope.py)
+                           key_doc=key_doc, policy=policy_name, causal=True, perm=perm,
+                           position_ids=glob_pos, seq_len=S)   # global order, for RoPE (rope.py)
     # documents derived from restarting position_ids: the wrappers check on the first call that the
     # model's own (local) mask separates them too (some models build their mask without position_ids)
     out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None

@@ -7,7 +7,8 @@ validity / document id of every global key — HF's local causal mask is never t
 
 Layout contract (all strategies): every CP rank holds the *contiguous* chunk ``cp_rank`` of
 the (padded) global sequence: global token indices
-``q_index = cp_rank * local_seq_len + arange(local_seq_len)``.
+``q_index = cp_rank * local_seq_len + arange(local_seq_len)`` — of the row permuted by ``perm``
+under the balanced split (batch policy ``balanced``): ``q_index = perm[cp_rank * L:(cp_rank + 1) * L]``.
 """
 from __future__ import annotations
 
@@ -51,16 +52,24 @@ class CPBatchMeta:
     # chunked attention (Llama 4 ``attention_chunk_size``) already folded into ``key_doc`` by
     # :func:`with_attention_chunk`; None = no chunking. Informational: the engine reads key_doc only.
     chunk: Optional[int] = None
+    # balanced split (batch policy "balanced"): [global_seq_len] int64, slot i of the permuted row
+    # holds global token perm[i]; rank r holds slots [r*L, (r+1)*L). None: the identity
+    perm: Optional[torch.Tensor] = None
 
     @property
     def q_index(self) -> torch.Tensor:
         """Global sequence indices of this rank's local tokens, [local_seq_len] int64."""
         start = self.cp_rank * self.local_seq_len
+        if self.perm is not None:
+            return self.perm[start:start + self.local_seq_len]
         return torch.arange(start, start + self.local_seq_len, dtype=torch.int64)
 
     @property
     def k_index(self) -> torch.Tensor:
-        """Global indices of every key, ``arange(global_seq_len)`` int64."""
+        """Global indices of every key in rank order (what an AllGather returns): ``perm`` or
+        ``arange(global_seq_len)`` int64."""
+        if self.perm is not None:
+            return self.perm
         return torch.arange(self.global_seq_len, dtype=torch.int64)
 
     def doc_slice(self, index: torch.Tensor) -> Optional[torch.Tensor]:

@@ -23,8 +23,9 @@ module installed by :func:`install_cp_rope` therefore
    row's last real position, so they change nothing;
 3. calls the module's original forward **once on those global positions** — so its length,
    its state (dynamic NTK's cached ``inv_freq`` across steps of different lengths) and its
-   output are exactly those of CP=1 — and returns this rank's contiguous slice
-   ``[cp_rank * local_seq_len, (cp_rank + 1) * local_seq_len)`` (a copy: the global
+   output are exactly those of CP=1 — and returns this rank's tokens ``meta.q_index`` (the contiguous
+   slice ``[cp_rank * local_seq_len, (cp_rank + 1) * local_seq_len)``, or the balanced split's
+   permuted slots) (a copy: the global
    ``cos/sin`` are freed at once).
 
 The other arguments pass through (``x`` stays this rank's hidden states: transformers reads
@@ -146,17 +147,17 @@ def _global_positions(meta: CPBatchMeta, local: Optional[torch.Tensor]) -> torch
     return g
 
 
-def _slice_outputs(out, lo: int, hi: int, total: int, rows: Optional[int], fqn: str):
+def _slice_outputs(out, sel, total: int, rows: Optional[int], fqn: str):
     if isinstance(out, torch.Tensor):
         if out.dim() < 2 or out.shape[-2] != total:
             raise CPRopeError(f"rotary module '{fqn}' returned a tensor of shape {tuple(out.shape)}: CP expects the "
                               f"sequence ({total} global positions) in its second-to-last dim")
-        t = out[..., lo:hi, :].contiguous()
+        t = out[..., sel.to(out.device) if isinstance(sel, torch.Tensor) else sel, :].contiguous()
         if rows is not None and t.dim() >= 3 and t.shape[0] == 1 and rows > 1:
             t = t.expand(rows, *t.shape[1:])
         return t
     if isinstance(out, (tuple, list)):
-        return type(out)(_slice_outputs(o, lo, hi, total, rows, fqn) for o in out)
+        return type(out)(_slice_outputs(o, sel, total, rows, fqn) for o in out)
     raise CPRopeError(f"rotary module '{fqn}' returned {type(out).__name__}; CP expects tensors or a tuple of them")
 
 
@@ -175,6 +176,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
     g = _global_positions(meta, local)
     B, n = g.shape[0], meta.local_seq_len
     lo, hi = meta.cp_rank * n, (meta.cp_rank + 1) * n
+    sel = slice(lo, hi) if getattr(meta, "perm", None) is None else meta.q_index.to(g.device)  # balanced split
     rows = local.shape[0] if local.dim() == 2 else -1
     if local.dim() != 2 or local.shape[-1] != n or rows not in (1, B):
         raise CPRopeError(
@@ -183,7 +185,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
             + (f", or that slice repeated as [K, {B}|1, {n}] 3-D (mrope) positions" if three_d else
                " (3-D RoPE positions only for a module with mrope_section)")
             + " (pass position_ids=local['position_ids'] from shard_batch_for_cp)")
-    want = meta.position_ids[:, lo:hi].to(device=local.device, dtype=local.dtype)
+    want = meta.position_ids.to(g.device)[:, sel].to(device=local.device, dtype=local.dtype)
     if not torch.equal(local.expand_as(want), want):
         raise CPRopeError(
             f"rotary module '{fqn}' got position_ids that are not this rank's slice of the CP batch's global "
@@ -193,7 +195,7 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
         g = g[:1]                                 # one distinct row: computed once (as HF does for [1, S])
     bound.arguments["position_ids"] = g if lead is None else g[None].expand(lead, *g.shape)
     out = original(*bound.args, **bound.kwargs)
-    return _slice_outputs(out, lo, hi, meta.global_seq_len, rows, fqn)
+    return _slice_outputs(out, sel, meta.global_seq_len, rows, fqn)
 
 
 def _text_rows(local: torch.Tensor, fqn: str) -> torch.Tensor:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from ..context_parallel.balance.cost import profile_from_config
+from ..context_parallel.balance.split import BalancedSplit
 from ..context_parallel.model_spec import get_cp_model_spec, model_architecture
 from ..tensor_parallel import find_decoder_layers
 from . import rules
@@ -43,7 +45,7 @@ class ShardingPlan:
     ep_size: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
-    batch_policy: Optional[str] = None  # shard_batch_for_cp policy for this plan (None when cp 1)
+    batch_policy: Any = None  # shard_batch_for_cp policy (a string, or BalancedSplit with the model's profile; None cp 1)
     batch_prepare_fn: Optional[Callable] = None  # from a registered model spec, if any
     architecture: Optional[str] = None
 
@@ -88,10 +90,13 @@ class ShardingPlanner:
         spec = get_cp_model_spec(model)
         for t in resolved.targets:
             rules.check_target(t, spec, arch, cp_size, tp_size)
+        policy = rules.batch_policy(resolved.targets, cp_size)
+        if policy == "balanced":      # the balanced split balances the work of this model's attention layers
+            policy = BalancedSplit(profile_from_config(getattr(model, "config", None)))
         return ShardingPlan(
             module_specs={t.fqn: t.spec for t in resolved.targets},
             cp_targets=list(resolved.targets), resolved=resolved,
             attention_boundaries=list(resolved.boundaries), decoder_layers=layers, tp_layer_plan=tp_plan,
             tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel, batch_policy=rules.batch_policy(resolved.targets, cp_size),
+            loss_parallel=loss_parallel, batch_policy=policy,
             batch_prepare_fn=spec.batch_prepare_fn if spec is not None else None, architecture=arch)

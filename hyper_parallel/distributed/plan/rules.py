@@ -81,14 +81,15 @@ def _batch_policy(targets: list) -> Optional[str]:
         if seq_head:
             raise CPConfigError(
                 _field(lb), f"{title} cannot be combined with {'/'.join(seq_head).title()} "
-                f"(used on '{methods[seq_head[0]]}') in one model: Ulysses/Hybrid + Head-Tail is not a supported "
+                f"(used on '{methods[seq_head[0]]}') in one model: Ulysses/Hybrid + {title} is not a supported "
                 "combination", module=lb.fqn,
-                fix="use the load-balance wrapper on every attention, or the Ulysses/Hybrid wrapper on every attention")
+                fix=f"use the {reorder[0]} wrapper on every attention, or the Ulysses/Hybrid wrapper on every "
+                    "attention")
         if len(methods) > 1:
             raise CPConfigError(
                 _field(lb), f"{title} reorders the whole sequence and cannot be mixed with other CP "
                 f"methods in one model (found {sorted(methods)})", module=lb.fqn,
-                fix="declare the load-balance wrapper on every attention, or none")
+                fix=f"declare the {reorder[0]} wrapper on every attention, or none")
     return catalogue.batch_policy_for(methods)
 
 
@@ -111,13 +112,14 @@ def _check_mixer_layout(targets: list) -> None:
     lb = next((t for t in targets if t.info is not None and _reorders(t.info.method)), None)
     if mixers and lb is not None:
         m = mixers[0]
+        title = catalogue.get_method(lb.info.method).title
         raise CPConfigError(
             _field(m), f"token-mixer method {m.info.qualname.rsplit('.', 1)[-1]} needs the contiguous layout "
             f"(rank r owns global tokens [r*S/C, (r+1)*S/C) and runs the module on them in order), but "
-            f"{_field(lb)} declares Head-Tail load balance on '{lb.fqn}'; a mixer method and Head-Tail are not "
-            "combined in one model", module=m.fqn,
-            fix="declare a contiguous-layout attention method (sdpa_hf, sdpa_hf_ulysses, hybrid) instead of "
-                "the load-balance wrapper, or use accelerator.cp_size: 1")
+            f"{_field(lb)} declares {title} on '{lb.fqn}', which reorders the row; a mixer method and "
+            f"{lb.info.method} are not combined in one model", module=m.fqn,
+            fix=f"declare a contiguous-layout attention method (sdpa_hf, sdpa_hf_ulysses, hybrid) instead of "
+                f"the {lb.info.method} wrapper, or use accelerator.cp_size: 1")
 
 
 

@@ -98,7 +98,7 @@ class CPMethod:
     strategy: Optional[str] = None   # class name in methods/<strategy_module>/strategy.py
     strategy_module: Optional[str] = None  # the method's folder under methods/
     batch_policy: str = "all_gather"  # shard_batch_for_cp policy
-    layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail": reordered
+    layout: str = "contiguous"       # "contiguous": rank r holds tokens [r*S/C, (r+1)*S/C); "head_tail" / "balanced": reordered
     length_factor: int = 1           # S is padded to a multiple of length_factor * cp_size
     head_rule: str = "gqa"           # "gqa": Hq % Hk == 0 | "split": heads split over the degree (methods/ulysses/layout.py) | "module"
     head_doc: str = ""
@@ -170,6 +170,17 @@ METHODS: dict = {m.name: m for m in (
         offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Head-Tail")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Head-Tail")))),
+    CPMethod(
+        name="balanced", title="balanced split (Colossal on a work-balanced permutation)",
+        aliases=("balanced_split",), strategy="BalancedStrategy", strategy_module="balanced",
+        batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
+        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
+        async_reason="not offered: the async handoff pipelines assume the contiguous layout; use the sync "
+                     "balanced wrapper, or an async colossal/load_balance Target",
+        offers=(Offer("hf", "sdpa_hf_balanced_cp_wrapper", "sdpa_hf_balanced"),
+                Offer("qkv", "sdpa_qkv_balanced_cp_wrapper", "sdpa_qkv_balanced"),
+                Offer("flex_hf", reason=_NO_FLEX.format(m="the balanced split")),
+                Offer("flex_qkv", reason=_NO_FLEX.format(m="the balanced split")))),
     # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, contiguous
     # layout only; WrapperInfo.method is "custom" and mixer=True
     CPMethod(

@@ -41,6 +41,8 @@ class ContextParallelStrategy:
     """
 
     name: str = "base"
+    #: computes a batch permuted by the balanced split (``meta.perm``); only the balanced method does
+    accepts_permuted: bool = False
 
     def padding_multiple(self, cp_size: int) -> int:
         """S must be a multiple of this before sharding (see shard_batch_for_cp)."""
@@ -88,6 +90,10 @@ class ContextParallelStrategy:
         if not (q[0] == k[0] == v[0]) or k[1] != v[1] or q[3] != k[3]:
             raise ValueError(f"{who}: q {q}, k {k}, v {v} disagree on batch, kv heads or qk head dim "
                              "(v's head dim may differ)")
+        if getattr(meta, "perm", None) is not None and not self.accepts_permuted:
+            raise ValueError(f"{who}: the CP batch was sharded with the balanced split (policy {meta.policy!r}, a "
+                             "permuted row), which only the 'balanced' CP method computes; declare it on every "
+                             "attention, or shard with this method's policy")
         if meta.cp_size != cp_size or meta.cp_rank != cp_rank:
             raise ValueError(f"{who}: meta was built for cp rank {meta.cp_rank} of {meta.cp_size}, but this "
                              f"strategy's group puts this rank at {cp_rank} of {cp_size}")

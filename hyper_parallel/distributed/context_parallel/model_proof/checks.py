@@ -13,7 +13,7 @@ from .report import PROOF_TOLERANCE
 class _Layout:
     """Maps valid global tokens (row b, position s) to reference tokens (ref row r, position p)."""
 
-    def __init__(self, docs, S: int, lo: int, hi: int, device):
+    def __init__(self, docs, S: int, lo: int, hi: int, device, slot=None):
         gb, gs, rr, rp = [], [], [], []
         for r, (b, start, length) in enumerate(docs):
             for j in range(length):
@@ -23,6 +23,8 @@ class _Layout:
                 rp.append(j)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         self.gb, self.gs, self.rr, self.rp = t(gb), t(gs), t(rr), t(rp)
+        if slot is not None:                      # balanced split: global index -> slot of the permuted row
+            self.gs = slot.to(device)[self.gs]
         self.S, self.lo, self.hi = S, lo, hi
         sel = (self.gs >= lo) & (self.gs < hi)
         self.lb, self.ls = self.gb[sel], self.gs[sel] - lo

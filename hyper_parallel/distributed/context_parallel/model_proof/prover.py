@@ -73,7 +73,8 @@ class _Prover:
         self.meta = meta
         self.L = meta.local_seq_len
         lo = meta.cp_rank * meta.local_seq_len
-        self.layout = _Layout(docs, self.S, lo, lo + self.L, self.device)
+        slot = None if meta.perm is None else torch.argsort(meta.perm)
+        self.layout = _Layout(docs, self.S, lo, lo + self.L, self.device, slot)
         R, T = self.layout.R, self.layout.ref_len
         ref_ids = torch.full((R, T), self.pad_token_id, dtype=torch.int64)
         ref_mask = torch.zeros(R, T, dtype=torch.int64)

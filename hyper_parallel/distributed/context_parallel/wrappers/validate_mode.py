@@ -160,7 +160,7 @@ def hf_module_reference(original: Callable, module: nn.Module, primitive: str, a
     with torch.no_grad():
         res = _run_with_reference_attention(original, module, primitive, new, meta, owner, orig_cfg)
     out = res[0] if isinstance(res, tuple) else res
-    lo = meta.cp_rank * meta.local_seq_len
+    lo = meta.cp_rank * meta.local_seq_len            # rank order of the gather (= the permuted row, balanced)
     return out[:, lo:lo + meta.local_seq_len]
 
 
