@@ -16,8 +16,7 @@ import torch
 import torch.nn as nn
 
 from .... import platform as P
-from ..comm import all_gather_seq, resolve_group
-from .halo import halo_exchange
+from ..comm import all_gather_seq, halo_exchange, resolve_group
 from .rows import CPMixerError, mixer_call, run_rows, segments
 
 __all__ = ["pack_rows", "chain_flags", "module_conv", "state_passing_entry", "halo_conv", "StateRows",
