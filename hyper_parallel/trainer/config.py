@@ -29,7 +29,7 @@ from ..distributed.config import AcceleratorConfig
 from ..distributed.config_schema import FieldInfo, check_section, describe_fields, load_section, option
 from ..distributed.errors import CPConfigError
 from ..distributed.plan.spec import parse_plan_overrides
-from .yaml_text import apply_overrides, blame_override, load_yaml_text
+from .yaml_text import SECTIONS, apply_overrides, blame_override, load_yaml_text
 
 MIXED_PRECISION = (None, "bf16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -243,7 +243,7 @@ def _plan_overrides(value) -> list:
     return parse_plan_overrides(value)
 
 
-TOP_LEVEL = ("model", "data", "optimizer", "schedule", "loss", "accelerator", "plan_overrides", "logging")
+TOP_LEVEL = SECTIONS
 
 
 @dataclasses.dataclass
@@ -346,3 +346,5 @@ class TrainerConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+if tuple(n for n in _FIELDS if n != "source") != TOP_LEVEL:   # the sections, checked against the schema
+    raise AssertionError(f"trainer/yaml_text.SECTIONS {TOP_LEVEL} != TrainerConfig's fields {tuple(_FIELDS)}")

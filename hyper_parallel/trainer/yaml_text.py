@@ -11,7 +11,10 @@ import yaml
 
 from ..distributed.errors import CPConfigError
 
-__all__ = ["load_yaml_text", "apply_overrides", "blame_override"]
+__all__ = ["SECTIONS", "load_yaml_text", "apply_overrides", "blame_override"]
+
+#: the top-level sections of a trainer YAML file (the schema, :class:`.config.TrainerConfig`, has one field each)
+SECTIONS = ("model", "data", "optimizer", "schedule", "loss", "accelerator", "plan_overrides", "logging")
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -64,7 +67,7 @@ def _refuse_duplicate_keys(node, path: str) -> None:
             _refuse_duplicate_keys(item, f"{path}[{i}]")
 
 
-def apply_overrides(data: Mapping | None, overrides: Sequence[str]) -> dict:
+def apply_overrides(data: Mapping | None, overrides: Sequence[str], sections: Sequence[str] = SECTIONS) -> dict:
     """Apply ``dotted.key=value`` overrides (value parsed as YAML, as in the file) to nested plain
     data; the result is then loaded by the schema like the file itself.
 
@@ -72,10 +75,8 @@ def apply_overrides(data: Mapping | None, overrides: Sequence[str]) -> dict:
     a mapping (``optimizer.lr.x=1``, ``plan_overrides.0.match=...``) is refused naming the field.
     """
     if data is not None and not isinstance(data, Mapping):
-        from .config import TOP_LEVEL   # the schema's sections (config.py imports this module)
-
         raise CPConfigError("<root>", f"the YAML document must be a mapping of sections, got {_kind_of(data)}",
-                            fix=f"write the sections as top-level keys: {', '.join(TOP_LEVEL)}")
+                            fix="write the sections as top-level keys: " + ", ".join(sections))
     data = dict(data or {})
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
