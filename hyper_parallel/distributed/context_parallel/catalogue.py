@@ -35,6 +35,7 @@ WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
+DSA_MODULE = "hyper_parallel.models.deepseek_v32.dsa"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
 #: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
 MAMBA2_FAMILIES = {
@@ -218,6 +219,11 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
+    CPMethod(
+        name="dsa_all_gather", title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
+        "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
+        offers=(Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=DSA_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}
