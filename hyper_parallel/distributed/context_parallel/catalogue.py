@@ -36,6 +36,7 @@ MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
 GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
 DSA_MODULE = "hyper_parallel.models.deepseek_v32.dsa"
+DOGE_MODULE = "hyper_parallel.models.doge.dynamic_mask"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> the model type whose
 #: ``hyper_parallel.models.<model_type>.mamba2`` holds the family's ``MAMBA2_SPEC`` (the one list)
 MAMBA2_FAMILIES = {
@@ -224,6 +225,11 @@ METHODS: dict = {m.name: m for m in (
         "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
         offers=(Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=DSA_MODULE),)),
+    CPMethod(
+        name="doge_dynamic_mask", title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
+        "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V gathered); documents <= keep_window_size",
+        offers=(Offer("hf", "doge_dynamic_mask_cp_wrapper", "doge_dynamic_mask", module=DOGE_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}
