@@ -26,6 +26,8 @@ EXAMPLES = {
     "qwen3_5_text_cp2.yaml": {"*.self_attn": "sdpa_hf", "*.linear_attn": "gated_deltanet_state_passing"},
     # tiny Llama 4 text: chunked attention and temperature tuning carried by the Colossal wrapper
     "llama4_text_cp2.yaml": {"*.self_attn": "sdpa_hf"},
+    # tiny DeepSeek V3.2: the DSA indexer's top-k over the gathered global keys
+    "deepseek_v32_cp2.yaml": {"*.self_attn": "dsa_all_gather"},
 }
 
 #: fp32 tolerance on the per-step loss (global token mean), relative: the CP run computes the same
