@@ -70,8 +70,54 @@ def _layered(cfg, n: int) -> dict:
     return out
 
 
+_MINIMAL = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings",
+            "attention_dropout", "attn_dropout", "dropout", "hidden_dropout", "resid_dropout", "embd_dropout",
+            "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
+_SIZES = _MINIMAL + ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "n_embd",
+                     "n_head", "n_layer", "d_model", "ffn_dim", "n_inner")
+
+
+def _attempt(model_type: str, cls, kw: dict, base):
+    import transformers as T
+
+    lists = _layered(base, 2)
+    n = max([2] + [len(v) for v in lists.values()])
+    kw = dict(kw)
+    if hasattr(base, "num_hidden_layers"):
+        kw["num_hidden_layers"] = n
+        kw.update(_layered(base, n))
+    last = None
+    for impl in ("sdpa", "eager"):
+        try:
+            with torch.device("meta"):          # count first: a default-sized model never materializes
+                n_params = sum(p.numel() for p in T.AutoModelForCausalLM.from_config(
+                    cls(**kw), attn_implementation=impl).parameters())
+            if n_params > 20_000_000:
+                return None, f"not tiny: {n_params / 1e6:.0f}M parameters with the tiny overrides"
+            torch.manual_seed(0)
+            model = T.AutoModelForCausalLM.from_config(cls(**kw), attn_implementation=impl)
+            break
+        except Exception as exc:  # noqa: BLE001
+            last = exc
+    else:
+        return None, f"build: {type(last).__name__}: {str(last)[:160]}"
+    model = model.float().train()
+    try:
+        with torch.no_grad():
+            ids = torch.randint(3, 100, (1, 8))
+            try:
+                model(input_ids=ids, use_cache=False)
+            except TypeError:
+                model(input_ids=ids)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"forward: {type(exc).__name__}: {str(exc)[:160]}"
+    return model, None
+
+
 def build_tiny(model_type: str):
-    """(model in train mode, None) or (None, reason transformers cannot build it tiny)."""
+    """(model in train mode, None) or (None, reason transformers cannot build it tiny): the full tiny
+    overrides, then only the sizes, then only vocabulary / dropout (each with 2+ layers, every
+    per-layer kind kept)."""
     import transformers as T
 
     try:
@@ -79,37 +125,17 @@ def build_tiny(model_type: str):
         base = cls()
     except Exception as exc:  # noqa: BLE001 - the reason is the result
         return None, f"config: {type(exc).__name__}: {str(exc)[:120]}"
-    kw = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if hasattr(base, k)}
-    lists = _layered(base, 2)
-    n = max([2] + [len(v) for v in lists.values()])
-    if hasattr(base, "num_hidden_layers"):
-        kw["num_hidden_layers"] = n
-        lists = _layered(base, n)
-        kw.update({k: v[:n] + v[-1:] * (n - len(v[:n])) for k, v in lists.items()})
-    torch.manual_seed(0)
-    last = None
-    for impl in ("sdpa", "eager"):
-        try:
-            cfg = cls(**kw)
-            model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
-            break
-        except Exception as exc:  # noqa: BLE001
-            last = exc
-    else:
-        return None, f"build: {type(last).__name__}: {str(last)[:160]}"
-    n_params = sum(p.numel() for p in model.parameters())
-    if n_params > 20_000_000:
-        return None, f"not tiny: {n_params / 1e6:.0f}M parameters with the tiny overrides"
-    model = model.float().train()
-    try:
-        with torch.no_grad():
-            ids = torch.randint(3, 100, (1, 8))
-            model(input_ids=ids)
-    except Exception as exc:  # noqa: BLE001
-        return None, f"forward: {type(exc).__name__}: {str(exc)[:160]}"
-    if getattr(model.config, "is_encoder_decoder", False):
+    if getattr(base, "is_encoder_decoder", False):
         return None, "encoder-decoder (not a decoder-only causal LM)"
-    return model, None
+    full = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if hasattr(base, k)}
+    reasons = []
+    for keys in (None, _SIZES, _MINIMAL):
+        kw = full if keys is None else {k: v for k, v in full.items() if k in keys}
+        model, why = _attempt(model_type, cls, kw, base)
+        if model is not None:
+            return model, None
+        reasons.append(why)
+    return None, " | ".join(dict.fromkeys(reasons))
 
 
 def declarations(model: nn.Module) -> list:
