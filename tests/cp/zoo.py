@@ -35,7 +35,7 @@ _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention
              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
              mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
              block_size=16, sliding_window=16, attention_chunk_size=16, intermediate_size_mlp=64,
-             first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
 #: model_type -> config kwargs of its own (over _TINY)
 _EXTRA = {
     "doge": dict(keep_window_size=64),
@@ -70,7 +70,7 @@ def _layered(cfg, n: int) -> dict:
     return out
 
 
-_MINIMAL = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings",
+_MINIMAL = ("vocab_size", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id", "max_position_embeddings",
             "attention_dropout", "attn_dropout", "dropout", "hidden_dropout", "resid_dropout", "embd_dropout",
             "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob")
 _SIZES = _MINIMAL + ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "n_embd",
