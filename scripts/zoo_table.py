@@ -2,7 +2,10 @@
 transformers at CP=2 on 2 local gloo ranks, and write docs/zoo.md (the list and the result table)
 plus benchmarks/results/zoo.json.
 
-    PYTHONPATH=. nice -n 5 python scripts/zoo_table.py [model_type ...]
+    PYTHONPATH=. nice -n 5 python scripts/zoo_table.py [--budget SECONDS] [--per-model SECONDS] [model_type ...]
+
+The table is rewritten after every architecture; with ``--budget`` the sweep stops after that many
+seconds and lists the architectures it did not reach as NOT RUN (the subset of the CI test runs first).
 """
 from __future__ import annotations
 
@@ -23,38 +26,16 @@ def _cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def main(names: list) -> None:
-    import torch
-    import transformers
-
-    names = names or zoo.architectures()
-    t0 = time.time()
-    pool = RankPool(2)
-    results = []
-    try:
-        for n in names:
-            try:
-                r0, r1 = pool.run(zoo.run_many, [n], timeout=900.0)
-                r = r0[0]
-                if r1[0]["status"] != r["status"]:
-                    r = {**r, "status": "ERROR", "detail": f"ranks disagree: {r['status']} / {r1[0]['status']}"}
-            except Exception as exc:  # noqa: BLE001 - a hung or crashed case is an ERROR row
-                r = {"arch": n, "status": "ERROR", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                pool.shutdown()
-                pool = RankPool(2)
-            print(f"{r['arch']:<26} {r['status']:<8} {r.get('detail', '')[:150]}", flush=True)
-            results.append(r)
-    finally:
-        pool.shutdown()
+def write(results: list, pending: list, env: str) -> dict:
     counts = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    env = (f"transformers {transformers.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}"
-           f", {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f} at the end), {time.time() - t0:.0f}s")
+    if pending:
+        counts["NOT RUN"] = len(pending)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "zoo.json"), "w") as fh:
         json.dump({"env": env, "tolerance": zoo.TOL, "kinds": zoo.KINDS, "S": zoo.S, "counts": counts,
-                   "results": results}, fh, indent=1)
+                   "results": results, "not_run": pending}, fh, indent=1)
     lines = [
         "# Architecture zoo: every causal-LM architecture under CP",
         "",
@@ -68,7 +49,9 @@ def main(names: list) -> None:
         "",
         "* **PASS**: applied and within tolerance. **REFUSED**: refused before the first step (or at the",
         "  first call) with the message quoted. **SKIP**: transformers cannot build it tiny here, or it is",
-        "  not a decoder-only causal LM (the reason). **WRONG** / **ERROR** would be bugs.",
+        "  not a decoder-only causal LM (the reason). **WRONG** / **ERROR** would be bugs (ERROR also",
+        "  covers a case that ran past the per-model time limit). **NOT RUN**: the sweep's time budget ended",
+        "  first.",
         f"* Run: {env}. Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".",
         "* CI runs the subset `zoo.SUBSET` (`tests/cp/test_zoo.py`); `HYPER_PARALLEL_ZOO=all` runs all.",
         "",
@@ -79,10 +62,56 @@ def main(names: list) -> None:
         lr = f"{r['logits_rel']:.1e}" if "logits_rel" in r else ""
         gr = f"{r['grads']:.1e}" if "grads" in r else ""
         decl = "; ".join(r.get("declared", []))
-        lines.append(f"| `{r['arch']}` | {r['status']} | {lr} | {gr} | {_cell(decl)} | {_cell(r.get('detail', ''))[:300]} |")
+        lines.append(f"| `{r['arch']}` | {r['status']} | {lr} | {gr} | {_cell(decl)} | "
+                     f"{_cell(r.get('detail', ''))[:300]} |")
+    lines.extend(f"| `{n}` | NOT RUN | | | | |" for n in pending)
     with open(os.path.join(ROOT, "docs", "zoo.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    print(counts)
+    return counts
+
+
+def main(argv: list) -> None:
+    import torch
+    import transformers
+
+    budget = per_model = None
+    names = []
+    it = iter(argv)
+    for a in it:
+        if a == "--budget":
+            budget = float(next(it))
+        elif a == "--per-model":
+            per_model = float(next(it))
+        else:
+            names.append(a)
+    names = names or ([n for n in zoo.SUBSET] + [n for n in zoo.architectures() if n not in zoo.SUBSET])
+    t0 = time.time()
+    pool = RankPool(2)
+    results = []
+
+    def env() -> str:
+        return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
+                f"(load average {os.getloadavg()[0]:.0f} when written), {time.time() - t0:.0f}s so far")
+    try:
+        for i, n in enumerate(names):
+            if budget is not None and time.time() - t0 > budget:
+                break
+            try:
+                r0, r1 = pool.run(zoo.run_many, [n], timeout=per_model or 900.0)
+                r = r0[0]
+                if r1[0]["status"] != r["status"]:
+                    r = {**r, "status": "ERROR", "detail": f"ranks disagree: {r['status']} / {r1[0]['status']}"}
+            except Exception as exc:  # noqa: BLE001 - a hung or crashed case is an ERROR row
+                r = {"arch": n, "status": "ERROR", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                pool.shutdown()
+                pool = RankPool(2)
+            print(f"{r['arch']:<26} {r['status']:<8} {r.get('detail', '')[:150]}", flush=True)
+            results.append(r)
+            write(results, names[i + 1:], env())
+    finally:
+        pool.shutdown()
+    print(write(results, names[len(results):], env()))
 
 
 if __name__ == "__main__":
