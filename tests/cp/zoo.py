@@ -128,6 +128,10 @@ def build_tiny(model_type: str):
     if getattr(base, "is_encoder_decoder", False):
         return None, "encoder-decoder (not a decoder-only causal LM)"
     full = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if hasattr(base, k)}
+    if "qk_rope_head_dim" in full and "head_dim" in full:     # MLA: the rotary width is head_dim
+        full["head_dim"] = full["qk_rope_head_dim"]
+    if "kv_lora_rank" in full and "num_key_value_heads" in full:  # MLA expands K/V to every query head
+        full["num_key_value_heads"] = full.get("num_attention_heads", 4)
     reasons = []
     for keys in (None, _SIZES, _MINIMAL):
         kw = full if keys is None else {k: v for k, v in full.items() if k in keys}

@@ -10,12 +10,12 @@ wrappers do not use), so this method re-runs the module's lines (transformers 5.
    ``scale * q'.k' = scale * q.k + dt`` (one fp32 rounding; the gradient reaches ``A`` / ``dt_proj``
    through ``k'``);
 3. ONE AllGather of ``[k' | v]`` along the sequence (Colossal; backward ReduceScatter) and the
-   engine's causal attention on global positions with the batch's documents and padding (no mask
-   is built);
+   engine's causal attention on global positions with the batch's documents and padding, and
+   ``config.sliding_window`` when set (the model then builds a sliding-window mask); no mask is built;
 4. ``o_proj``.
 
-The top-``keep_window_size`` selection is a no-op while no document is longer than
-``keep_window_size`` (every visible key is kept); a batch with a longer document is refused at the
+The top-``keep_window_size`` selection is a no-op while no query sees more than
+``keep_window_size`` keys (no document, or sliding window, longer: every visible key is kept); a batch with a longer document is refused at the
 call, before any collective and on every rank alike (the meta is global). Training only (no cache).
 docs/wrappers.md, "Doge".
 """
@@ -91,8 +91,9 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         if bad:
             raise CPMixerError(f"{what} on '{fqn}': DogeAttention was called with {bad}, which the CP attention "
                                "does not carry; refused rather than dropped")
+        window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
-        if longest > m.keep_window_size:
+        if min(longest, window or longest) > m.keep_window_size:
             raise CPMixerError(
                 f"{what} on '{fqn}': Doge's dynamic mask keeps only the keep_window_size={m.keep_window_size} keys "
                 f"with the largest bias per query, and this batch has a document of {longest} tokens, so the "
@@ -112,7 +113,7 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         D1 = k1.shape[-1]
         g = all_gather_seq(torch.cat([k1, v], dim=-1).contiguous(), cp_mesh, dim=2, tag="cp.doge_kv")
         out = engine_attention(q1, g[..., :D1], g[..., D1:], q_pos=meta.q_index, k_pos=meta.k_index, meta=meta,
-                               scale=m.scaling)                                   # [B, Hq, L, D]
+                               scale=m.scaling, window=window)                    # [B, Hq, L, D]
         out = m.o_proj(out.transpose(1, 2).reshape(B, L, -1).contiguous())
         return out, None
 
