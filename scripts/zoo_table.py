@@ -74,7 +74,7 @@ def main(argv: list) -> None:
     import torch
     import transformers
 
-    budget = per_model = None
+    budget = per_model = prior = None
     names = []
     it = iter(argv)
     for a in it:
@@ -82,6 +82,9 @@ def main(argv: list) -> None:
             budget = float(next(it))
         elif a == "--per-model":
             per_model = float(next(it))
+        elif a == "--merge":          # rerun the named architectures, keep the other rows of zoo.json
+            with open(os.path.join(ROOT, "benchmarks", "results", "zoo.json")) as fh:
+                prior = json.load(fh)
         else:
             names.append(a)
     names = names or ([n for n in zoo.SUBSET] + [n for n in zoo.architectures() if n not in zoo.SUBSET])
@@ -108,10 +111,22 @@ def main(argv: list) -> None:
                 pool = RankPool(2)
             print(f"{r['arch']:<26} {r['status']:<8} {r.get('detail', '')[:150]}", flush=True)
             results.append(r)
-            write(results, names[i + 1:], env())
+            write(_merged(prior, results), names[i + 1:] + _left(prior, names), env())
     finally:
         pool.shutdown()
-    print(write(results, names[len(results):], env()))
+    print(write(_merged(prior, results), names[len(results):] + _left(prior, names), env()))
+
+
+def _left(prior, names: list) -> list:
+    return [] if prior is None else [n for n in prior.get("not_run", []) if n not in names]
+
+
+def _merged(prior, results: list) -> list:
+    if prior is None:
+        return results
+    new = {r["arch"]: r for r in results}
+    done = [new.pop(r["arch"], r) for r in prior["results"]]
+    return done + list(new.values())
 
 
 if __name__ == "__main__":

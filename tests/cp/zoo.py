@@ -114,6 +114,17 @@ def _attempt(model_type: str, cls, kw: dict, base):
     return model, None
 
 
+def _has(cfg, name: str) -> bool:
+    """``hasattr`` that also treats transformers' per-layer attributes (which raise on global access) as present."""
+    try:
+        getattr(cfg, name)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError: the field exists
+        return True
+    return True
+
+
 def build_tiny(model_type: str):
     """(model in train mode, None) or (None, reason transformers cannot build it tiny): the full tiny
     overrides, then only the sizes, then only vocabulary / dropout (each with 2+ layers, every
@@ -127,7 +138,7 @@ def build_tiny(model_type: str):
         return None, f"config: {type(exc).__name__}: {str(exc)[:120]}"
     if getattr(base, "is_encoder_decoder", False):
         return None, "encoder-decoder (not a decoder-only causal LM)"
-    full = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if hasattr(base, k)}
+    full = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if _has(base, k)}
     if "qk_rope_head_dim" in full and "head_dim" in full:     # MLA: the rotary width is head_dim
         full["head_dim"] = full["qk_rope_head_dim"]
     if "kv_lora_rank" in full and "num_key_value_heads" in full:  # MLA expands K/V to every query head
