@@ -139,13 +139,16 @@ def build_tiny(model_type: str):
     if getattr(base, "is_encoder_decoder", False):
         return None, "encoder-decoder (not a decoder-only causal LM)"
     full = {k: v for k, v in {**_TINY, **_EXTRA.get(model_type, {})}.items() if _has(base, k)}
+    for k, v in vars(base).items():                         # every dropout of the config off (train mode)
+        if ("drop" in k or "pdrop" in k) and isinstance(v, float) and not isinstance(v, bool):
+            full[k] = 0.0
     if "qk_rope_head_dim" in full and "head_dim" in full:     # MLA: the rotary width is head_dim
         full["head_dim"] = full["qk_rope_head_dim"]
     if "kv_lora_rank" in full and "num_key_value_heads" in full:  # MLA expands K/V to every query head
         full["num_key_value_heads"] = full.get("num_attention_heads", 4)
     reasons = []
     for keys in (None, _SIZES, _MINIMAL):
-        kw = full if keys is None else {k: v for k, v in full.items() if k in keys}
+        kw = full if keys is None else {k: v for k, v in full.items() if k in keys or "drop" in k}
         model, why = _attempt(model_type, cls, kw, base)
         if model is not None:
             return model, None
