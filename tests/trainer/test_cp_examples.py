@@ -34,6 +34,8 @@ EXAMPLES = {
                          "model.layers.[012].self_attn": "lightning_state_passing"},
     # tiny NemotronH: attention Colossal, Mamba2 state passing (every mixer is named mixer)
     "nemotron_h_cp2.yaml": {"model.layers.3.mixer": "sdpa_hf", "model.layers.[02].mixer": "mamba2_state_passing"},
+    # tiny DeepSeek V3.2: the DSA indexer's top-k over the gathered global keys
+    "deepseek_v32_cp2.yaml": {"*.self_attn": "dsa_all_gather"},
 }
 
 #: fp32 tolerance on the per-step loss (global token mean), relative: the CP run computes the same

@@ -5,7 +5,8 @@ names the semantic it cannot carry rather than a generic mismatch:
 
 * :func:`uncarried_attention_semantics` — attention inputs that live only in the model's mask
   or in the module's local sequence that CP cannot recover (chunked attention on a layer whose
-  type is unknown, temperature tuning without Llama 4's ``floor_scale`` / ``attn_scale``);
+  type is unknown, temperature tuning without Llama 4's ``floor_scale`` / ``attn_scale``;
+  DeepSeek sparse attention's indexer and Doge's dynamic mask, which need their own method);
 * :func:`attention_chunk_size` / :func:`query_position_rescale` — the two such semantics CP
   does carry (Llama 4 text): the layer's chunk size, folded into the batch meta's documents, and
   the temperature tuning recomputed on global positions; read by the attention handlers only;
@@ -91,6 +92,15 @@ def uncarried_attention_semantics(module: nn.Module) -> list:
         found.append("attention temperature tuning on positions counted from the module's local input "
                      "(attn_temperature_tuning=True on a NoPE layer without Llama 4's floor_scale / attn_scale: "
                      "under CP every rank would restart them at 0)")
+    if hasattr(module, "indexer") and hasattr(module, "expand_kv"):
+        found.append(f"DeepSeek sparse attention (a lightning indexer selecting index_topk="
+                     f"{getattr(cfg, 'index_topk', '?')} keys per query: the selection lives only in the mask / "
+                     "`indices` the module builds from its local keys) — declare inner_wrapper: dsa_all_gather on it")
+    if callable(getattr(module, "prepare_dynamic_mask", None)):
+        found.append(f"Doge's dynamic mask (a per-key additive bias from dt_proj/A over the values and a top-"
+                     f"keep_window_size={getattr(module, 'keep_window_size', '?')} key selection, both only in the "
+                     "mask it passes to the attention call, which CP does not use) — declare inner_wrapper: "
+                     "doge_dynamic_mask on it")
     return found
 
 

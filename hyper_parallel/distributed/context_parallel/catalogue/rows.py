@@ -14,6 +14,8 @@ MAMBA1_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba1"
 KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
 RGLRU_MODULE = "hyper_parallel.models.recurrent_gemma.rglru"
 LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
+DSA_MODULE = "hyper_parallel.models.deepseek_v32.dsa"
+DOGE_MODULE = "hyper_parallel.models.doge.dynamic_mask"
 #: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
 #: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
 #: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
@@ -225,6 +227,16 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
                       module=LIGHTNING_MODULE),)),
+    CPMethod(
+        name="dsa_all_gather", title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
+        "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
+        offers=(Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=DSA_MODULE),)),
+    CPMethod(
+        name="doge_dynamic_mask", title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
+        "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V gathered); documents <= keep_window_size",
+        offers=(Offer("hf", "doge_dynamic_mask_cp_wrapper", "doge_dynamic_mask", module=DOGE_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}

@@ -1,0 +1,1 @@
+"""doge model code under CP (everything specific to this model family)."""

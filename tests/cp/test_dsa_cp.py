@@ -1,0 +1,172 @@
+"""DeepSeek sparse attention (DeepSeek V3.2, GLM-MoE-DSA) and Doge's dynamic mask under CP=2 (gloo),
+through ``ShardingPlanner.plan`` + ``apply_sharding_plan`` with its default preflight proof.
+
+* ``dsa_all_gather``: the lightning indexer's top-k over the GLOBAL keys (``index_topk=6`` smaller
+  than every document, so the selection drops keys for most queries; GLM's ``shared`` layer reuses
+  the previous layer's selection) equals CP=1 — logits and every gradient — on plain, right-padded
+  and packed rows;
+* ``doge_dynamic_mask``: Doge's per-key bias (``A`` and ``dt_proj`` randomized so the bias varies
+  over keys) equals CP=1 likewise; a document longer than ``keep_window_size`` is refused at the
+  call on every rank, naming the semantic;
+* the generic wrappers (``sdpa_hf``, ``sdpa_hf_ulysses``, Head-Tail) on these attentions are refused
+  at planning, naming the semantic and the method to declare.
+
+The reference is CP=1 through transformers with every document its own right-padded row. The
+indexer scores use 16 heads: with few heads a key whose every head's ReLU is 0 scores exactly 0
+and ties at the k-th place are broken arbitrarily by ``torch.topk`` at CP=1 (the CP method breaks
+them towards the earlier key; docs/wrappers.md)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+ATTN = {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self"}
+TOL = 1e-5          # fp32: max |cp - ref| relative to max |ref| (logits) / to the largest gradient
+HEAD_TAIL = {"_target_": "hyper_parallel.distributed.context_parallel.wrappers.sdpa_hf_load_balance_cp_wrapper"}
+
+
+def build(kind: str, keep_window: int = 64):
+    import transformers as T
+
+    torch.manual_seed(0)
+    c = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             attn_implementation="sdpa", attention_dropout=0.0)
+    dsa = dict(intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+               topk_group=1, index_topk=6, index_head_dim=16, index_n_heads=16, mlp_layer_types=["dense", "sparse"])
+    if kind == "deepseek_v32":
+        cfg = T.DeepseekV32Config(**c, **dsa)
+    elif kind == "glm_moe_dsa":
+        cfg = T.GlmMoeDsaConfig(**c, **dsa, indexer_types=["full", "shared"])
+    elif kind == "doge":
+        cfg = T.DogeConfig(**c, intermediate_size=64, keep_window_size=keep_window)
+    else:
+        raise ValueError(kind)
+    model = T.AutoModelForCausalLM.from_config(cfg).train()
+    if kind == "doge":          # A = 0 at init makes the bias constant over keys: randomize it
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.A.uniform_(-1.0, 1.0)
+                layer.self_attn.dt_proj.weight.normal_(0.0, 0.5)
+    return model
+
+
+def case(kind: str, wrapper="dsa_all_gather", kinds=("plain", "padding", "packed"), keep_window: int = 64,
+         proof: bool = True) -> dict:
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.cp.common import mesh_ctx
+    from tests.cp.test_mixer_cp import parity_step
+
+    t0 = time.perf_counter()
+    model, ref = build(kind, keep_window), build(kind, keep_window)
+    ref.load_state_dict(model.state_dict())
+    mesh = mesh_ctx(2)
+    plan = ShardingPlanner(plan_overrides=[{**ATTN, "inner_wrapper": wrapper}]).plan(model, mesh, cp_size=2)
+    try:
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=proof)
+    except Exception as exc:  # noqa: BLE001 - a refusal is the subject of one case
+        return {"case": f"{kind}/{wrapper}", "refused": f"{type(exc).__name__}: {exc}"}
+    steps = []
+    for i, k in enumerate(kinds):
+        try:
+            steps.append(parity_step(model, ref, mesh, plan, k, 30, 10 * i + 3))
+        except Exception as exc:  # noqa: BLE001 - a refusal is the subject of one case
+            steps.append({"kind": k, "refused": f"{type(exc).__name__}: {exc}"})
+    return {"case": f"{kind}/{wrapper}", "steps": steps, "time_s": time.perf_counter() - t0}
+
+
+def cases(items: list) -> list:
+    return [case(*it) for it in items]
+
+
+def planned(kind: str, wrapper) -> str:
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.cp.common import mesh_ctx
+
+    try:
+        ShardingPlanner(plan_overrides=[{**ATTN, "inner_wrapper": wrapper}]).plan(build(kind), mesh_ctx(2), cp_size=2)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the subject
+        return f"{type(exc).__name__}: {exc}"
+    return "planned"
+
+
+def plans(items: list) -> list:
+    return [planned(*it) for it in items]
+
+
+def _check(out):
+    for per_rank in zip(*out):
+        assert "refused" not in per_rank[0], per_rank[0]
+        print(f"{per_rank[0]['case']}: {max(r['time_s'] for r in per_rank):.1f}s")
+        for i, st in enumerate(per_rank[0]["steps"]):
+            assert "refused" not in st, st
+            rel_l = max(r["steps"][i]["logits_rel"] for r in per_rank)
+            rel_g = max(r["steps"][i]["grads"] for r in per_rank)
+            abs_l = max(r["steps"][i]["logits_abs"] for r in per_rank)
+            abs_g = max(r["steps"][i]["grads_abs"] for r in per_rank)
+            print(f"    {st['kind']:<8} S={st['S']}: logits max abs {abs_l:.2e} rel {rel_l:.2e}; grads max abs "
+                  f"{abs_g:.2e} rel(largest grad) {rel_g:.2e}; tolerance {TOL:g}")
+            assert rel_l <= TOL and rel_g <= TOL, (per_rank[0]["case"], st)
+
+
+def test_dsa_cp2_matches_cp1(ranks):
+    """DeepSeek V3.2 and GLM-MoE-DSA (shared-indexer layer) with dsa_all_gather: logits and every gradient."""
+    _check(ranks(2).run(cases, [("deepseek_v32",), ("glm_moe_dsa",)], timeout=400.0))
+
+
+def test_dsa_selection_is_active_and_global():
+    """The tiny configs select fewer keys than the documents hold (the selection matters), and the
+    blocked global top-k equals transformers' indexer on one process (no ties at 16 heads)."""
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as hf
+    from transformers.masking_utils import create_causal_mask
+
+    from hyper_parallel.models.deepseek_v32 import dsa as D
+
+    model = build("deepseek_v32")
+    m = model.model.layers[0].self_attn
+    S = 30
+    hs = model.model.embed_tokens(torch.randint(1, 128, (2, S), generator=torch.Generator().manual_seed(1)))
+    pos = torch.arange(S)[None]
+    cos, sin = model.model.rotary_emb(hs, pos)
+    mask = create_causal_mask(config=model.config, inputs_embeds=hs, attention_mask=None, cache=None,
+                              position_ids=pos, allow_is_causal_skip=False)
+    with torch.no_grad():
+        q_resid = m.q_a_layernorm(m.q_a_proj(hs))
+        ref = m.indexer(hs, q_resid, (cos, sin), mask[:, 0], pos).long()
+        iq, ik, iw = D._indexer_inputs(m.indexer, hf.apply_rotary_pos_emb, hs, q_resid, cos, sin)
+        sel = D.select_topk(iq, iw, ik, m.indexer.softmax_scale, m.indexer.index_topk, torch.arange(S), None, None,
+                            block=7)
+    q = torch.arange(S)[None, :, None]
+    a = torch.where(ref <= q, ref, -1).sort(-1).values
+    b = torch.where(sel <= q, sel, -1).sort(-1).values
+    dropped = int((torch.arange(S) + 1 > m.indexer.index_topk).sum())
+    print(f"queries whose visible keys exceed index_topk={m.indexer.index_topk}: {dropped}/{S} per row")
+    assert dropped >= S // 2
+    assert torch.equal(a, b), (a != b).any(-1).nonzero()
+
+
+def test_doge_cp2_matches_cp1_and_long_documents_refused(ranks):
+    """Doge's dynamic mask (random A): exact; a document over keep_window_size refused on every rank."""
+    out = ranks(2).run(cases, [("doge", "doge_dynamic_mask")], timeout=300.0)
+    _check(out)
+    # documents of 30 (and the proof's probe of 64) tokens over keep_window_size=8: refused by the
+    # proof at apply (default), and at the call with the proof off — on every rank
+    out = ranks(2).run(cases, [("doge", "doge_dynamic_mask", ("plain",), 8),
+                               ("doge", "doge_dynamic_mask", ("plain",), 8, False)], timeout=300.0)
+    for r in out:
+        for msg in (r[0].get("refused", ""), r[1]["steps"][0].get("refused", "")):
+            print(msg[:300])
+            assert "keep_window_size=8" in msg and "document of" in msg, r
+
+
+def test_generic_wrappers_refused_naming_the_semantic(ranks):
+    items = [(k, w) for k in ("deepseek_v32", "glm_moe_dsa") for w in ("sdpa_hf", "sdpa_hf_ulysses", HEAD_TAIL)]
+    items += [("doge", w) for w in ("sdpa_hf", "sdpa_hf_ulysses", HEAD_TAIL)]
+    out = ranks(2).run(plans, items, timeout=300.0)
+    for (kind, w), msg in zip(items, out[0]):
+        print(f"{kind} / {w if isinstance(w, str) else 'head_tail'}: {msg[:160]}")
+        want = "DeepSeek sparse attention" if kind != "doge" else "Doge's dynamic mask"
+        method = "dsa_all_gather" if kind != "doge" else "doge_dynamic_mask"
+        assert want in msg and f"inner_wrapper: {method}" in msg, msg
