@@ -43,7 +43,22 @@ _EXTRA = {
 
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention", "mixer", "attn_layer")
 _SPECIAL = {"DeepseekV32Attention": "dsa_all_gather", "GlmMoeDsaAttention": "dsa_all_gather",
-            "DogeAttention": "doge_dynamic_mask"}
+            "DogeAttention": "doge_dynamic_mask",
+            "KimiLinearAttention": "sdpa_hf"}   # Kimi Linear's MLA softmax attention (its KDA is the mixer)
+
+
+def _mixer_classes() -> dict:
+    """Token-mixer class name -> its state-passing method, from each method module's class list."""
+    from hyper_parallel.distributed.context_parallel.mixers.mamba1 import MAMBA1_CLASSES
+    from hyper_parallel.models.kimi_linear.kda import KDA_CLASSES
+    from hyper_parallel.models.minimax.lightning import LIGHTNING_CLASSES
+    from hyper_parallel.models.recurrent_gemma.rglru import RGLRU_CLASSES
+
+    table = {}
+    for classes, method in ((MAMBA1_CLASSES, "mamba1_state_passing"), (KDA_CLASSES, "kda_state_passing"),
+                            (LIGHTNING_CLASSES, "lightning_state_passing"), (RGLRU_CLASSES, "rglru_state_passing")):
+        table.update(dict.fromkeys(classes, method))
+    return table
 
 
 def architectures() -> list:
@@ -163,12 +178,15 @@ def declarations(model: nn.Module) -> list:
     from hyper_parallel.distributed.context_parallel.mixers import HALO_CLASSES
     from hyper_parallel.models.qwen3_next.gated_deltanet import GDN_CLASSES
 
-    entries, seen = [], set()
+    mixers = _mixer_classes()
+    found = []                                   # (fqn, leaf, method) of every module to declare
     for fqn, mod in model.named_modules():
         leaf, cls = fqn.rsplit(".", 1)[-1], type(mod).__name__
         method = None
         if cls in _SPECIAL:
             method = _SPECIAL[cls]
+        elif cls in mixers:
+            method = mixers[cls]
         elif cls in catalogue.MAMBA2_FAMILIES:
             method = "mamba2_state_passing"
         elif cls in GDN_CLASSES:
@@ -177,16 +195,18 @@ def declarations(model: nn.Module) -> list:
             method = "short_conv_halo"
         elif leaf in ATTN_NAMES and "Attention" in cls and not cls.endswith(("LinearAttention", "DeltaAttention")):
             method = "sdpa_hf"
-        if method is None:
+        if method is not None:
+            found.append((fqn, leaf, method))
+    methods_of: dict = {}
+    for _, leaf, method in found:
+        methods_of.setdefault(leaf, set()).add(method)
+    entries, seen = [], set()
+    for fqn, leaf, method in found:
+        # one method per attention leaf name: a wildcard; several (hybrids naming every mixer alike): exact fqns
+        match = f"*.{leaf}" if leaf in ATTN_NAMES and len(methods_of[leaf]) == 1 else fqn
+        if match in seen:
             continue
-        match = f"*.{leaf}" if leaf in ATTN_NAMES else fqn
-        key = (match, method)
-        if key in seen or any(e["match"] == match for e in entries):
-            if any(e["match"] == match and e["inner_wrapper"] != method for e in entries):
-                match = fqn                         # the same leaf name, another method: exact fqn
-            else:
-                continue
-        seen.add((match, method))
+        seen.add(match)
         entries.append({"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
                         "inner_wrapper": method})
     return entries

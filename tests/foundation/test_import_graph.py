@@ -213,3 +213,25 @@ def test_cycle_detector_finds_a_cycle():
 def test_no_private_name_across_packages():
     _, private = _graph()
     assert not private, "\n".join(private)
+
+
+def test_every_module_imports():
+    """Every module of the package imports in a fresh interpreter (a stale path left by a move,
+    e.g. ``strategies.base`` after the method folders, fails here rather than at a user's first
+    declaration of that method). ``_C`` is the engine's extension, loaded through ``ops``."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, pkgutil, torch, hyper_parallel\n"
+            "bad = []\n"
+            "for m in pkgutil.walk_packages(hyper_parallel.__path__, 'hyper_parallel.'):\n"
+            "    if m.name.endswith('._C'):\n"
+            "        continue\n"
+            "    try:\n"
+            "        importlib.import_module(m.name)\n"
+            "    except Exception as exc:\n"
+            "        bad.append(f'{m.name}: {type(exc).__name__}: {exc}')\n"
+            "print('\\n'.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not out.stdout.strip(), out.stdout

@@ -34,7 +34,7 @@ from ...distributed.context_parallel.meta import current_cp_batch_meta
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, check_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
-from ...distributed.context_parallel.strategies.base import engine_attention
+from ...distributed.context_parallel.strategies import engine_attention
 
 __all__ = ["DOGE_CLASSES", "doge_dynamic_mask_cp_wrapper", "longest_document"]
 
