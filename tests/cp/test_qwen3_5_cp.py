@@ -137,3 +137,50 @@ def test_qwen3_5_multimodal_positions_cp2(ranks):
         (("qwen3_5_full", "sdpa_hf_balanced", None), {"S": 29}),
     ], timeout=600.0))
     print(f"wall {time.perf_counter() - t0:.1f}s")
+
+
+def build_qwen3_5_vlm():
+    """A tiny Qwen3.5 with its vision tower (``Qwen3_5ForConditionalGeneration``; builds on CPU)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=64, layer_types=["linear_attention", "full_attention"],
+                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    cfg = T.Qwen3_5Config(text_config=text, vision_config=vision)
+    cfg._attn_implementation = "sdpa"
+    return T.Qwen3_5ForConditionalGeneration(cfg).float().train()
+
+
+def vlm_refusals() -> dict:
+    """The full multimodal class planned at cp 2: without declarations, and with the language model's
+    attention + GDN (and the vision attention) declared -> the refusal message of each."""
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.wrappers._workers import mesh_ctx
+
+    model, mesh, out = build_qwen3_5_vlm(), mesh_ctx(2), {}
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    text = [{**base, "match": "*.self_attn", "inner_wrapper": "sdpa_hf"},
+            {**base, "match": "*.linear_attn", "inner_wrapper": "gated_deltanet_state_passing"}]
+    for name, over in (("none", None), ("text", text), ("all", text + [{**base, "match": "*.blocks.*.attn",
+                                                                          "inner_wrapper": "sdpa_hf"}])):
+        try:
+            ShardingPlanner(plan_overrides=over).plan(model, mesh, cp_size=2)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the subject
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_qwen3_5_vlm_refused_cp2(ranks):
+    """Qwen3_5ForConditionalGeneration (vision tower) builds tiny on CPU; at cp 2 the planner refuses it
+    before any step, naming the vision encoder's attention, whatever is declared."""
+    for res in ranks(2).run(vlm_refusals, timeout=300.0):
+        for name, msg in res.items():
+            print(name, "->", msg)
+            assert msg is not None and msg.startswith("CPConfigError"), (name, msg)
+            assert "model.visual.blocks.0.attn" in msg and "attention of a vision encoder" in msg, msg
+            assert "accelerator.cp_size=1" in msg
