@@ -43,6 +43,11 @@ def mm_positions(B: int, S: int, seed: int) -> torch.Tensor:
     return out
 
 
+def packed_doc_ids(n: int, seed: int) -> torch.Tensor:
+    """``[3, n]`` ids of one packed document restarting at 0 (a vision grid when n >= 12, else text)."""
+    return mm_positions(1, n, seed)[:, 0] if n >= 12 else torch.arange(n).expand(3, n)
+
+
 def build_qwen3_5_mm(arch: str):
     """test_mixer_cp's tiny Qwen3.5 (``qwen3_5`` / ``qwen3_5_moe``), or ``qwen3_5_full``: two gated
     full-attention layers only (no Gated DeltaNet: the attention-only methods Head-Tail and the
@@ -86,14 +91,23 @@ def mrope_case(arch: str, attn: str, mixer, cp: int = 2, kinds=("plain", "paddin
             n = S + i
             batch, docs = make_batch(kind, n, model.config.vocab_size, 10 * i + K)
             pos = mm_positions(2, n, 10 * i + K)
-            if K == 4:
+            if kind == "packed":    # transformers' convention: text row 0 restarting per document, no seq_lens
+                assert K == 4, "with [3, B, S] ids transformers' mask sees no documents"
+                del batch["seq_lens"]
+                text = torch.cat([torch.arange(ln) for _b, _s, ln in docs]).view(2, n)
+                pos = torch.cat([torch.cat([packed_doc_ids(ln, j) for j, (_b, _s, ln) in enumerate(docs)], 1)
+                                 .view(3, 2, n)])
+                pos = torch.cat([text[None], pos])
+            elif K == 4:
                 pos = torch.cat([torch.arange(n).expand(1, 2, n), pos])
             batch["position_ids"] = pos
             valid = torch.zeros(2, n, dtype=torch.bool)
             for b, s, ln in docs:
                 valid[b, s:s + ln] = True
             ref_in = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
-            res = parity_errors(model, ref, mesh, plan, batch, ref_in, valid, 10 * i + K + 1)
+            kw = {"use_cache": False} if kind == "packed" else {}   # transformers derives documents only then
+            ref_in.update(kw)
+            res = parity_errors(model, ref, mesh, plan, batch, ref_in, valid, 10 * i + K + 1, **kw)
             with torch.no_grad():    # control: the same batch with 1-D positions at CP=1
                 one_d = ref(**{**ref_in, "position_ids": torch.arange(n).expand(2, n)}).logits
                 mm = ref(**ref_in).logits
@@ -127,7 +141,8 @@ def _check_mrope(results: list) -> None:
 def test_qwen3_5_multimodal_positions_cp2(ranks):
     """Multimodal 3-D RoPE ids ([3, B, S] and [4, B, S]) exact at cp 2: Qwen3.5 x Colossal + GDN state
     passing, x Ulysses + GDN Ulysses; Qwen3.5-MoE x Colossal; an attention-only Qwen3.5 x Head-Tail and x
-    the balanced split (plain and right-padded rows; S not a multiple of the policy: CP pad tokens)."""
+    the balanced split (plain and right-padded rows; S not a multiple of the policy: CP pad tokens); packed
+    rows in transformers' [4, B, S] convention (text row restarting per document) on the attention-only model."""
     t0 = time.perf_counter()
     _check_mrope(ranks(2).run(mrope_cases, [
         (("qwen3_5", "colossal", "gdn_sp"), {}),
@@ -135,6 +150,7 @@ def test_qwen3_5_multimodal_positions_cp2(ranks):
         (("qwen3_5_moe", "colossal", "gdn_ulysses"), {"kinds": ("padding",), "layouts": (3,)}),
         (("qwen3_5_full", "head_tail", None), {"S": 29}),
         (("qwen3_5_full", "sdpa_hf_balanced", None), {"S": 29}),
+        (("qwen3_5_full", "colossal", None), {"kinds": ("packed",), "layouts": (4,), "S": 36}),
     ], timeout=600.0))
     print(f"wall {time.perf_counter() - t0:.1f}s")
 
