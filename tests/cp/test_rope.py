@@ -378,6 +378,69 @@ def test_3d_mrope_positions_text_only():
             rot(x[:, :31], mm)
 
 
+def test_3d_mrope_positions_multimodal():
+    """Real multimodal 3-D ids given to shard_batch_for_cp ([3, B, S] and [4, B, S]): every policy's local
+    ids are the meta's global ids at ``q_index``, the 1-D meta positions are what transformers' mask sees
+    at CP=1 (sequence order; row 0 for [4, ...]), the rotary module returns exactly the slice of its CP=1
+    output; ids that are not this rank's slice, other layouts, and a module whose output is not a function
+    of the 3-D ids (preflight) are refused."""
+    import transformers
+
+    from hyper_parallel.distributed.context_parallel.batch import CPBatchError, shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.distributed.context_parallel.rope import CPRopeError, check_rotary_modules, install_cp_rope
+    from tests.cp.test_qwen3_5_cp import mm_positions
+
+    cfg = transformers.Qwen3_5TextConfig(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_hidden_layers=1, intermediate_size=64,
+                                         layer_types=["full_attention"])
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    ref = copy.deepcopy(model.model.rotary_emb)
+    install_cp_rope(model)
+    rot, S = model.model.rotary_emb, 29
+    ids = mm_positions(2, S, 5)
+    assert not torch.equal(ids[0], ids[1])
+    want = ref(torch.zeros(2, S, 64), ids)
+    for K in (3, 4):
+        pos = ids if K == 3 else torch.cat([torch.arange(S).expand(1, 2, S), ids])
+        for policy in ("colossal", "head_tail", "ulysses", "balanced"):
+            for r in range(2):
+                batch = global_batch("padding", S, 50)
+                batch["position_ids"] = pos
+                local = shard_batch_for_cp(batch, (r, 2), policy)
+                meta, q = local.meta, local.meta.q_index
+                n_pad = meta.global_seq_len - S
+                assert tuple(local["position_ids"].shape) == (K, 2, meta.local_seq_len)
+                assert torch.equal(meta.position_ids[0], torch.arange(meta.global_seq_len))  # sequence order
+                real = q < S
+                assert torch.equal(local["position_ids"][K - 3:, :, real], ids[:, :, q[real]])
+                with cp_batch_context(meta):
+                    cos, sin = rot(torch.zeros(2, meta.local_seq_len, 64), local["position_ids"][K - 3:])
+                    assert torch.equal(cos[:, real], want[0][:, q[real]]) and torch.equal(sin[:, real], want[1][:, q[real]])
+                    if n_pad and r == 0:
+                        wrong = local["position_ids"][K - 3:].clone()
+                        wrong[0] += 1
+                        with pytest.raises(CPRopeError, match="not this rank's slice .* 3-D \\(mrope\\) positions"):
+                            rot(torch.zeros(2, meta.local_seq_len, 64), wrong)
+    with pytest.raises(CPBatchError, match=r"3-D position_ids of shape \(2, 2, 29\).*\[3, B\|1, S\]"):
+        shard_batch_for_cp({"input_ids": torch.zeros(2, S, dtype=torch.int64), "position_ids": ids[:2]}, (0, 2))
+
+    class GridFromXRotary(torch.nn.Module):   # exact for text-only ids; for multimodal ones rebuilds them from x's length
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.mrope_section = inner, inner.mrope_section
+
+        def forward(self, x, position_ids):
+            if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
+                position_ids = position_ids[..., :1] + torch.arange(x.shape[1])
+            return self.inner(x, position_ids)
+
+    bad = torch.nn.Module()
+    bad.rotary_emb = GridFromXRotary(copy.deepcopy(ref))
+    with pytest.raises(CPConfigError, match=r"could not be probed for CP|at probe step [4-7] .*differs"):
+        check_rotary_modules(bad, 2)       # the text-only steps (0-3) pass; the multimodal ones refuse it
+
+
 def test_trainer_dynamic_ntk_steps_of_different_lengths(ranks):
     """The real trainer (FSDP2, AdamW + clipping, Head-Tail cp 2, padding-heavy rows) with dynamic NTK,
     4 optimizer steps of global lengths 61, 53, 37, 57 (grow, keep, reset, grow), equals its CP=1 run

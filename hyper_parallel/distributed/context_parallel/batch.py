@@ -18,7 +18,7 @@ Order of work (no collective anywhere; cp rank/size come from the mesh):
      per micro-batch, :mod:`.balance.split`; ``meta.perm``) and slices the permuted row.
 
 Fields ([B, S, ...]): input_ids, inputs_embeds [B,S,H], labels, shift_labels, position_ids
-([B,S] or [1,S]), attention_mask ([B,S] 1/0 key validity: it becomes key doc -1 in the meta —
+([B|1, S], or multimodal 3-D [3|4, B|1, S]: :mod:`.rope_mrope`), attention_mask ([B,S] 1/0 key validity: it becomes key doc -1 in the meta —
 the local slice is returned for reference only; wrappers read the meta), seq_lens /
 seq_lens_padded ([B, n_docs]: doc i occupies a slot of seq_lens_padded[b,i] tokens, the first
 seq_lens[b,i] of them real). Non-tensor scalars (bool/int/float/str/None) pass through.
@@ -45,6 +45,7 @@ from . import catalogue
 from .balance.split import balanced_permutation, local_counts
 from .comm import all_gather_seq
 from .meta import CPBatchMeta
+from .rope_mrope import attach_mrope, split_mrope_positions
 
 __all__ = ["CPBatch", "shard_batch_for_cp", "gather_from_cp", "policy_multiple", "cp_coords"]
 
@@ -298,7 +299,7 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     ids (-1 = padding) or None when there is neither padding nor packing.
     """
     passthrough = set(passthrough)
-    global_batch = _cu_to_seq_lens(global_batch)
+    global_batch, mrope = split_mrope_positions(_cu_to_seq_lens(global_batch), CPBatchError)   # 3-D positions
     B, S = _validate(global_batch, passthrough)
     cp_rank, cp_size = cp_coords(cp_mesh)
     policy_name, multiple = policy_multiple(policy, cp_size)
@@ -380,6 +381,8 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     # documents derived from restarting position_ids: the wrappers check on the first call that the
     # model's own (local) mask separates them too (some models build their mask without position_ids)
     out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None
+    if mrope is not None:
+        attach_mrope(out, mrope, n_pad)
     out.num_valid_tokens_local = (int((out["shift_labels"] != ignore_index).sum())
                                   if "shift_labels" in out else None)
     out.seq_len, out.pad_len = S, n_pad

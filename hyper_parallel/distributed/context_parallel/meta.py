@@ -55,6 +55,10 @@ class CPBatchMeta:
     # balanced split (batch policy "balanced"): [global_seq_len] int64, slot i of the permuted row
     # holds global token perm[i]; rank r holds slots [r*L, (r+1)*L). None: the identity
     perm: Optional[torch.Tensor] = None
+    # multimodal 3-D RoPE ids [3, B|1, global_seq_len] (temporal/height/width, global order, CP pad
+    # tokens continuing each row) when the batch gave 3-D position_ids (context_parallel.rope_mrope);
+    # ``position_ids`` then holds the 1-D positions that drive causality and documents
+    mrope_position_ids: Optional[torch.Tensor] = None
 
     @property
     def q_index(self) -> torch.Tensor:

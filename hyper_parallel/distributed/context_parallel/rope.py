@@ -33,12 +33,14 @@ only its dtype and device). Memory and time: one ``[B|1, S_global, D]`` cos/sin 
 O(S·D); no S×S tensor; when every row holds the same positions the module runs on one row.
 Outside a CP forward (no meta, or ``cp_size == 1``) the module runs unchanged.
 
-3-D (multimodal mrope) positions ``[K, B|1, n]`` (Qwen3.5 / Qwen3-VL text models pass ``[3, B, n]``
-built from the 1-D ids): when the K rows are equal — text-only input, every row the token's 1-D
-position — each is checked against this rank's slice as above and the module runs on the global
-positions repeated K times; rows that differ (real temporal/height/width ids of vision tokens) are
-refused (:class:`CPRopeError`): the CP batch carries one global position per token. The preflight
-probes such modules with ``[K, 1, L]`` text-only positions.
+3-D (multimodal mrope) positions ``[3, B|1, n]`` (Qwen2/2.5/3-VL, Qwen3.5 text models): when the
+batch gave 3-D ``position_ids`` (real temporal/height/width ids, rows that differ over vision
+spans), ``shard_batch_for_cp`` keeps them global in ``meta.mrope_position_ids`` and the module runs
+once on those (:mod:`.rope_mrope`); when the batch gave 1-D ids the model builds text-only 3-D
+positions (every row the token's 1-D position), checked row by row against this rank's slice of
+``meta.position_ids`` and run on the global positions repeated; 3-D rows that differ without 3-D
+ids in the meta are refused (:class:`CPRopeError`). The preflight probes such modules with both:
+text-only ``[3, 1, L]`` and multimodal ids (a vision grid inside the probe).
 
 The length that results (identical on every rank and to CP=1 given the same global batch):
 ``L = 1 + max(position_ids)`` over every row and every real token of the global batch —
@@ -76,6 +78,7 @@ import torch.nn as nn
 
 from ..errors import CPConfigError
 from .meta import CPBatchMeta, cp_batch_context, current_cp_batch_meta
+from .rope_mrope import MROPE_ROWS, mrope_cp_call, mrope_section as _mrope_section, probe_mrope_positions
 
 log = logging.getLogger("hyper_parallel.cp.rope")
 
@@ -171,6 +174,8 @@ def _cp_call(original: Callable, sig: inspect.Signature, meta: CPBatchMeta, fqn:
         raise CPRopeError(f"rotary module '{fqn}' was called without position_ids under CP: pass "
                           "position_ids=local['position_ids'] from shard_batch_for_cp")
     lead = None
+    if three_d and local.dim() == 3 and getattr(meta, "mrope_position_ids", None) is not None:
+        return mrope_cp_call(original, bound, meta, fqn, local, CPRopeError, _slice_outputs)   # multimodal ids
     if three_d and local.dim() == 3:              # 3-D (mrope) positions [K, B|1, n]: text-only rows carried
         lead, local = local.shape[0], _text_rows(local, fqn)
     g = _global_positions(meta, local)
@@ -204,9 +209,9 @@ def _text_rows(local: torch.Tensor, fqn: str) -> torch.Tensor:
     if local.shape[0] < 1 or not torch.equal(local, local[:1].expand_as(local)):
         raise CPRopeError(
             f"rotary module '{fqn}' got 3-D RoPE positions of shape {tuple(local.shape)} whose rows differ "
-            "(multimodal temporal/height/width position ids): CP carries one global position per token, so only "
-            "text-only 3-D positions (every row the token's 1-D position) are supported; train multimodal "
-            "batches with accelerator.cp_size=1")
+            "(multimodal temporal/height/width position ids) but the CP batch carries no global 3-D positions: "
+            "pass the 3-D ids as the batch's position_ids ([3|4, B, S]) to shard_batch_for_cp, which keeps them "
+            "global in meta.mrope_position_ids")
     return local[0]
 
 
@@ -277,19 +282,6 @@ def _flatten(out) -> list:
     return [out]
 
 
-def _mrope_section(module: nn.Module, model_config):
-    """The multimodal (3-D) RoPE section of a rotary module or its config, else None."""
-    sec = getattr(module, "mrope_section", None)
-    if sec:
-        return sec
-    for cfg in (getattr(module, "config", None), model_config, getattr(model_config, "text_config", None)):
-        for attr in ("rope_parameters", "rope_scaling"):
-            rp = getattr(cfg, attr, None) if cfg is not None else None
-            if isinstance(rp, dict) and rp.get("mrope_section"):
-                return rp["mrope_section"]
-    return None
-
-
 def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, model_config) -> None:
     sec = _mrope_section(module, model_config)
     lead = len(sec) if sec is not None else None     # 3-D (mrope) module: probed with text-only [K, 1, L]
@@ -306,11 +298,13 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
         extra = {} if layer_type is None else {"layer_type": layer_type}
         ref_mod = copy.deepcopy(module)
         cp_mods = {r: copy.deepcopy(module) for r in shards}
-        for step, L in enumerate(lengths):
+        steps = [(L, False) for L in lengths] + [(L, True) for L in lengths] * (lead == MROPE_ROWS)
+        for step, (L, multimodal) in enumerate(steps):
             x = _probe_x(module, model_config, L)
             pos = torch.arange(L, device=x.device)[None]
+            mm = probe_mrope_positions(L).to(x.device) if multimodal else None
             if lead is not None:
-                pos = pos[None].expand(lead, 1, L)
+                pos = pos[None].expand(lead, 1, L) if mm is None else mm
             try:
                 with torch.no_grad():
                     ref = _flatten(ref_mod(x, position_ids=pos, **extra))
@@ -318,7 +312,8 @@ def _probe_module(fqn: str, module: nn.Module, cp_size: int, multiple: int, mode
                     got = {}
                     for r in shards:
                         meta = CPBatchMeta(cp_rank=r, cp_size=cp_size, global_seq_len=L, local_seq_len=n,
-                                           key_doc=None, position_ids=pos.reshape(-1, L)[:1], seq_len=L)
+                                           key_doc=None, position_ids=pos.reshape(-1, L)[:1], seq_len=L,
+                                           mrope_position_ids=mm)
                         m = cp_mods[r]
                         fwd = _cp_forward(m.forward, inspect.signature(m.forward), fqn, lead is not None)
                         with cp_batch_context(meta):

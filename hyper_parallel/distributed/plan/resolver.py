@@ -16,6 +16,7 @@ import dataclasses
 import fnmatch
 import importlib.util
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,6 +29,8 @@ from ..context_parallel.registry import (WrapperInfo, get_registered, import_tar
                                         registered_names, wrapper_info)
 from ..errors import CPConfigError
 from .spec import ModuleShardingSpec, TargetRef
+
+_VISION = re.compile(r"vision|visual", re.IGNORECASE)     # a VLM's vision encoder (class or attribute name)
 
 log = logging.getLogger("hyper_parallel.plan")
 
@@ -221,6 +224,15 @@ class PlanOverrideResolver:
 
         if self.cp_size > 1:
             for fqn in boundaries:
+                if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
+                    raise CPConfigError(
+                        "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
+                        "shards the language model's token sequence only, while the vision tower runs on image "
+                        "patches and the model scatters its features into the whole token sequence — not carried "
+                        f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
+                        module=fqn, fix="train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds "
+                        "with get_rope_index's 3-D position_ids, docs/strategies/batch_contract.md), or the "
+                        "multimodal model with accelerator.cp_size=1")
                 if fqn not in owner and is_token_mixer(names[fqn]):
                     raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
                                         "no SDPA or attention-interface call, and no CP method is declared for it "
