@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
-from ...distributed.context_parallel.mixers.rows import current_fqn, hidden_param, require_class
+from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, require_causal_depthwise,
+                                                         require_layout)
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["KDA_CLASSES", "kda_state_passing_cp_wrapper", "validate_kda_state_passing"]
@@ -28,19 +29,11 @@ WHAT = "kda_state_passing_cp_wrapper"
 
 def validate_kda_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    require_class(WHAT, target_module, tp_size, KDA_CLASSES,
-                  f"re-runs the forward of {', '.join(KDA_CLASSES)} (Kimi Linear KDA) with a passed recurrent state")
-    m, cls = target_module, type(target_module).__name__
-    need = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
-            "o_proj", "num_heads", "head_dim", "activation")
-    missing = [f for f in need if not hasattr(m, f)]
-    if missing:
-        raise ValueError(f"{WHAT}: {cls} has no {', '.join(missing)}: not transformers 5.24's KDA layout")
-    c = m.conv1d
-    if c.groups != c.in_channels or c.in_channels != 3 * m.num_heads * m.head_dim or c.stride[0] != 1 \
-            or c.dilation[0] != 1:
-        raise ValueError(f"{WHAT}: {cls}.conv1d is not a depthwise causal conv over q | k | v "
-                         f"({3 * m.num_heads * m.head_dim} channels); declare sequence_gather (generic, exact) instead")
+    require_layout(WHAT, target_module, tp_size, KDA_CLASSES, "Kimi Linear KDA",
+                   ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+                    "o_proj", "num_heads", "head_dim", "activation"))
+    m = target_module
+    require_causal_depthwise(WHAT, m, "conv1d", 3 * m.num_heads * m.head_dim, "q | k | v")
 
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_kda_state_passing)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
-from ...distributed.context_parallel.mixers.rows import CPMixerError, current_fqn, hidden_param, require_class
+from ...distributed.context_parallel.mixers.rows import CPMixerError, current_fqn, hidden_param, require_layout
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["LIGHTNING_CLASSES", "lightning_state_passing_cp_wrapper", "validate_lightning_state_passing",
@@ -27,15 +27,10 @@ WHAT = "lightning_state_passing_cp_wrapper"
 
 def validate_lightning_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    require_class(WHAT, target_module, tp_size, LIGHTNING_CLASSES,
-                  f"re-runs the forward of {', '.join(LIGHTNING_CLASSES)} (MiniMax lightning attention) with a "
-                  "passed state")
-    m, cls = target_module, type(target_module).__name__
-    need = ("qkv_proj", "act_fn", "norm", "output_gate", "out_proj", "slope_rate", "query_decay", "key_decay",
-            "diagonal_decay", "block_size", "num_attention_heads", "head_dim")
-    missing = [f for f in need if not hasattr(m, f)]
-    if missing:
-        raise ValueError(f"{WHAT}: {cls} has no {', '.join(missing)}: not transformers 5.24's lightning layout")
+    require_layout(WHAT, target_module, tp_size, LIGHTNING_CLASSES, "MiniMax lightning attention",
+                   ("qkv_proj", "act_fn", "norm", "output_gate", "out_proj", "slope_rate", "query_decay", "key_decay",
+                    "diagonal_decay", "block_size", "num_attention_heads", "head_dim"))
+    m = target_module
     if not m.slope_rate.is_meta:        # a meta model (the trainer plans before init) is checked at first call
         check_decay(m)
 

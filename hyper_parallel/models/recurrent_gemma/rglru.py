@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
-from ...distributed.context_parallel.mixers.rows import current_fqn, hidden_param, require_class
+from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, require_causal_depthwise,
+                                                         require_layout)
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["RGLRU_CLASSES", "rglru_state_passing_cp_wrapper", "validate_rglru_state_passing"]
@@ -30,17 +31,13 @@ WHAT = "rglru_state_passing_cp_wrapper"
 
 def validate_rglru_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    require_class(WHAT, target_module, tp_size, RGLRU_CLASSES,
-                  f"re-runs the forward of {', '.join(RGLRU_CLASSES)} (RG-LRU) with a passed state")
-    m, cls = target_module, type(target_module).__name__
-    need = ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn", "lru_width")
-    missing = [f for f in need if not hasattr(m, f)]
-    if missing:
-        raise ValueError(f"{WHAT}: {cls} has no {', '.join(missing)}: not transformers 5.24's RG-LRU layout")
-    c = m.conv_1d
-    if c.groups != m.lru_width or c.stride[0] != 1 or c.dilation[0] != 1 or c.padding[0] != c.kernel_size[0] - 1:
-        raise ValueError(f"{WHAT}: {cls}.conv_1d is not a depthwise causal conv over lru_width = {m.lru_width}; "
-                         "declare sequence_gather (generic, exact) for it instead")
+    require_layout(WHAT, target_module, tp_size, RGLRU_CLASSES, "RG-LRU",
+                   ("linear_x", "linear_y", "linear_out", "conv_1d", "rg_lru", "act_fn", "lru_width"))
+    m = target_module
+    require_causal_depthwise(WHAT, m, "conv_1d", m.lru_width, "lru_width")
+    if m.conv_1d.padding[0] != m.conv_1d.kernel_size[0] - 1:
+        raise ValueError(f"{WHAT}: {type(m).__name__}.conv_1d is not causal (padding {m.conv_1d.padding[0]} != "
+                         f"kernel - 1); declare sequence_gather (generic, exact) for it instead")
 
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_rglru_state_passing)

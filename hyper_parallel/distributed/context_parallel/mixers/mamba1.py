@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..registry import inner_wrapper
 from . import register_catalogue_names
 from . import state_passing as SP
-from .rows import current_fqn, hidden_param, require_class
+from .rows import current_fqn, hidden_param, require_causal_depthwise, require_layout
 
 __all__ = ["MAMBA1_CLASSES", "mamba1_state_passing_cp_wrapper", "validate_mamba1_state_passing"]
 
@@ -28,19 +28,12 @@ WHAT = "mamba1_state_passing_cp_wrapper"
 
 def validate_mamba1_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    require_class(WHAT, target_module, tp_size, MAMBA1_CLASSES,
-                  f"re-runs the forward of {', '.join(MAMBA1_CLASSES)} (Mamba1 selective scan) with a passed state")
+    require_layout(WHAT, target_module, tp_size, MAMBA1_CLASSES, "Mamba1 selective scan",
+                   ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "dt_layernorm", "b_layernorm",
+                    "c_layernorm", "intermediate_size", "ssm_state_size", "time_step_rank", "activation"))
     m, cls = target_module, type(target_module).__name__
-    need = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "dt_layernorm", "b_layernorm",
-            "c_layernorm", "intermediate_size", "ssm_state_size", "time_step_rank", "activation")
-    missing = [f for f in need if not hasattr(m, f)]
-    if missing:
-        raise ValueError(f"{WHAT}: {cls} has no {', '.join(missing)}: not transformers 5.24's Mamba1 layout")
     I, N = m.intermediate_size, m.ssm_state_size
-    c = m.conv1d
-    if c.groups != I or c.in_channels != I or c.stride[0] != 1 or c.dilation[0] != 1:
-        raise ValueError(f"{WHAT}: {cls}.conv1d is not a depthwise causal conv over intermediate_size = {I}; "
-                         "declare sequence_gather (generic, exact) for it instead")
+    require_causal_depthwise(WHAT, m, "conv1d", I, "intermediate_size")
     if tuple(m.A_log.shape) != (I, N) or m.in_proj.out_features != 2 * I:
         raise ValueError(f"{WHAT}: {cls}.A_log {tuple(m.A_log.shape)} / in_proj ({m.in_proj.out_features} outputs) "
                          f"are not [intermediate_size, ssm_state_size] = [{I}, {N}] / x | gate; declare "

@@ -225,3 +225,25 @@ def require_class(what: str, target_module: nn.Module, tp_size: int, classes: tu
     if cls not in classes:
         raise ValueError(f"{what} {exact_for}; {cls} is not one of them — declare sequence_gather (generic, exact) "
                          "for it instead")
+
+
+def require_layout(what: str, target_module: nn.Module, tp_size: int, classes: tuple, family: str,
+                   need: tuple) -> None:
+    """:func:`require_class` for a state-passing method that re-runs ``family``'s forward, then refuse
+    a module missing one of the attributes ``need`` (not the transformers layout the method re-runs)."""
+    require_class(what, target_module, tp_size, classes,
+                  f"re-runs the forward of {', '.join(classes)} ({family}) with a passed state")
+    missing = [f for f in need if not hasattr(target_module, f)]
+    if missing:
+        raise ValueError(f"{what}: {type(target_module).__name__} has no {', '.join(missing)}: not transformers' "
+                         f"{family} layout")
+
+
+def require_causal_depthwise(what: str, module: nn.Module, attr: str, channels: int, over: str) -> None:
+    """Refuse ``module.<attr>`` unless it is a depthwise causal ``nn.Conv1d`` over ``channels`` channels
+    (stride 1, dilation 1): the halo of ``kernel - 1`` tokens is then all the conv needs from the
+    previous rank."""
+    c = getattr(module, attr)
+    if c.groups != channels or c.in_channels != channels or c.stride[0] != 1 or c.dilation[0] != 1:
+        raise ValueError(f"{what}: {type(module).__name__}.{attr} is not a depthwise causal conv over {over} "
+                         f"({channels} channels); declare sequence_gather (generic, exact) for it instead")
