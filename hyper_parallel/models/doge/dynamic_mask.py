@@ -29,10 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...distributed.context_parallel.collectives import all_gather_seq
-from ...distributed.context_parallel.interception import HF_FALSY_KWARGS, HF_IGNORED_KWARGS
-from ...distributed.context_parallel.meta import current_cp_batch_meta
 from ...distributed.context_parallel.mixers import register_catalogue_names
-from ...distributed.context_parallel.mixers.rows import CPMixerError, check_call, current_fqn, require_class
+from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 from ...distributed.context_parallel.strategies import engine_attention
 
@@ -79,18 +77,10 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     sig = inspect.signature(type(m).forward)
 
     def forward(*args, **kwargs):
-        meta = current_cp_batch_meta()
-        a = dict(sig.bind(m, *args, **kwargs).arguments)
-        extra = dict(a.pop("kwargs", {}) or {})
-        hs = a["hidden_states"]
-        check_call(what, fqn, hs, a, meta)
-        if cp_mesh is None or meta.cp_size == 1:
+        entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
+        if entry is None:
             return original(*args, **kwargs)
-        bad = sorted(k for k, v in extra.items()
-                     if v is not None and k not in HF_IGNORED_KWARGS and not (k in HF_FALSY_KWARGS and not v))
-        if bad:
-            raise CPMixerError(f"{what} on '{fqn}': DogeAttention was called with {bad}, which the CP attention "
-                               "does not carry; refused rather than dropped")
+        meta, a, hs = entry
         window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
         if min(longest, window or longest) > m.keep_window_size:

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .... import platform as P
 from ..comm import all_gather_seq, resolve_group
+from ..interception.hf_interface import HF_FALSY_KWARGS, HF_IGNORED_KWARGS
 from ..meta import CPBatchMeta, current_cp_batch_meta
 
 __all__ = ["CPMixerError", "CACHE_KEYS", "hidden_param", "accepts", "split_hidden", "check_call", "is_seq", "map_seq",
@@ -89,6 +90,25 @@ def mixer_call(what: str, fqn: str, name: str, cp_mesh, args: tuple, kwargs: dic
     if cp_mesh is None or meta.cp_size == 1:
         return None
     return meta, hs, rebuild, rest_args, rest_kwargs
+
+
+def bound_call(what: str, fqn: str, sig: inspect.Signature, module: nn.Module, cp_mesh, args: tuple, kwargs: dict):
+    """Common start of an attention-like method that re-runs the module's lines from its bound
+    arguments: ``None`` at cp 1 (run the original), else ``(meta, arguments, hidden_states)``;
+    keyword arguments the CP method does not carry are refused, never dropped."""
+    meta = current_cp_batch_meta()
+    a = dict(sig.bind(module, *args, **kwargs).arguments)
+    extra = dict(a.pop("kwargs", {}) or {})
+    hs = a["hidden_states"]
+    check_call(what, fqn, hs, a, meta)
+    if cp_mesh is None or meta.cp_size == 1:
+        return None
+    bad = sorted(k for k, v in extra.items()
+                 if v is not None and k not in HF_IGNORED_KWARGS and not (k in HF_FALSY_KWARGS and not v))
+    if bad:
+        raise CPMixerError(f"{what} on '{fqn}': {type(module).__name__} was called with {bad}, which the CP method "
+                           "does not carry; refused rather than dropped")
+    return meta, a, hs
 
 
 def is_seq(t: Any, B: int, L: int) -> bool:
