@@ -143,6 +143,12 @@ def _check_model_config(cfg: TrainerConfig):
                             fix="fix the value in model.config (or model.config_file)") from None
     text = getattr(hf, "get_text_config", lambda: hf)()
     where = "model.config" + (f" (over {m.config_file})" if m.config_file else "")
+    for key, given in (m.config or {}).items():   # a whole number the config class silently replaces
+        built = getattr(text, key, None)
+        if type(given) is int and type(built) is int and built != given:
+            raise CPConfigError(f"model.config.{key}", f"{given} is replaced by {type(text).__name__} with {built} "
+                                f"(this architecture derives {key} from other fields)",
+                                fix=f"remove {key} from model.config, or set the fields it is derived from")
     for act in ("hidden_act", "hidden_activation"):
         value = getattr(text, act, None)
         if isinstance(value, str) and value not in ACT2FN:
