@@ -177,8 +177,12 @@ METHODS: dict = {m.name: m for m in (
         aliases=("balanced_split",), strategy="BalancedStrategy", strategy_module="balanced",
         batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
-        async_reason="not offered: the async handoff pipelines assume the contiguous layout; use the sync "
-                     "balanced wrapper, or an async colossal/load_balance Target",
+        async_targets=_async_targets("balanced"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="kv_chunks",
+        async_doc="the async Colossal pipeline on the permuted row: K/V AllGather launched at the K/V handoffs "
+                  "in ``kv_chunks`` slot chunks (keys at ``meta.perm`` of their slots, queries at "
+                  "``meta.q_index``), pipelined through the attention (LSE merge); ReduceScatter per chunk in "
+                  "backward",
         offers=(Offer("hf", "sdpa_hf_balanced_cp_wrapper", "sdpa_hf_balanced"),
                 Offer("qkv", "sdpa_qkv_balanced_cp_wrapper", "sdpa_qkv_balanced"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="the balanced split")),

@@ -5,7 +5,7 @@ handoff launches the method's collectives on the platform's comm thread
 (:class:`~..async_collectives.AsyncCollective`), ``cp_attn_wait`` waits them and the attention call
 goes to the engine with global positions; backward mirrors it (a wait node launches the inverse
 collective, the launch node waits it before the projection's grad GEMM). ``q_chunks`` (Ulysses,
-Hybrid, Head-Tail) and ``kv_chunks`` (Colossal) pipeline the collectives (:mod:`.async_pipeline`)
+Hybrid, Head-Tail) and ``kv_chunks`` (Colossal, balanced split) pipeline the collectives (:mod:`.async_pipeline`)
 and change when they run, never the result; gathered K/V are regathered in backward unless
 :data:`keep_gathered_kv`. Every order, shape and volume: docs/async_cp.md.
 """
@@ -42,6 +42,9 @@ __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_ha
 DEFAULT_Q_CHUNKS = 4
 # K/V pipeline depth G of async Colossal when the wrapper names none
 DEFAULT_KV_CHUNKS = 4
+# the methods whose K/V AllGather is pipelined in ``kv_chunks`` chunks (the balanced split: the same
+# gathers of the permuted row, keys at ``meta.k_index`` = ``meta.perm``, queries at ``meta.q_index``)
+KV_PIPELINED = ("colossal", "balanced")
 #: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
 keep_gathered_kv = False
 
@@ -92,7 +95,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
             sinks = sinks.to(q.dtype)
         m = plan.method
         c = current()
-        if m == "colossal":
+        if m in KV_PIPELINED:
             if not c.kv_parts:         # G = 1: K/V waited whole at cp_attn_wait
                 with c.regather("k", "v", (k, v), keep_gathered_kv):
                     return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
@@ -160,7 +163,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
 def _colossal_pipelined(c: _Call, plan: _Plan, q: torch.Tensor, meta, sinks, kw: dict) -> torch.Tensor:
     """Colossal consumer over the G gathered K/V chunks: per chunk c, wait K_c and V_c, the engine
     with ``return_lse`` (local queries at ``meta.q_index``; keys at chunk c's global positions
-    ``j*L + c*L/G + t``; sinks in chunk 0 only, so they count once) and the LSE merge into the running
+    ``k_index[j*L + c*L/G + t]``, i.e. ``j*L + c*L/G + t`` or, balanced split, ``perm`` of those slots; sinks in chunk 0 only, so they count once) and the LSE merge into the running
     result (kept in fp32 or wider; rows seeing no key of a chunk: out 0, lse -inf). Returns
     ``[B, Hq, L, Dv]`` in q's dtype. Differentiable: backward runs the chunks' attention backwards
     last chunk first, each chunk's wait nodes launching its dK/dV ReduceScatter."""
@@ -229,6 +232,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
                                   cp_rank=plan.checker.cp_rank)
         c.plans, c.layout = plan.at_heads(hk * groups, hk, f"module '{owner}'")
+        if plan.method == "balanced":
+            plan.checker.check_permuted(meta)
         if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
             raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "
                              f"2*cp_size={2 * plan.checker.cp_size}; shard the batch with policy='load_balance'")
@@ -248,7 +253,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
                 for ci, part in enumerate(_split_q(plan.method, out, q_chunks)):
                     c.q_parts.append(c.launch(_chunk_name("q", ci), c.plans["q"], part))
                 return None
-            if plan.method == "colossal" and q_chunk_count(out.shape[2], kv_chunks) > 1:
+            if plan.method in KV_PIPELINED and q_chunk_count(out.shape[2], kv_chunks) > 1:
                 # G K (V) chunks, each its own gather; waited one by one in the consumer. The handoff
                 # output stays the local tensor (the chunks' gradients reach it through the launches).
                 _launch_kv_chunk(c, c.plans[key], key, out, kv_chunks)

@@ -11,6 +11,7 @@ import torch
 
 from ..async_collectives import AsyncCollective, trace_event, tracing
 from ..comm import regather_saved_kv
+from ..methods.balanced.strategy import BalancedStrategy
 from ..methods.colossal.async_ import colossal_kv_plan
 from ..methods.colossal.strategy import AllGatherStrategy
 from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
@@ -76,9 +77,10 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
             return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
         return _Plan(method, None, HybridStrategy(cg, ug), ug, ulysses_degree, build=hybrid)
     group = _group_of(cp_mesh)
-    if method == "colossal":
+    if method in ("colossal", "balanced"):   # balanced: the same gathers, of the permuted row's slots
         kv = colossal_kv_plan(group)
-        return _Plan(method, {"k": kv, "v": kv}, AllGatherStrategy(group), group=group)
+        checker = AllGatherStrategy(group) if method == "colossal" else BalancedStrategy(group)
+        return _Plan(method, {"k": kv, "v": kv}, checker, group=group)
     if method == "ulysses":
         def ulysses(lay):
             kv = ulysses_plan(group, lay, "kv")

@@ -40,14 +40,18 @@ class BalancedStrategy(CPGroupStrategy):
 
         return DEFAULT_BLOCK * cp_size
 
+    def check_permuted(self, meta: CPBatchMeta) -> None:
+        """Raise ValueError unless the batch carries the balanced permutation (local check only)."""
+        if meta.perm is None and meta.cp_size > 1:
+            raise ValueError(
+                f"{type(self).__name__}: the CP batch carries no balanced permutation (meta.perm is None, batch "
+                f"policy {meta.policy!r}); shard the batch with policy='balanced' (the plan's batch_policy)")
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
                   scale: float | None = None, window: int | None = None, softcap: float | None = None,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,L,D], k/v [B,Hk,L,D] (permuted slots of rank r) -> out [B,Hq,L,D], same slots."""
-        if meta.perm is None and meta.cp_size > 1:
-            raise ValueError(
-                "BalancedStrategy: the CP batch carries no balanced permutation (meta.perm is None, batch policy "
-                f"{meta.policy!r}); shard the batch with policy='balanced' (the plan's batch_policy)")
+        self.check_permuted(meta)
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
         check_sinks(type(self).__name__, sinks, q.shape[1])
         k_all, v_all = flex_cp_allgather(k, v, 2, self.group)

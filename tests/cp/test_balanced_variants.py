@@ -1,0 +1,117 @@
+"""Variants of the balanced split beyond the sync Colossal wrapper (docs/strategies/load_balance_packed.md).
+
+* Async balanced: the model adapters' ``<arch>_async_balanced_cp_wrapper`` (the async Colossal
+  pipeline on the permuted row: K/V AllGather chunks are slots of the permuted row, keys at
+  ``meta.perm`` of those slots, queries at ``meta.q_index``), declared through the planner
+  (batch policy ``balanced`` with the model's profile, block 4 so documents really scatter) on the
+  packed rows with padding of tests/cp/test_balanced_cp.py: logits and every gradient (summed over
+  CP) equal CP=1 (transformers, one document per row) in fp32, at cp 2 and 4, ``kv_chunks`` 1 / 4
+  / 3, for Llama (causal) and Qwen3 (sliding-window and global layers alternating; Gemma 3 and
+  gpt-oss have no async adapter). The same run checks every K/V chunk gather is launched and
+  waited once per layer in forward and backward, no handle is left pending, and chunk 0's attention
+  runs while every later chunk's gather is in flight.
+* Refusals (local, no ranks): the async balanced Target on a batch without the permutation.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.cp.test_balanced_cp import TOL
+
+ADAPTER = "hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_balanced_cp_wrapper"
+
+
+def _plan(model, mesh, cp: int, wrapper):
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": wrapper}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    plan.batch_policy = dataclasses.replace(plan.batch_policy, block=4)
+    policy = str(plan.batch_policy)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
+    return model, plan, policy
+
+
+def _trace_counts(trace: list, layers: int, g: int) -> dict:
+    """Per K/V chunk name: (launch, wait, bwd_launch, bwd_wait) counts, which must all equal ``layers``;
+    and whether, in the first layer, chunk 0's attention ran while every later chunk was in flight."""
+    names = [b if c == 0 else f"{b}.{c}" for b in ("k", "v") for c in range(g)]
+    bad = {}
+    for n in names:
+        cnt = tuple(sum(1 for e, m in trace if e == ev and m == n)
+                    for ev in ("launch", "wait", "bwd_launch", "bwd_wait"))
+        if cnt != (layers,) * 4:
+            bad[n] = cnt
+    overlap = True
+    if g > 1:
+        a0 = trace.index(("compute", "attention_kv0"))
+        for n in names:
+            if n in ("k", "v"):
+                continue
+            overlap &= trace.index(("launch", n)) < a0 < trace.index(("wait", n))
+    return {"bad_counts": bad, "overlap": overlap}
+
+
+def async_cases(items: list) -> list:
+    """[(arch, cp, G)] on this rank -> parity of the async balanced adapter (kv_chunks=G) vs CP=1."""
+    from hyper_parallel.distributed.context_parallel.async_collectives import async_trace
+    from hyper_parallel.distributed.context_parallel.wrappers.async_handoff import q_chunk_count
+    from hyper_parallel.platform import pending_handles
+    from tests.async_cp._workers import build
+    from tests.cp.common import mesh_ctx
+    from tests.cp.test_balanced_cp import parity
+
+    out = []
+    for arch, cp, G in items:
+        model, ref = build(arch, 2)
+        for m in (model, ref):
+            m.config.use_cache = False
+        mesh = mesh_ctx(cp)
+        model, plan, policy = _plan(model, mesh, cp, {"_target_": ADAPTER.format(a=arch), "kv_chunks": G})
+        with async_trace() as trace:
+            res = parity(model, ref, mesh, plan, 11)
+        pending = pending_handles()
+        g = q_chunk_count(res["global_len"] // cp, G)
+        out.append({"case": f"{arch} async cp{cp} kv_chunks={G} ({g} chunks)", "policy": policy, "pending": pending,
+                    **_trace_counts([(e, n) for e, n, _t in trace], model.config.num_hidden_layers, g), **res})
+    return out
+
+
+def _check(out, *, trace: bool = False):
+    for per_rank in zip(*out):
+        r0 = per_rank[0]
+        rel_l, rel_g = max(r["logits_rel"] for r in per_rank), max(r["grads"] for r in per_rank)
+        print(f"{r0['case']} ({r0['policy']}, S padded {r0['global_len']}): logits max abs "
+              f"{max(r['logits_abs'] for r in per_rank):.2e} rel {rel_l:.2e}; grads max abs "
+              f"{max(r['grads_abs'] for r in per_rank):.2e} rel(largest grad) {rel_g:.2e}; tolerance {TOL:g}")
+        assert r0["permuted"], r0
+        assert rel_l <= TOL and rel_g <= TOL, r0
+        if trace:
+            for r in per_rank:
+                assert r["pending"] == 0 and not r["bad_counts"] and r["overlap"], r
+
+
+def test_async_balanced_cp2_matches_cp1(ranks):
+    """Llama and Qwen3 (mixed window/global layers) at cp 2, kv_chunks 4 and 1 (one gather per tensor)."""
+    _check(ranks(2).run(async_cases, [("llama", 2, 4), ("qwen3", 2, 4), ("llama", 2, 1)], timeout=600.0),
+           trace=True)
+
+
+def test_async_balanced_cp4_matches_cp1(ranks):
+    """The same at cp 4; kv_chunks 5 does not divide the local length 12 (-> 4 chunks of 3)."""
+    _check(ranks(4).run(async_cases, [("qwen3", 4, 4), ("llama", 4, 5)], timeout=600.0), trace=True)
+
+
+# ---------------------------------------------------------------- refusals (local, no ranks)
+def test_async_balanced_refuses_a_batch_without_the_permutation():
+    from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.strategies import BalancedStrategy
+
+    meta = shard_batch_for_cp({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, (0, 2), "all_gather").meta
+    with pytest.raises(ValueError, match="carries no balanced permutation.*policy='balanced'"):
+        BalancedStrategy(None).check_permuted(meta)
