@@ -21,14 +21,15 @@ import torch
 
 from tests.cp.test_balanced_cp import TOL
 
+SYNC_HYBRID = "hyper_parallel.distributed.context_parallel.wrappers.sdpa_hf_hybrid_balanced_cp_wrapper"
 ADAPTER = "hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_balanced_cp_wrapper"
 
 
-def _plan(model, mesh, cp: int, wrapper):
+def _plan(model, mesh, cp: int, wrapper, match: str = "*.self_attn"):
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
-    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+    entry = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
               "inner_wrapper": wrapper}]
     plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
     plan.batch_policy = dataclasses.replace(plan.batch_policy, block=4)
@@ -105,6 +106,44 @@ def test_async_balanced_cp2_matches_cp1(ranks):
 def test_async_balanced_cp4_matches_cp1(ranks):
     """The same at cp 4; kv_chunks 5 does not divide the local length 12 (-> 4 chunks of 3)."""
     _check(ranks(4).run(async_cases, [("qwen3", 4, 4), ("llama", 4, 5)], timeout=600.0), trace=True)
+
+
+def hybrid_cases(items: list) -> list:
+    """[(arch, cp, u, G)] on this rank -> parity of Hybrid on the balanced split (ulysses_degree u) vs CP=1:
+    G None: the sync ``sdpa_hf_hybrid_balanced_cp_wrapper`` (any HF attention: Gemma 3 too); else the
+    model adapter's ``<arch>_async_hybrid_balanced_cp_wrapper`` with ``q_chunks=G``."""
+    from hyper_parallel.platform import pending_handles
+    from tests.async_cp._workers import build
+    from tests.cp.common import mesh_ctx
+    from tests.cp.test_balanced_cp import parity
+    from tests.wrappers import _workers as W
+
+    out = []
+    for arch, cp, u, G in items:
+        model, ref = W.build_arch(arch) if G is None else build(arch, 2)
+        for m in (model, ref):
+            m.config.use_cache = False
+        mesh = mesh_ctx(cp, hybrid=(u,))
+        if G is None:
+            wrapper = {"_target_": SYNC_HYBRID, "ulysses_degree": u}
+        else:
+            wrapper = {"_target_": ADAPTER.format(a=arch).replace("_balanced_", "_hybrid_balanced_"),
+                       "ulysses_degree": u, "q_chunks": G}
+        model, plan, policy = _plan(model, mesh, cp, wrapper, W.ATTN_MATCH.get(arch, "*.self_attn"))
+        res = parity(model, ref, mesh, plan, 13)
+        kind = "sync" if G is None else f"async q_chunks={G}"
+        out.append({"case": f"{arch} hybrid u={u} {kind} cp{cp}", "policy": policy, "pending": pending_handles(),
+                    **res})
+    return out
+
+
+def test_hybrid_balanced_cp4_matches_cp1(ranks):
+    """Hybrid (u 2 x c 2) on the balanced split: sync for Llama and Gemma 3 (window/global layers), async
+    adapters for Llama and Qwen3 (window/global layers)."""
+    out = ranks(4).run(hybrid_cases, [("llama", 4, 2, None), ("gemma3", 4, 2, None), ("llama", 4, 2, 4),
+                                      ("qwen3", 4, 2, 2)], timeout=600.0)
+    _check(out)
+    assert all(r["pending"] == 0 for per_rank in out for r in per_rank)
 
 
 # ---------------------------------------------------------------- refusals (local, no ranks)

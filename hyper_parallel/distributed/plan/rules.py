@@ -73,7 +73,7 @@ def _batch_policy(targets: list) -> Optional[str]:
         methods.setdefault(t.info.method if t.info is not None else "custom", t.fqn)
     if not methods:
         return None
-    seq_head = [m for m in methods if _splits_heads(m)]
+    seq_head = [m for m in methods if _splits_heads(m) and not _reorders(m)]   # Hybrid on the balanced split: itself
     reorder = [m for m in methods if _reorders(m)]
     if reorder:
         lb = next(t for t in targets if t.info is not None and t.info.method == reorder[0])

@@ -187,6 +187,22 @@ METHODS: dict = {m.name: m for m in (
                 Offer("qkv", "sdpa_qkv_balanced_cp_wrapper", "sdpa_qkv_balanced"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="the balanced split")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="the balanced split")))),
+    CPMethod(
+        name="hybrid_balanced", title="Hybrid on the balanced split (Ulysses x Colossal, work-balanced permutation)",
+        strategy="BalancedHybridStrategy", strategy_module="balanced", batch_policy="balanced", layout="balanced",
+        length_factor=64, head_rule="split",
+        head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
+                 "replicated) accepted",
+        degree="param", degree_param="ulysses_degree",
+        degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
+        async_targets=_async_targets("hybrid_balanced"),
+        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_doc="async Hybrid on the permuted row: K/V ulysses A2A chained into the colossal AllGather on the "
+                  "comm thread; Q / output ulysses A2A per pipelined ``q_chunks`` chunk (queries at ``perm`` of "
+                  "the u-group's slots); backward mirrors every stage",
+        offers=(Offer("hf", "sdpa_hf_hybrid_balanced_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_balanced_cp_wrapper"),
+                Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid on the balanced split")),
+                Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid on the balanced split")))),
     # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, contiguous
     # layout only; WrapperInfo.method is "custom" and mixer=True
     CPMethod(

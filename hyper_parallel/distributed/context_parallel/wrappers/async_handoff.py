@@ -137,7 +137,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         else:
             span = meta.local_seq_len * u
             start = (meta.cp_rank // u) * span
-            q_pos = torch.arange(start, start + span, dtype=torch.int64)
+            q_pos = meta.k_index[start:start + span]     # the u-group's slots (balanced split: their perm)
         # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
         q_pos = q_pos.view(u, len(c.q_parts), -1)
         # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
@@ -146,7 +146,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         # depends only on values every rank shares. A backend that copies K/V per query head for a
         # head map (CUDA, NPU: kv_map_in_place False) saves that copy on the mapped ranks, which then
         # would not regather: there only layouts without a head map on any rank regather
-        regather = m == "hybrid" and u < plan.checker.cp_size and (
+        regather = m in ("hybrid", "hybrid_balanced") and u < plan.checker.cp_size and (
             kv_map_in_place(k.device) or not any(lay.kv_map_args(j) for j in range(u)))
         with c.regather("k", "v", (k, v), keep_gathered_kv) if regather else contextlib.nullcontext():
             for ci, (coll, tok) in enumerate(c.q_parts):
@@ -232,7 +232,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
                                   cp_rank=plan.checker.cp_rank)
         c.plans, c.layout = plan.at_heads(hk * groups, hk, f"module '{owner}'")
-        if plan.method == "balanced":
+        if plan.method in ("balanced", "hybrid_balanced"):
             plan.checker.check_permuted(meta)
         if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
             raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "

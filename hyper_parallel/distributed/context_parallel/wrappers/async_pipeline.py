@@ -11,7 +11,7 @@ import torch
 
 from ..async_collectives import AsyncCollective, trace_event, tracing
 from ..comm import regather_saved_kv
-from ..methods.balanced.strategy import BalancedStrategy
+from ..methods.balanced.strategy import BalancedHybridStrategy, BalancedStrategy
 from ..methods.colossal.async_ import colossal_kv_plan
 from ..methods.colossal.strategy import AllGatherStrategy
 from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
@@ -67,7 +67,7 @@ def _group_of(cp_mesh):
 
 def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
     """The collectives of ``method`` on the cached groups (never creates one)."""
-    if method == "hybrid":
+    if method in ("hybrid", "hybrid_balanced"):   # hybrid_balanced: the same exchanges on the permuted row
         if mesh is None or not hasattr(mesh, "hybrid_groups"):
             raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
         cg, ug = mesh.hybrid_groups(ulysses_degree)
@@ -75,7 +75,8 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
         def hybrid(lay):
             kv = hybrid_kv_plan(cg, ug, lay)
             return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
-        return _Plan(method, None, HybridStrategy(cg, ug), ug, ulysses_degree, build=hybrid)
+        checker = HybridStrategy(cg, ug) if method == "hybrid" else BalancedHybridStrategy(cg, ug)
+        return _Plan(method, None, checker, ug, ulysses_degree, build=hybrid)
     group = _group_of(cp_mesh)
     if method in ("colossal", "balanced"):   # balanced: the same gathers, of the permuted row's slots
         kv = colossal_kv_plan(group)

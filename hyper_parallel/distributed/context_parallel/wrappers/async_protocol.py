@@ -33,7 +33,8 @@ from .preflight import check_features, check_module_position_semantics
 HANDOFF_KEYS = ("q", "k", "v", "wait")
 # which tensors each async method communicates at its handoffs
 ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": ("q", "k", "v"),
-                 "load_balance": ("k", "v", "q"), "balanced": ("k", "v")}
+                 "load_balance": ("k", "v", "q"), "balanced": ("k", "v"),
+                 "hybrid_balanced": ("q", "k", "v")}
 
 
 class HandoffPoint(nn.Module):

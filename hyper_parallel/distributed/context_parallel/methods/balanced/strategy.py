@@ -24,6 +24,7 @@ from ...comm import regather_saved_kv
 from ..colossal.collectives import flex_cp_allgather, regather_allgather
 from ...meta import CPBatchMeta
 from ..base import CPGroupStrategy, check_sinks, engine_attention
+from ..hybrid.strategy import HybridStrategy
 
 
 class BalancedStrategy(CPGroupStrategy):
@@ -59,3 +60,28 @@ class BalancedStrategy(CPGroupStrategy):
         with contextlib.nullcontext() if self.keep_gathered_kv else regather_saved_kv((k, v), (k_all, v_all), run):
             return engine_attention(q, k_all, v_all, q_pos=meta.q_index, k_pos=meta.k_index, meta=meta,
                                     scale=scale, window=window, softcap=softcap, sinks=sinks)
+
+
+class BalancedHybridStrategy(HybridStrategy):
+    """Sync Hybrid CP (Ulysses inside each u-group, Colossal across them) on the balanced split.
+
+    Rank r = c*u + i holds slots ``[r*L, (r+1)*L)`` of the permuted row; the seq->head A2A gives its
+    head slice the u-group's slots ``[c*u*L, (c+1)*u*L)`` (queries at ``perm`` of those slots) and the
+    colossal AllGather every slot in rank order (keys at ``perm``), so any permutation is exact. The
+    permutation balances the C ranks' work, hence each u-group's sum (what its u ranks split by head).
+    Constraints and backward: :class:`..hybrid.strategy.HybridStrategy`.
+    """
+
+    name = "hybrid_balanced"
+    method = "hybrid_balanced"
+    accepts_permuted = True
+
+    padding_multiple = BalancedStrategy.padding_multiple
+    check_permuted = BalancedStrategy.check_permuted
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, meta: CPBatchMeta,
+                  scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B,Hq,L,D], k/v [B,Hk,L,D] (permuted slots of rank r) -> out [B,Hq,L,D], same slots."""
+        self.check_permuted(meta)
+        return super().attention(q, k, v, meta=meta, scale=scale, window=window, softcap=softcap, sinks=sinks)

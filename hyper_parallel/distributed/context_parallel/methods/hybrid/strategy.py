@@ -9,6 +9,7 @@ Layout (C ranks, degree u, rank r = c*u + i):
         = chunk c of the C/u-way split, head slice i
   k/v --AllGather(colossal)--> [B, Hk/u, S, D]
   out_h = engine(q_h, K, V, q_pos = c*S*u/C + arange(S*u/C), k_pos = 0..S-1)  [B, Hq/u, S*u/C, D]
+        (positions are ``meta.k_index`` of those slots: on the balanced split, ``meta.perm``)
   out_h --A2A(ulysses)--> out [B, Hq, S/C, D] chunk r
 Backward: the K/V AllGather(colossal) again (the attention keeps the head-exchanged shards
 ``[B, Hk/u, S*u/C, D]``, not the gathered K/V: :func:`~...comm.regather_saved_kv`; uneven
@@ -101,7 +102,7 @@ class HybridStrategy(ContextParallelStrategy):
         cg, ug = self.colossal_group, self.ulysses_group
         n = meta.local_seq_len * u
         start = group_rank(cg) * n
-        q_pos = torch.arange(start, start + n, dtype=torch.int64)
+        q_pos = meta.k_index[start:start + n]       # the u-group's slots (their global indices under a permutation)
         return ulysses_group_attention(
             q, k, v, ug, group_rank(ug),
             kv_fn=lambda k, v, heads: hybrid_kv_allgather(k, v, cg, ug, heads=heads, regather=True),
