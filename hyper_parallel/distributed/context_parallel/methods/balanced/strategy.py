@@ -72,7 +72,7 @@ class BalancedHybridStrategy(HybridStrategy):
     Constraints and backward: :class:`..hybrid.strategy.HybridStrategy`.
     """
 
-    name = "hybrid_balanced"
+    name = "balanced"               # the batch policy
     method = "hybrid_balanced"
     accepts_permuted = True
 
