@@ -154,3 +154,36 @@ def test_async_balanced_refuses_a_batch_without_the_permutation():
     meta = shard_batch_for_cp({"input_ids": torch.zeros(1, 8, dtype=torch.long)}, (0, 2), "all_gather").meta
     with pytest.raises(ValueError, match="carries no balanced permutation.*policy='balanced'"):
         BalancedStrategy(None).check_permuted(meta)
+
+
+def test_async_methods_are_the_catalogue_rows():
+    """The handoff tensors of each async method (async_protocol) cover exactly the catalogue's async rows."""
+    from hyper_parallel.distributed.context_parallel import catalogue
+    from hyper_parallel.distributed.context_parallel.wrappers.async_protocol import ASYNC_METHODS
+
+    assert set(ASYNC_METHODS) == {m.name for m in catalogue.async_methods()}
+    assert ASYNC_METHODS["balanced"] == ASYNC_METHODS["colossal"]
+    assert ASYNC_METHODS["hybrid_balanced"] == ASYNC_METHODS["hybrid"]
+
+
+def test_hybrid_balanced_plans_the_balanced_policy_and_is_not_mixed():
+    """Hybrid on the balanced split plans the balanced batch policy with the model's profile; next to
+    pure Ulysses (contiguous layout) or the sync balanced wrapper in one model it is refused, naming the
+    module and the fix."""
+    from hyper_parallel.distributed.errors import CPConfigError
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+    from tests.wrappers._workers import build_arch
+
+    base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
+    hyb = {"_target_": SYNC_HYBRID, "ulysses_degree": 2}
+    model = build_arch("gemma3")[0]
+    plan = ShardingPlanner(plan_overrides=[{**base, "match": "*.self_attn", "inner_wrapper": hyb}]).plan(
+        model, None, cp_size=4)
+    assert "balanced" in str(plan.batch_policy) and "window" in str(plan.batch_policy), str(plan.batch_policy)
+    for other, fragment in (("sdpa_hf_ulysses", "cannot be combined"), ("sdpa_hf_balanced", "cannot be mixed")):
+        mixed = [{**base, "match": "*.0.self_attn", "inner_wrapper": hyb},
+                 {**base, "match": "*.1.self_attn", "inner_wrapper": other}]
+        with pytest.raises(CPConfigError, match=fragment) as err:
+            ShardingPlanner(plan_overrides=mixed).plan(build_arch("llama")[0], None, cp_size=4)
+        print(err.value)
+        assert "model.layers.0.self_attn" in str(err.value)
