@@ -13,7 +13,6 @@ fills the shards from the checkpoint (:mod:`.hf_checkpoint`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import zlib
 from pathlib import Path
 
@@ -21,25 +20,14 @@ import torch
 import torch.nn as nn
 
 from ..distributed.errors import CPConfigError
-from .config import ModelConfig, load_yaml_text
+from .config import ModelConfig
+from .hf_config_keys import hf_config_kwargs as _hf_config_kwargs  # noqa: F401  (also used by config_checks)
 from .paths import REPO_ROOT, resolve_path  # noqa: F401  (REPO_ROOT: public name of this module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-
-
-def _hf_config_kwargs(cfg: ModelConfig) -> dict:
-    kwargs = dict(cfg.config or {})
-    if cfg.config_file:
-        path = resolve_path(cfg.config_file)
-        if not path.exists():
-            raise CPConfigError("model.config_file", f"{path} does not exist")
-        text = path.read_text()
-        loaded = json.loads(text) if path.suffix == ".json" else load_yaml_text(text, "model.config_file")
-        kwargs = {**loaded, **kwargs}
-    return kwargs
 
 
 class HyperAutoModel:

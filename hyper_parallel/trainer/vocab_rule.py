@@ -51,9 +51,9 @@ def given_vocab_size(model_cfg) -> int | None:
     or ``model.path``: the checkpoint's config.json decides)."""
     if model_cfg.path:
         return None
-    from .model import _hf_config_kwargs
+    from .hf_config_keys import hf_config_kwargs
 
-    kwargs = _hf_config_kwargs(model_cfg)
+    kwargs = hf_config_kwargs(model_cfg)
     value = kwargs.get("vocab_size")
     if value is None and isinstance(kwargs.get("text_config"), dict):
         value = kwargs["text_config"].get("vocab_size")
