@@ -49,6 +49,7 @@ def heldout_documents(data, tokenizer) -> list[list[int]]:
     from hyper_parallel.trainer.data_sources import file_format, resolve_files
     from hyper_parallel.trainer.packing import split_documents
 
+    datasets.disable_progress_bars()
     files = resolve_files(data.files)
     fmt = file_format(files, data.format)
     ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train",
