@@ -39,11 +39,12 @@ from .config_warnings import config_warnings
 from .device_setup import bind_local_device, local_rank as _local_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize, tokenizer_vocab
+from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
 from .token_id_checks import checked_token_ids
+from .vocab_rule import build_vocab
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
 __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
@@ -88,11 +89,12 @@ class BaseTrainer:
         torch.manual_seed(cfg.schedule.seed)
         if model is None:  # agreed: a bad model config on one rank fails every rank here
             # built on the meta device: parallelize() shards it, then each rank materializes its shards
-            # (a vocabulary smaller than data.tokenizer's is resized up to it)
+            # (the vocabulary rule of vocab_rule.py: vocab_size set from the data when not given,
+            # refused below the data's ids, a model.path checkpoint's resized up)
             # token ids checked against the built vocabulary here too (the CLI checks them at config
             # load): an id past the embedding would fail one rank inside the preflight's collective
             model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
-                cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg)), say=self.is_main), what="model build")
+                cfg.model, meta=True, vocab_size=build_vocab(cfg)), say=self.is_main), what="model build")
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size

@@ -11,6 +11,7 @@ from ..distributed.plan.resolver import check_plan_targets
 from .config import TrainerConfig
 from .hf_config_keys import check_config_keys
 from .token_id_checks import check_token_ids
+from .vocab_rule import vocab_choice
 
 
 def load_run_config(argv) -> TrainerConfig:
@@ -35,8 +36,10 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
       ``num_attention_heads`` without an explicit ``head_dim``, ``num_attention_heads`` by
       ``num_key_value_heads``), a rotary ``head_dim`` is even, and ``max_position_embeddings``
       covers ``data.seq_len``;
-    * ``data.pad_token_id``, the config's pad/bos/eos ids and (``data.source: files``) the
-      tokenizer's eos id are below the model's vocabulary (:mod:`.token_id_checks`);
+    * the vocabulary rule (:mod:`.vocab_rule`): a given ``vocab_size`` covers the ids the data can
+      produce (256 bytes, or ``len(data.tokenizer)``); ``data.pad_token_id``, the config's
+      pad/bos/eos ids and (``data.source: files``) the tokenizer's eos id are below the model's
+      vocabulary (:mod:`.token_id_checks`);
     * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
       ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`).
     """
@@ -50,7 +53,14 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
     _check_attn_implementation(cfg.model.attn_implementation)
     text, given = _check_model_config(cfg)
     if text is not None:
-        check_token_ids(cfg, text, given, _tokenizer(cfg))
+        tok = _tokenizer(cfg)
+        choice = vocab_choice(cfg, tok)   # a given vocab_size below the data's ids: refused here
+        note = ""
+        if choice.given is None and not cfg.model.path:
+            text.vocab_size, note = choice.rows, " set from the data: vocab_size was not given"
+        elif cfg.model.path and text.vocab_size < choice.rows:
+            note = f": model.path's {text.vocab_size} resized up to the data's ids"
+        check_token_ids(cfg, text, given, tok, data_rows=choice.rows, note=note)
     check_plan_targets(cfg.plan_overrides, cfg.source)
     return cfg
 

@@ -34,6 +34,7 @@ import torch
 from ..distributed.errors import CPConfigError
 from .config import DataConfig
 from .paths import mix_seed, resolve_path
+from .vocab_rule import BYTE_ROWS, too_small
 
 DEFAULT_CORPUS = "examples/data/corpus.txt"
 
@@ -155,15 +156,15 @@ def build_data_stream(cfg: DataConfig, *, dp_rank: int, dp_size: int, vocab_size
     against the tokenizer, every token id and ``pad_token_id`` before any step."""
     if cfg.source == "bytes":
         batcher = TextBatcher.from_config(cfg, dp_rank=dp_rank)
-        top = int(batcher.corpus.tokens.max())
-        _check_vocab(vocab_size, top + 1, top, cfg.pad_token_id, f"the byte-level text {batcher.corpus.path}")
+        _check_vocab(vocab_size, BYTE_ROWS, int(batcher.corpus.tokens.max()), cfg.pad_token_id,
+                     f"{BYTE_ROWS} byte values (data.source: bytes)")
         return DataStream(batcher), None
     from .data_sources import open_token_store
     from .packing import DocumentRows, RowBatcher, split_documents
 
     store = open_token_store(cfg, is_builder=is_builder)
     _check_vocab(vocab_size, store.vocab_size, store.max_token_id, cfg.pad_token_id,
-                 f"the tokenizer {cfg.tokenizer}")
+                 f"len(data.tokenizer) = {store.vocab_size}")
     train_docs, eval_docs = split_documents(len(store), cfg.eval_fraction, cfg.seed)
 
     def batcher(docs, shuffle):
@@ -175,13 +176,13 @@ def build_data_stream(cfg: DataConfig, *, dp_rank: int, dp_size: int, vocab_size
     return DataStream(batcher(train_docs, cfg.shuffle)), held_out
 
 
-def _check_vocab(vocab_size: int | None, tok_vocab: int, max_id: int, pad_id: int, what: str) -> None:
+def _check_vocab(vocab_size: int | None, rows: int, max_id: int, pad_id: int, what: str) -> None:
+    """The vocabulary rule (:mod:`.vocab_rule`) against the model actually built (also one the
+    caller passed in): ``rows`` ids the data can produce (``what``), the largest one in it."""
     if vocab_size is None:
         return
-    if tok_vocab > vocab_size or max_id >= vocab_size:
-        raise CPConfigError("model.config", f"the model embeds {vocab_size} token ids but {what} has "
-                            f"{tok_vocab} tokens (largest id in the data {max_id})",
-                            fix=f"set vocab_size: {tok_vocab} (or more) in the model config")
+    if rows > vocab_size or max_id >= vocab_size:
+        raise too_small(vocab_size, max(rows, max_id + 1), what)
     if not 0 <= pad_id < vocab_size:
         raise CPConfigError("data.pad_token_id", f"{pad_id} is not a token id of the model (vocab {vocab_size})",
                             fix="use the tokenizer's pad id or 0")

@@ -63,11 +63,12 @@ def explain(cfg, echo=print) -> dict:
     numbers (bytes per rank) for tests and benchmarks."""
     from ..distributed.context_parallel.catalogue import METHODS
     from ..distributed.plan import ShardingPlanner
-    from .model import HyperAutoModel, tokenizer_vocab
+    from .model import HyperAutoModel
+    from .vocab_rule import build_vocab
 
     a, d, s = cfg.accelerator, cfg.data, cfg.schedule
     sizes = a.mesh_sizes()
-    model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))
+    model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
     plan = ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
                                                     sequence_parallel=a.sequence_parallel,
                                                     loss_parallel=a.loss_parallel)

@@ -1,8 +1,10 @@
 """The keys an HF config class understands, so a typo in ``model.config`` (``num_hiden_layers``)
-is refused instead of becoming an attribute nobody reads."""
+is refused instead of becoming an attribute nobody reads; and the kwargs the ``model`` section gives
+(:func:`hf_config_kwargs`)."""
 from __future__ import annotations
 
 import difflib
+import json
 import functools
 import importlib.util
 import inspect
@@ -91,3 +93,19 @@ def check_config_keys(architecture: str, config_cls, kwargs: dict, given: dict,
                             f"({config_cls.__name__}){where}; it would be stored and never read",
                             fix=f"did you mean {near[0]!r}?" if near else
                             f"remove it (the known keys are {config_cls.__name__}'s fields)")
+
+
+def hf_config_kwargs(cfg) -> dict:
+    """The HF config kwargs of the ``model`` section: ``config`` merged over ``config_file``."""
+    from .config import load_yaml_text
+    from .paths import resolve_path
+
+    kwargs = dict(cfg.config or {})
+    if cfg.config_file:
+        path = resolve_path(cfg.config_file)
+        if not path.exists():
+            raise CPConfigError("model.config_file", f"{path} does not exist")
+        text = path.read_text()
+        loaded = json.loads(text) if path.suffix == ".json" else load_yaml_text(text, "model.config_file")
+        kwargs = {**loaded, **kwargs}
+    return kwargs

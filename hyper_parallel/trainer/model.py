@@ -13,7 +13,6 @@ fills the shards from the checkpoint (:mod:`.hf_checkpoint`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import zlib
 from pathlib import Path
 
@@ -21,25 +20,14 @@ import torch
 import torch.nn as nn
 
 from ..distributed.errors import CPConfigError
-from .config import ModelConfig, load_yaml_text
+from .config import ModelConfig
+from .hf_config_keys import hf_config_kwargs as _hf_config_kwargs  # noqa: F401  (also used by config_checks)
 from .paths import REPO_ROOT, resolve_path  # noqa: F401  (REPO_ROOT: public name of this module)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
 
 
-
-
-def _hf_config_kwargs(cfg: ModelConfig) -> dict:
-    kwargs = dict(cfg.config or {})
-    if cfg.config_file:
-        path = resolve_path(cfg.config_file)
-        if not path.exists():
-            raise CPConfigError("model.config_file", f"{path} does not exist")
-        text = path.read_text()
-        loaded = json.loads(text) if path.suffix == ".json" else load_yaml_text(text, "model.config_file")
-        kwargs = {**loaded, **kwargs}
-    return kwargs
 
 
 class HyperAutoModel:
@@ -55,9 +43,10 @@ class HyperAutoModel:
 
     @staticmethod
     def from_config(cfg: ModelConfig, *, meta: bool = False, device="cpu", vocab_size: int | None = None):
-        """Build the model of ``cfg`` (see the class doc). ``vocab_size``: resize the vocabulary
-        (input embedding, output head) to this many rows — e.g. a tokenizer with added tokens;
-        with ``model.path`` the rows past the checkpoint's are initialised like the random build."""
+        """Build the model of ``cfg`` (see the class doc). ``vocab_size``: the token ids the data
+        can produce (:func:`.vocab_rule.build_vocab`): set as the vocabulary when ``model.config``
+        gives none, refused when it gives fewer; with ``model.path`` the checkpoint's vocabulary is
+        resized up to it (the new rows initialised like the random build)."""
         import transformers
 
         if cfg.dtype not in _DTYPES:
@@ -82,7 +71,9 @@ class HyperAutoModel:
                 raise CPConfigError("model.architecture", str(exc)) from exc
             source = ("random", None)
         if vocab_size is not None:
-            _resize_vocab_config(hf_cfg, int(vocab_size))
+            from .vocab_rule import apply_vocab
+
+            apply_vocab(hf_cfg, int(vocab_size), cfg)
         hf_cfg._attn_implementation = cfg.attn_implementation
         model = build_meta_model(hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation)
         model.__dict__["_hp_source"] = _Source(kind=source[0], path=source[1], seed=cfg.seed)
@@ -134,30 +125,6 @@ def is_meta_model(model: nn.Module) -> bool:
 def _tensors(model: nn.Module):
     yield from model.parameters()
     yield from model.buffers()
-
-
-def _resize_vocab_config(hf_cfg, vocab: int) -> None:
-    text = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
-    have = getattr(text, "vocab_size", None)
-    if have is None:
-        raise CPConfigError("model.vocab_size", f"{type(hf_cfg).__name__} has no vocab_size to resize")
-    if vocab <= have:       # never shrink: a (padded) vocabulary at least the tokenizer's is kept as it is
-        return
-    text.vocab_size = vocab
-    if text is not hf_cfg and hasattr(hf_cfg, "vocab_size"):
-        hf_cfg.vocab_size = vocab
-    hf_cfg.__dict__["_hp_checkpoint_vocab"] = have
-
-
-def tokenizer_vocab(cfg) -> int | None:
-    """The row count the model's vocabulary must reach for ``data.tokenizer`` (``len(tokenizer)``,
-    added tokens included), or None without a tokenizer. The model is resized only upwards."""
-    data = getattr(cfg, "data", None)
-    if data is None or not getattr(data, "tokenizer", None):
-        return None
-    from .data_sources import load_tokenizer
-
-    return len(load_tokenizer(data.tokenizer))
 
 
 def _unit_seed(seed: int, fqn: str) -> int:

@@ -13,27 +13,27 @@ __all__ = ["check_token_ids", "checked_token_ids", "model_vocab"]
 _CONFIG_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def model_vocab(text_config, tokenizer_rows: int | None) -> int | None:
-    """The embedding rows the trainer builds: the config's ``vocab_size``, raised to the
-    tokenizer's size when that is larger (the model is resized up, never down); None when the
-    config has no vocab_size."""
+def model_vocab(text_config, data_rows: int | None) -> int | None:
+    """The embedding rows the trainer builds (:mod:`.vocab_rule`): the config's ``vocab_size``
+    (already set from the data when not given), a ``model.path`` checkpoint's raised to the
+    data's ids when that is larger; None when the config has no vocab_size."""
     vocab = getattr(text_config, "vocab_size", None)
     if not isinstance(vocab, int):
         return None
-    return max(vocab, tokenizer_rows or 0)
+    return max(vocab, data_rows or 0)
 
 
-def check_token_ids(cfg, text_config, given: dict, tokenizer=None) -> None:
+def check_token_ids(cfg, text_config, given: dict, tokenizer=None, data_rows: int | None = None,
+                    note: str = "") -> None:
     """Raise CPConfigError naming the field when ``data.pad_token_id``, the HF config's
     pad/bos/eos id (``given``: the ``model.config`` / ``config_file`` kwargs, to name the field
     the user wrote) or the tokenizer's eos id (``data.source: files``) is not below the model's
-    vocabulary (:func:`model_vocab`). Local, no collective."""
-    vocab = model_vocab(text_config, len(tokenizer) if tokenizer is not None else None)
+    vocabulary (:func:`model_vocab`; ``note``: how that size was reached, for the message).
+    Local, no collective."""
+    vocab = model_vocab(text_config, data_rows)
     if vocab is None:
         return
-    where = (f"the model's vocabulary ({vocab} ids: vocab_size"
-             + (" raised to the tokenizer's size" if tokenizer is not None and len(tokenizer) > text_config.vocab_size
-                else "") + ")")
+    where = f"the model's vocabulary ({vocab} ids{note})"
     pad = cfg.data.pad_token_id
     if pad >= vocab:
         hint = (f"the tokenizer's pad id {tokenizer.pad_token_id}" if tokenizer is not None
@@ -54,19 +54,25 @@ def check_token_ids(cfg, text_config, given: dict, tokenizer=None) -> None:
 
 
 def checked_token_ids(cfg, model, *, say: bool = False):
-    """``model`` (built, its vocabulary already resized) after :func:`check_token_ids` on its config.
-    ``say`` (rank 0): a vocabulary raised to the tokenizer's size is logged in one warning line."""
+    """``model`` (built, its vocabulary set by :mod:`.vocab_rule`) after :func:`check_token_ids`
+    on its config. ``say`` (rank 0): one start-up log line when the vocabulary was set from the
+    data (INFO) or a checkpoint's was resized up (WARNING)."""
     hf = getattr(model, "config", None)
     if hf is not None:
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-        check_token_ids(cfg, text, dict(cfg.model.config or {}))
-        have = hf.__dict__.get("_hp_checkpoint_vocab")
-        if say and have is not None:
-            import logging
+        import logging
 
-            logging.getLogger("hyper_parallel.trainer").warning(
-                "[%s] %s is below len(data.tokenizer) = %s: the embedding and the head are built with %s rows "
-                "(resized up; the new rows are initialized)%s", "model.path" if cfg.model.path else
-                "model.config.vocab_size", have, text.vocab_size, text.vocab_size,
-                "" if cfg.model.path else f"; set vocab_size: {text.vocab_size} to say so")
+        log = logging.getLogger("hyper_parallel.trainer")
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        have = hf.__dict__.get("_hp_checkpoint_vocab")
+        from_data = hf.__dict__.pop("_hp_vocab_from_data", None)
+        note = (" set from the data: vocab_size was not given" if from_data is not None else
+                f": model.path's {have} resized up to the data's ids" if have is not None else "")
+        check_token_ids(cfg, text, dict(cfg.model.config or {}), note=note)
+        if say and from_data is not None:
+            log.info("[model.config.vocab_size] not given: set to %s, the token ids the data can produce (%s)",
+                     from_data, "len(data.tokenizer)" if cfg.data.source == "files" else "data.source: bytes")
+        if say and have is not None:
+            log.warning("[model.path] the checkpoint's vocab_size %s is below the token ids the data can produce: "
+                        "the embedding and the head are built with %s rows (resized up; the new rows are "
+                        "initialized)", have, text.vocab_size)
     return model

@@ -150,8 +150,10 @@ def test_files_source_counts_the_tokenizer_rows():
     rows = len(load_tokenizer(TOKENIZER))
     files = {"source": "files", "files": [os.path.join(W.ROOT, "examples", "data", "stdlib_small.jsonl")],
              "tokenizer": TOKENIZER, "path": None}
-    _checked(data={**files, "pad_token_id": rows - 1})   # above vocab_size 256: the model is resized up
-    err = _error(lambda: _checked(data={**files, "pad_token_id": rows}))
+    err = _error(lambda: _checked(data=files))   # the tiny llama's vocab_size 256: below the tokenizer's
+    assert err.field == "model.config.vocab_size" and f"len(data.tokenizer) = {rows}" in str(err)
+    _checked({"vocab_size": rows}, data={**files, "pad_token_id": rows - 1})
+    err = _error(lambda: _checked({"vocab_size": rows}, data={**files, "pad_token_id": rows}))
     assert err.field == "data.pad_token_id" and "tokenizer" in str(err)
 
 

@@ -50,6 +50,7 @@ MUTATIONS = {
     "min_lr_ratio 1.5": (["schedule.min_lr_ratio=1.5"], None, "schedule.min_lr_ratio"),
     "HF config key typo": (["model.config.num_hiden_layers=1"], None, "model.config.num_hiden_layers"),
     "pad_token_id past the vocabulary": (["data.pad_token_id=1000000"], None, "data.pad_token_id"),
+    "vocab_size below the data's ids": (["model.config.vocab_size=200"], None, "model.config.vocab_size"),
     "section twice": ([], lambda t: t + "\nmodel:\n  seed: 3\n", "model"),
     "key twice": ([], lambda t: t.replace("model:\n", "model:\n  seed: 1\n  seed: 2\n", 1), "model.seed"),
     "key twice in an override": (["model.config={hidden_size: 64, hidden_size: 32}"], None, "model.config.hidden_size"),
@@ -127,7 +128,10 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     (["examples/train_cp1.yaml", "optimizer.eps=-1"], "optimizer.eps"),
     (["examples/train_cp1.yaml", "accelerator.device_type=cuda"], "accelerator.device_type"),
     (["examples"], "<config file>"),
-], ids=["bound", "cuda", "directory"])
+    (["examples/train_cp1.yaml", "model.config.vocab_size=255"], "model.config.vocab_size"),
+    (["examples/train_long_cp2.yaml", "model.config.vocab_size=4095", "data.files=[examples/data/stdlib_small.jsonl]"],
+     "model.config.vocab_size"),
+], ids=["bound", "cuda", "directory", "vocab-bytes", "vocab-files"])
 def test_cli_exit_2_one_line_no_traceback(tmp_path, args, field):
     p = _cli([*args, f"logging.out_dir={tmp_path / 'run'}"], ROOT)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
