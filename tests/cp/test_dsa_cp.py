@@ -111,6 +111,85 @@ def _check(out):
             assert rel_l <= TOL and rel_g <= TOL, (per_rank[0]["case"], st)
 
 
+class SquareRecorder:
+    """Every tensor an op creates with >= L*L elements during a CP forward+backward (a
+    ``TorchDispatchMode``); ``squares``: those whose last two dims are [L, L] or [S, S] (a mask)."""
+
+    def __init__(self, L: int, S: int):
+        self.L, self.S, self.big, self.squares = L, S, 0, []
+
+    def __call__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel() >= self.L * self.L:
+                self.big += 1
+                if tuple(t.shape[-2:]) in ((self.L, self.L), (self.S, self.S)):
+                    self.squares.append((str(func), tuple(t.shape), str(t.dtype)))
+        return out
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return rec(func, types, args, kwargs)
+
+        return _Mode()
+
+
+def mask_free_case(kind: str, wrapper: str, kinds=("plain", "padding", "packed")) -> dict:
+    """:func:`case` with every CP forward+backward under a :class:`SquareRecorder` (the CP=1 reference,
+    which builds transformers' mask, is not recorded)."""
+    import tests.wrappers._workers as W
+
+    plain = W.cp_forward_backward
+    seen = []
+
+    def recorded(model, mesh, plan, batch, valid, seed, **kw):
+        from hyper_parallel.distributed.context_parallel.batch import policy_multiple
+
+        S = batch["input_ids"].shape[1]
+        mult = policy_multiple(plan.batch_policy, 2)[1]
+        S_pad = -(-S // mult) * mult
+        rec = SquareRecorder(S_pad // 2, S_pad)
+        with rec.mode():
+            out = plain(model, mesh, plan, batch, valid, seed, **kw)
+        seen.append({"L": S_pad // 2, "big": rec.big, "squares": rec.squares[:5], "n_squares": len(rec.squares)})
+        return out
+
+    W.cp_forward_backward = recorded
+    try:
+        res = case(kind, wrapper, kinds)
+    finally:
+        W.cp_forward_backward = plain
+    res["recorded"] = seen
+    return res
+
+
+def mask_free_cases(items: list) -> list:
+    return [mask_free_case(*it) for it in items]
+
+
+def test_no_square_mask_under_cp(ranks):
+    """DSA (DeepSeek V3.2, GLM-MoE-DSA) and Doge under CP=2: no tensor of a CP forward+backward has
+    [.., L, L] (or [.., S, S]) trailing dims — transformers' model-level mask is not built — and
+    logits and every gradient still equal CP=1."""
+    items = [("deepseek_v32", "dsa_all_gather"), ("glm_moe_dsa", "dsa_all_gather"), ("doge", "doge_dynamic_mask")]
+    out = ranks(2).run(mask_free_cases, items, timeout=500.0)
+    _check(out)
+    for per_rank in zip(*out):
+        for r in per_rank:
+            assert len(r["recorded"]) == 3, r["recorded"]
+            for i, st in enumerate(r["recorded"]):
+                print(f"{r['case']} {r['steps'][i]['kind']:<8} L={st['L']}: {st['big']} tensors >= L*L elements, "
+                      f"{st['n_squares']} [.., L, L]-shaped {st['squares']}")
+                assert st["big"] > 0 and st["n_squares"] == 0, (r["case"], st)
+
+
 def test_dsa_cp2_matches_cp1(ranks):
     """DeepSeek V3.2 and GLM-MoE-DSA (shared-indexer layer) with dsa_all_gather: logits and every gradient."""
     _check(ranks(2).run(cases, [("deepseek_v32",), ("glm_moe_dsa",)], timeout=400.0))

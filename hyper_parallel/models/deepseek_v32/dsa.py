@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...distributed.context_parallel.collectives import all_gather_seq
+from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
@@ -214,6 +215,7 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
     forward.__wrapped__ = original
     forward.__hp_mixer__ = what
+    setattr(forward, IGNORES_MODEL_MASK, True)      # causal, documents, padding: from the batch meta only
     return forward
 
 
