@@ -215,15 +215,61 @@ def test_dsa_selection_is_active_and_global():
         q_resid = m.q_a_layernorm(m.q_a_proj(hs))
         ref = m.indexer(hs, q_resid, (cos, sin), mask[:, 0], pos).long()
         iq, ik, iw = D._indexer_inputs(m.indexer, hf.apply_rotary_pos_emb, hs, q_resid, cos, sin)
-        sel = D.select_topk(iq, iw, ik, m.indexer.softmax_scale, m.indexer.index_topk, torch.arange(S), None, None,
-                            block=7)
+        sel, tied = D.select_topk(iq, iw, ik, m.indexer.softmax_scale, m.indexer.index_topk, torch.arange(S), None,
+                                  None, block=7)
     q = torch.arange(S)[None, :, None]
     a = torch.where(ref <= q, ref, -1).sort(-1).values
     b = torch.where(sel <= q, sel, -1).sort(-1).values
     dropped = int((torch.arange(S) + 1 > m.indexer.index_topk).sum())
     print(f"queries whose visible keys exceed index_topk={m.indexer.index_topk}: {dropped}/{S} per row")
     assert dropped >= S // 2
+    assert not bool(tied.any())
     assert torch.equal(a, b), (a != b).any(-1).nonzero()
+    # a zero indexer key for every token: all visible keys score 0, a tie at the k-th place for
+    # exactly the queries that see more than index_topk keys
+    _, tied = D.select_topk(iq, iw, torch.zeros_like(ik), m.indexer.softmax_scale, m.indexer.index_topk,
+                            torch.arange(S), None, None, block=7)
+    assert torch.equal(tied, (torch.arange(S) + 1 > m.indexer.index_topk).expand(2, S))
+
+
+def tied_case(kind: str, proof: bool) -> dict:
+    """:func:`case` on a model whose indexer keys are all zero (``wk`` zeroed and the LayerNorm
+    bias kept 0), so every visible key scores 0: ties at the k-th place."""
+    global build
+    plain = build
+
+    def zero_keys(kind, keep_window=64):
+        model = plain(kind, keep_window)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                ix = getattr(layer.self_attn, "indexer", None)
+                if ix is not None:
+                    ix.wk.weight.zero_()
+        return model
+
+    build = zero_keys
+    try:
+        return case(kind, "dsa_all_gather", ("plain",), 64, proof)
+    finally:
+        build = plain
+
+
+def tied_cases(items: list) -> list:
+    return [tied_case(*it) for it in items]
+
+
+def test_dsa_ties_refused_naming_module_input_and_fix(ranks):
+    """Indexer scores tied at the k-th place: refused on every rank with a message naming the module,
+    the input (ties at the k-th place) and the fix — by the proof at apply (default), and at the
+    first step's call with the proof off (no rank hangs: the count is all-reduced)."""
+    out = ranks(2).run(tied_cases, [("deepseek_v32", True), ("deepseek_v32", False), ("glm_moe_dsa", False)],
+                       timeout=400.0)
+    for r in out:
+        msgs = (r[0].get("refused", ""), r[1]["steps"][0].get("refused", ""), r[2]["steps"][0].get("refused", ""))
+        for msg in msgs:
+            print(msg[:400])
+            assert "model.layers.0.self_attn" in msg and "ties at the k-th place (index_topk=6)" in msg, msg
+            assert "torch.topk" in msg and "Fix:" in msg and "accelerator.cp_size: 1" in msg, msg
 
 
 def test_doge_cp2_matches_cp1_and_long_documents_refused(ranks):
