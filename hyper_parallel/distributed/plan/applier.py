@@ -8,7 +8,9 @@ FSDP units) are what transformers declares (``_no_split_modules``, see
 are sharded and checkpointed as Llama is. Only what the plan declares is applied.
 With cp > 1 every rotary embedding module is first probed (:func:`~.context_parallel.rope.check_rotary_modules`,
 a refusal names the module) and, with the CP wrappers, made to compute its output on the batch's
-global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback).
+global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback), and a
+base model whose every CP method ignores the model's attention mask (DSA, Doge) builds none under CP
+(:func:`~.context_parallel.interception.model_mask.install_no_model_mask`; undone by the rollback).
 
 Installing a CP method on ``inner_module``:
 
