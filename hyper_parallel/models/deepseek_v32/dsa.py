@@ -110,7 +110,7 @@ def refuse_ties(what: str, fqn: str, tied: torch.Tensor, topk: int, cp_mesh) -> 
     if n:
         raise CPMixerError(
             f"{what} on '{fqn}': refused input — indexer scores with ties at the k-th place (index_topk={topk}): "
-            f"for {n} queries of this batch the k-th and the (k+1)-th best visible keys score exactly equally "
+            f"for {n} {'query' if n == 1 else 'queries'} of this batch the k-th and the (k+1)-th best visible keys score exactly equally "
             "(typically 0: every indexer head's ReLU is 0 for both, e.g. a zero indexer key from a token whose "
             "embedding row is zero such as pad_token_id, or few index_n_heads). Without CP, torch.topk keeps an "
             "unspecified one of the tied keys (its order on ties is not guaranteed), so no CP selection is "

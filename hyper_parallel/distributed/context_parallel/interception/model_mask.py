@@ -34,10 +34,10 @@ log = logging.getLogger("hyper_parallel.apply")
 IGNORES_MODEL_MASK = "__hp_ignores_model_mask__"
 
 
-def mask_owner(model: nn.Module, fqn: str) -> Optional[str]:
+def mask_owner(model: nn.Module, fqn: str, names: Optional[dict] = None) -> Optional[str]:
     """FQN of the base model that builds the attention mask for the module at ``fqn``: the nearest
     ancestor with a ``config`` whose child on the path is a ``ModuleList`` (the decoder layers)."""
-    names = dict(model.named_modules())
+    names = dict(model.named_modules()) if names is None else names
     parts = fqn.split(".")
     for i in range(len(parts) - 1, 0, -1):
         parent, child = ".".join(parts[:i - 1]), ".".join(parts[:i])
@@ -71,13 +71,14 @@ def _skipping_forward(module: nn.Module, original: Callable) -> Callable:
 def install_no_model_mask(model: nn.Module, replace_forward: Optional[Callable] = None) -> list[str]:
     """Wrap each base model whose CP-wrapped modules all ignore the model's mask (module doc);
     returns the wrapped FQNs. ``replace_forward(module, fn)``: the applier's undo-recording installer."""
-    wrapped = [(f, m) for f, m in model.named_modules() if "__hp_cp_wrapped__" in m.__dict__]
+    names = dict(model.named_modules())
     owners: dict = {}
-    for fqn, mod in wrapped:
-        owner = mask_owner(model, fqn)
+    for fqn, mod in names.items():
+        if "__hp_cp_wrapped__" not in mod.__dict__:
+            continue
+        owner = mask_owner(model, fqn, names)
         if owner is not None:
             owners.setdefault(owner, []).append(hasattr(mod.__dict__.get("forward"), IGNORES_MODEL_MASK))
-    names = dict(model.named_modules())
     done = []
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     if HF_CP_INTERFACE in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
