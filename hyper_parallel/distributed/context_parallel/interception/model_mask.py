@@ -79,7 +79,9 @@ def install_no_model_mask(model: nn.Module, replace_forward: Optional[Callable] 
         owner = mask_owner(model, fqn, names)
         if owner is not None:
             owners.setdefault(owner, []).append(hasattr(mod.__dict__.get("forward"), IGNORES_MODEL_MASK))
-    done = []
+    done: list = []
+    if not owners:
+        return done
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     if HF_CP_INTERFACE in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         return done     # a mask function under that name: transformers would build it; keep the model's mask
