@@ -20,7 +20,9 @@ best; the MLA attention then sees only those keys. Under CP (contiguous layout) 
 
 GLM-MoE-DSA ``shared`` layers reuse the previous layer's selection, returned as GLOBAL key indices
 (the third output), exactly as at CP=1. Exact w.r.t. CP=1 up to fp32 rounding, or refused (ties,
-see 3). Training only (no cache). docs/wrappers.md, "DeepSeek sparse attention".
+see 3). The forward carries ``__hp_ignores_model_mask__``: under CP the base model builds no
+``[B, 1, L, L]`` mask (:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`).
+Training only (no cache). docs/wrappers.md, "DeepSeek sparse attention".
 """
 from __future__ import annotations
 

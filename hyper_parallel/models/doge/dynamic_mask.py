@@ -16,7 +16,9 @@ wrappers do not use), so this method re-runs the module's lines (transformers 5.
 
 The top-``keep_window_size`` selection is a no-op while no query sees more than
 ``keep_window_size`` keys (no document, or sliding window, longer: every visible key is kept); a batch with a longer document is refused at the
-call, before any collective and on every rank alike (the meta is global). Training only (no cache).
+call, before any collective and on every rank alike (the meta is global). The forward carries
+``__hp_ignores_model_mask__``: under CP the base model builds no ``[B, 1, L, L]`` mask
+(:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`). Training only (no cache).
 docs/wrappers.md, "Doge".
 """
 from __future__ import annotations
