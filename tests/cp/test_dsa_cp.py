@@ -13,8 +13,9 @@ through ``ShardingPlanner.plan`` + ``apply_sharding_plan`` with its default pref
 
 The reference is CP=1 through transformers with every document its own right-padded row. The
 indexer scores use 16 heads: with few heads a key whose every head's ReLU is 0 scores exactly 0
-and ties at the k-th place are broken arbitrarily by ``torch.topk`` at CP=1 (the CP method breaks
-them towards the earlier key; docs/wrappers.md)."""
+and ties at the k-th place are broken arbitrarily by ``torch.topk`` at CP=1, which the CP method
+refuses (tested with zeroed indexer keys); under CP no [.., L, L] tensor is created (transformers'
+model-level mask is skipped; docs/wrappers.md)."""
 from __future__ import annotations
 
 import time
