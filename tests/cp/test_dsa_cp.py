@@ -13,8 +13,9 @@ through ``ShardingPlanner.plan`` + ``apply_sharding_plan`` with its default pref
 
 The reference is CP=1 through transformers with every document its own right-padded row. The
 indexer scores use 16 heads: with few heads a key whose every head's ReLU is 0 scores exactly 0
-and ties at the k-th place are broken arbitrarily by ``torch.topk`` at CP=1 (the CP method breaks
-them towards the earlier key; docs/wrappers.md)."""
+and ties at the k-th place are broken arbitrarily by ``torch.topk`` at CP=1, which the CP method
+refuses (tested with zeroed indexer keys); under CP no [.., L, L] tensor is created (transformers'
+model-level mask is skipped; docs/wrappers.md)."""
 from __future__ import annotations
 
 import time
@@ -111,6 +112,85 @@ def _check(out):
             assert rel_l <= TOL and rel_g <= TOL, (per_rank[0]["case"], st)
 
 
+class SquareRecorder:
+    """Every tensor an op creates with >= L*L elements during a CP forward+backward (a
+    ``TorchDispatchMode``); ``squares``: those whose last two dims are [L, L] or [S, S] (a mask)."""
+
+    def __init__(self, L: int, S: int):
+        self.L, self.S, self.big, self.squares = L, S, 0, []
+
+    def __call__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel() >= self.L * self.L:
+                self.big += 1
+                if tuple(t.shape[-2:]) in ((self.L, self.L), (self.S, self.S)):
+                    self.squares.append((str(func), tuple(t.shape), str(t.dtype)))
+        return out
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return rec(func, types, args, kwargs)
+
+        return _Mode()
+
+
+def mask_free_case(kind: str, wrapper: str, kinds=("plain", "padding", "packed")) -> dict:
+    """:func:`case` with every CP forward+backward under a :class:`SquareRecorder` (the CP=1 reference,
+    which builds transformers' mask, is not recorded)."""
+    import tests.wrappers._workers as W
+
+    plain = W.cp_forward_backward
+    seen = []
+
+    def recorded(model, mesh, plan, batch, valid, seed, **kw):
+        from hyper_parallel.distributed.context_parallel.batch import policy_multiple
+
+        S = batch["input_ids"].shape[1]
+        mult = policy_multiple(plan.batch_policy, 2)[1]
+        S_pad = -(-S // mult) * mult
+        rec = SquareRecorder(S_pad // 2, S_pad)
+        with rec.mode():
+            out = plain(model, mesh, plan, batch, valid, seed, **kw)
+        seen.append({"L": S_pad // 2, "big": rec.big, "squares": rec.squares[:5], "n_squares": len(rec.squares)})
+        return out
+
+    W.cp_forward_backward = recorded
+    try:
+        res = case(kind, wrapper, kinds)
+    finally:
+        W.cp_forward_backward = plain
+    res["recorded"] = seen
+    return res
+
+
+def mask_free_cases(items: list) -> list:
+    return [mask_free_case(*it) for it in items]
+
+
+def test_no_square_mask_under_cp(ranks):
+    """DSA (DeepSeek V3.2, GLM-MoE-DSA) and Doge under CP=2: no tensor of a CP forward+backward has
+    [.., L, L] (or [.., S, S]) trailing dims — transformers' model-level mask is not built — and
+    logits and every gradient still equal CP=1."""
+    items = [("deepseek_v32", "dsa_all_gather"), ("glm_moe_dsa", "dsa_all_gather"), ("doge", "doge_dynamic_mask")]
+    out = ranks(2).run(mask_free_cases, items, timeout=500.0)
+    _check(out)
+    for per_rank in zip(*out):
+        for r in per_rank:
+            assert len(r["recorded"]) == 3, r["recorded"]
+            for i, st in enumerate(r["recorded"]):
+                print(f"{r['case']} {r['steps'][i]['kind']:<8} L={st['L']}: {st['big']} tensors >= L*L elements, "
+                      f"{st['n_squares']} [.., L, L]-shaped {st['squares']}")
+                assert st["big"] > 0 and st["n_squares"] == 0, (r["case"], st)
+
+
 def test_dsa_cp2_matches_cp1(ranks):
     """DeepSeek V3.2 and GLM-MoE-DSA (shared-indexer layer) with dsa_all_gather: logits and every gradient."""
     _check(ranks(2).run(cases, [("deepseek_v32",), ("glm_moe_dsa",)], timeout=400.0))
@@ -136,15 +216,61 @@ def test_dsa_selection_is_active_and_global():
         q_resid = m.q_a_layernorm(m.q_a_proj(hs))
         ref = m.indexer(hs, q_resid, (cos, sin), mask[:, 0], pos).long()
         iq, ik, iw = D._indexer_inputs(m.indexer, hf.apply_rotary_pos_emb, hs, q_resid, cos, sin)
-        sel = D.select_topk(iq, iw, ik, m.indexer.softmax_scale, m.indexer.index_topk, torch.arange(S), None, None,
-                            block=7)
+        sel, tied = D.select_topk(iq, iw, ik, m.indexer.softmax_scale, m.indexer.index_topk, torch.arange(S), None,
+                                  None, block=7)
     q = torch.arange(S)[None, :, None]
     a = torch.where(ref <= q, ref, -1).sort(-1).values
     b = torch.where(sel <= q, sel, -1).sort(-1).values
     dropped = int((torch.arange(S) + 1 > m.indexer.index_topk).sum())
     print(f"queries whose visible keys exceed index_topk={m.indexer.index_topk}: {dropped}/{S} per row")
     assert dropped >= S // 2
+    assert not bool(tied.any())
     assert torch.equal(a, b), (a != b).any(-1).nonzero()
+    # a zero indexer key for every token: all visible keys score 0, a tie at the k-th place for
+    # exactly the queries that see more than index_topk keys
+    _, tied = D.select_topk(iq, iw, torch.zeros_like(ik), m.indexer.softmax_scale, m.indexer.index_topk,
+                            torch.arange(S), None, None, block=7)
+    assert torch.equal(tied, (torch.arange(S) + 1 > m.indexer.index_topk).expand(2, S))
+
+
+def tied_case(kind: str, proof: bool) -> dict:
+    """:func:`case` on a model whose indexer keys are all zero (``wk`` zeroed and the LayerNorm
+    bias kept 0), so every visible key scores 0: ties at the k-th place."""
+    global build
+    plain = build
+
+    def zero_keys(kind, keep_window=64):
+        model = plain(kind, keep_window)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                ix = getattr(layer.self_attn, "indexer", None)
+                if ix is not None:
+                    ix.wk.weight.zero_()
+        return model
+
+    build = zero_keys
+    try:
+        return case(kind, "dsa_all_gather", ("plain",), 64, proof)
+    finally:
+        build = plain
+
+
+def tied_cases(items: list) -> list:
+    return [tied_case(*it) for it in items]
+
+
+def test_dsa_ties_refused_naming_module_input_and_fix(ranks):
+    """Indexer scores tied at the k-th place: refused on every rank with a message naming the module,
+    the input (ties at the k-th place) and the fix — by the proof at apply (default), and at the
+    first step's call with the proof off (no rank hangs: the count is all-reduced)."""
+    out = ranks(2).run(tied_cases, [("deepseek_v32", True), ("deepseek_v32", False), ("glm_moe_dsa", False)],
+                       timeout=400.0)
+    for r in out:
+        msgs = (r[0].get("refused", ""), r[1]["steps"][0].get("refused", ""), r[2]["steps"][0].get("refused", ""))
+        for msg in msgs:
+            print(msg[:400])
+            assert "model.layers.0.self_attn" in msg and "ties at the k-th place (index_topk=6)" in msg, msg
+            assert "torch.topk" in msg and "Fix:" in msg and "accelerator.cp_size: 1" in msg, msg
 
 
 def test_doge_cp2_matches_cp1_and_long_documents_refused(ranks):

@@ -8,7 +8,9 @@ FSDP units) are what transformers declares (``_no_split_modules``, see
 are sharded and checkpointed as Llama is. Only what the plan declares is applied.
 With cp > 1 every rotary embedding module is first probed (:func:`~.context_parallel.rope.check_rotary_modules`,
 a refusal names the module) and, with the CP wrappers, made to compute its output on the batch's
-global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback).
+global positions (:func:`~.context_parallel.rope.install_cp_rope`; undone by the rollback), and a
+base model whose every CP method ignores the model's attention mask (DSA, Doge) builds none under CP
+(:func:`~.context_parallel.interception.model_mask.install_no_model_mask`; undone by the rollback).
 
 Installing a CP method on ``inner_module``:
 
@@ -41,6 +43,7 @@ from typing import Callable, Optional
 import torch.nn as nn
 
 from ..context_parallel.interception import applying
+from ..context_parallel.interception.model_mask import install_no_model_mask
 from ..context_parallel.meta import cp_batch_context, current_cp_batch_meta
 from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
 from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
@@ -320,6 +323,8 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         # 2b. rotary embeddings computed on the batch's global positions, this rank's slice kept
         if plan.cp_size > 1:
             install_cp_rope(model, installed.replace_forward)
+            # 2c. no model-level attention mask where every CP method ignores it (DSA, Doge)
+            install_no_model_mask(model, installed.replace_forward)
         # 3. activation checkpointing
         if activation_checkpointing:
             _apply_ac(model, plan, installed)

@@ -8,17 +8,21 @@ best; the MLA attention then sees only those keys. Under CP (contiguous layout) 
    ``[B, H, L, Dv]``; the indexer's q ``[B, L, Hi, Di]``, weights ``[B, L, Hi]`` and key ``[B, L, Di]``
    (no gradient: the indexer is ``@torch.no_grad`` in transformers);
 2. ONE AllGather of ``[K | V | indexer key]`` along the sequence (backward: ReduceScatter of the
-   K/V gradients to their owners) -- the only collective, the same as Colossal's K/V gather;
+   K/V gradients to their owners) -- the one data collective, the same as Colossal's K/V gather;
 3. scores its local queries against the global indexer keys block by block (``[B, L, Hi, block]`` at
    a time, blocks past the last local query skipped) keeping a running top-k: memory O(L * k),
    never O(S^2); visibility = causal on global indices, same document, not padding (the batch
-   meta); ties broken towards the earlier key (transformers' ``topk`` breaks them arbitrarily);
+   meta); a tie at the k-th place (k-th and (k+1)-th best visible keys score equally) is refused
+   on every rank (one scalar AllReduce of the count): transformers' ``topk`` keeps an unspecified
+   one of the tied keys, which no CP order can be guaranteed to reproduce;
 4. attends each query to its selected visible keys only (gather of the selected K/V rows, query
    blocks under activation checkpointing so at most one block's ``[B, H, Lq, k, D]`` is alive).
 
 GLM-MoE-DSA ``shared`` layers reuse the previous layer's selection, returned as GLOBAL key indices
-(the third output), exactly as at CP=1. Exact w.r.t. CP=1 up to fp32 rounding (and ties in the
-index scores, see 3). Training only (no cache). docs/wrappers.md, "DeepSeek sparse attention".
+(the third output), exactly as at CP=1. Exact w.r.t. CP=1 up to fp32 rounding, or refused (ties,
+see 3). The forward carries ``__hp_ignores_model_mask__``: under CP the base model builds no
+``[B, 1, L, L]`` mask (:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`).
+Training only (no cache). docs/wrappers.md, "DeepSeek sparse attention".
 """
 from __future__ import annotations
 
@@ -30,12 +34,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...distributed.context_parallel.collectives import all_gather_seq
+from ... import platform as P
+from ...distributed.context_parallel.collectives import all_gather_seq, resolve_group
+from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 
-__all__ = ["DSA_CLASSES", "dsa_all_gather_cp_wrapper", "select_topk", "attend_selected"]
+__all__ = ["DSA_CLASSES", "dsa_all_gather_cp_wrapper", "select_topk", "refuse_ties", "attend_selected"]
 
 #: DSA attention classes -> the rotary function (in the class's transformers module) of its indexer
 DSA_CLASSES = {"DeepseekV32Attention": "apply_rotary_pos_emb",
@@ -63,9 +69,10 @@ def visible(q_idx: torch.Tensor, k_idx: torch.Tensor, doc_q, doc_k) -> torch.Ten
 @torch.no_grad()
 def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, block: int = KEY_BLOCK):
     """Global top-k keys per local query: ``iq [B, L, Hi, Di]``, ``weights [B, L, Hi]``, ``ik [B, S, Di]``
-    (global keys) -> ``[B, L, min(topk, S)]`` int64 global key indices. The transformers indexer's
-    score ``sum_h w[h] * relu(scale * q[h].k)`` with invisible keys at ``-inf``, a running top-k over
-    key blocks (stable sort: among equal scores the earlier key wins). Local, no collective."""
+    (global keys) -> (``[B, L, min(topk, S)]`` int64 global key indices, ``[B, L]`` bool: the k-th and
+    the (k+1)-th best visible keys score equally, a tie at the k-th place). The transformers indexer's
+    score ``sum_h w[h] * relu(scale * q[h].k)`` with invisible keys at ``-inf``, a running top-(k+1)
+    over key blocks (stable sort: among equal scores the earlier key wins). Local, no collective."""
     B, L = iq.shape[:2]
     S = ik.shape[1]
     k = min(topk, S)
@@ -83,12 +90,34 @@ def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, b
         sc = sc.masked_fill(~visible(q_idx, idx, doc_q, doc_k), float("-inf"))
         v = torch.cat([best_v, sc], dim=-1)
         i = torch.cat([best_i, idx.expand(B, L, -1)], dim=-1)
-        order = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
+        order = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k + 1]
         best_v, best_i = v.gather(-1, order), i.gather(-1, order)
+    tied = torch.zeros(B, L, dtype=torch.bool, device=iq.device)
+    if best_v.shape[-1] > k:
+        kth = best_v[..., k - 1]
+        tied = torch.isfinite(kth) & (kth == best_v[..., k])
+    best_i = best_i[..., :k]
     if best_i.shape[-1] < k:                        # fewer candidate keys than k: pad (invisible)
         pad = torch.full((B, L, k - best_i.shape[-1]), S - 1, dtype=torch.int64, device=iq.device)
         best_i = torch.cat([best_i, pad], dim=-1)
-    return best_i
+    return best_i, tied
+
+
+def refuse_ties(what: str, fqn: str, tied: torch.Tensor, topk: int, cp_mesh) -> None:
+    """Every rank of the CP group raises together when any rank's indexer scores tie at the k-th
+    place (one scalar AllReduce of the count): CP=1's ``torch.topk`` keeps an unspecified one of the
+    tied keys, so no CP selection is guaranteed to equal it."""
+    n = P.all_reduce(tied.sum().reshape(1).to(torch.float32), resolve_group(cp_mesh), tag="cp.dsa_ties")
+    n = int(n.item())
+    if n:
+        raise CPMixerError(
+            f"{what} on '{fqn}': refused input — indexer scores with ties at the k-th place (index_topk={topk}): "
+            f"for {n} {'query' if n == 1 else 'queries'} of this batch the k-th and the (k+1)-th best visible keys score exactly equally "
+            "(typically 0: every indexer head's ReLU is 0 for both, e.g. a zero indexer key from a token whose "
+            "embedding row is zero such as pad_token_id, or few index_n_heads). Without CP, torch.topk keeps an "
+            "unspecified one of the tied keys (its order on ties is not guaranteed), so no CP selection is "
+            "guaranteed to equal it. Fix: avoid tied index scores (no zero-embedding token as a real token, more "
+            "indexer heads / a trained indexer), or accelerator.cp_size: 1")
 
 
 def _attend_block(q, kg, vg, sel, ok, scale):
@@ -151,7 +180,8 @@ def _indexer_inputs(ix: nn.Module, rope, hs, q_resid, cos, sin):
 def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """DSA under CP on a :data:`DSA_CLASSES` attention (module docstring): local MLA + indexer
     projections, one AllGather of ``[K | V | indexer key]``, global top-k per local query, attention
-    over the selected keys. Forward: 1 AllGather; backward: 1 ReduceScatter (K/V gradients)."""
+    over the selected keys. Forward: 1 AllGather (+ 1 scalar AllReduce: the tie check, per indexer
+    layer); backward: 1 ReduceScatter (K/V gradients)."""
     del mesh, tp_mesh, ep_mesh
     what = "dsa_all_gather_cp_wrapper"
     m = target_module
@@ -194,8 +224,9 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
         doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
         doc_q = None if doc_k is None else doc_k[:, q_idx]
         if ix is not None:
-            sel = select_topk(iq, iw, g[..., H * (Dq + Dv):].detach(), ix.softmax_scale, ix.index_topk, q_idx,
-                              doc_q, doc_k)
+            sel, tied = select_topk(iq, iw, g[..., H * (Dq + Dv):].detach(), ix.softmax_scale, ix.index_topk,
+                                    q_idx, doc_q, doc_k)
+            refuse_ties(what, fqn, tied, ix.index_topk, cp_mesh)
         else:
             sel = a.get("prev_topk_indices")
             if sel is None or tuple(sel.shape[:2]) != (B, L):
@@ -214,6 +245,7 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
 
     forward.__wrapped__ = original
     forward.__hp_mixer__ = what
+    setattr(forward, IGNORES_MODEL_MASK, True)      # causal, documents, padding: from the batch meta only
     return forward
 
 

@@ -16,7 +16,9 @@ wrappers do not use), so this method re-runs the module's lines (transformers 5.
 
 The top-``keep_window_size`` selection is a no-op while no query sees more than
 ``keep_window_size`` keys (no document, or sliding window, longer: every visible key is kept); a batch with a longer document is refused at the
-call, before any collective and on every rank alike (the meta is global). Training only (no cache).
+call, before any collective and on every rank alike (the meta is global). The forward carries
+``__hp_ignores_model_mask__``: under CP the base model builds no ``[B, 1, L, L]`` mask
+(:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`). Training only (no cache).
 docs/wrappers.md, "Doge".
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...distributed.context_parallel.collectives import all_gather_seq
+from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
@@ -109,6 +112,7 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
 
     forward.__wrapped__ = original
     forward.__hp_mixer__ = what
+    setattr(forward, IGNORES_MODEL_MASK, True)      # causal, documents, padding: from the batch meta only
     return forward
 
 

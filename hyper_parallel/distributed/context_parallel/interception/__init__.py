@@ -23,7 +23,8 @@ intercepted call raises (misfire: the module does not call the primitive the wra
 declared for), and a second call raises before any collective is issued for it.
 
 Modules: :mod:`.scope` (scope, SDPA route), :mod:`.hf_interface` (HF route), :mod:`.apply_context`
-(wrap-time context), :mod:`.probe` (probe forwards).
+(wrap-time context), :mod:`.probe` (probe forwards), :mod:`.model_mask` (no model-level mask under CP
+for methods that ignore it: DSA, Doge).
 """
 from __future__ import annotations
 
