@@ -12,8 +12,10 @@ applier). Here:
   and at the row end: logits and EVERY gradient equal CP=1 (fp32, real transformers classes, tiny
   random configs, train(), dropout 0); the permutation is asserted not to be the identity; a
   negative control (the relayout's return trip skipped) is visibly wrong;
+* GDN next to Head-Tail (contiguous at the module boundary: no relayout) at cp 2, the same check;
 * the plan accepts mixers next to the balanced split and Head-Tail, and still refuses the balanced
-  split mixed with another attention method, a mixer called on a permuted batch without the relayout.
+  split mixed with another attention method, a layout with no exchange to the contiguous one, and a
+  mixer called on a permuted batch without the relayout.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ import torch
 TOL = 2e-5       # as tests/cp/test_mixer_cp.py: fp32 rounding only (relative to max|logits| / largest grad)
 BASE = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
 BALANCED = {**BASE, "match": "*.self_attn", "inner_wrapper": "sdpa_hf_balanced"}
+HEAD_TAIL = {**BASE, "match": "*.self_attn",
+             "inner_wrapper": {"_target_": "hyper_parallel.distributed.context_parallel.wrappers."
+                                           "sdpa_hf_load_balance_cp_wrapper"}}
 MIXERS = {"qwen3_next": ("*.linear_attn", "gated_deltanet_state_passing"),
           "falcon_h1": ("*.mamba", "mamba2_state_passing"),
           "bamba": ("*.mamba", "mamba2_state_passing")}
@@ -117,7 +122,7 @@ def parity(model, ref, mesh, plan, S: int, seed: int) -> dict:
             "global_len": meta.global_seq_len}
 
 
-def case(arch: str, cp: int, S: int, broken: bool = False) -> dict:
+def case(arch: str, cp: int, S: int, broken: bool = False, head_tail: bool = False) -> dict:
     from hyper_parallel.distributed.context_parallel.comm import relayout as R
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
@@ -128,9 +133,10 @@ def case(arch: str, cp: int, S: int, broken: bool = False) -> dict:
     ref.load_state_dict(model.state_dict())
     mesh = mesh_ctx(cp)
     match, method = MIXERS[arch]
-    plan = ShardingPlanner(plan_overrides=[BALANCED, {**BASE, "match": match, "inner_wrapper": method}]).plan(
-        model, mesh, cp_size=cp)
-    plan.batch_policy = dataclasses.replace(plan.batch_policy, block=2)    # many blocks per rank on short rows
+    plan = ShardingPlanner(plan_overrides=[HEAD_TAIL if head_tail else BALANCED,
+                                           {**BASE, "match": match, "inner_wrapper": method}]).plan(model, mesh, cp_size=cp)
+    if not head_tail:
+        plan.batch_policy = dataclasses.replace(plan.batch_policy, block=2)    # many blocks per rank on short rows
     policy = str(plan.batch_policy)
     model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=not broken)
     mixers = sorted(t.inner_fqn for t in plan.cp_targets if t.info.mixer)
@@ -141,7 +147,8 @@ def case(arch: str, cp: int, S: int, broken: bool = False) -> dict:
         out = parity(model, ref, mesh, plan, S, 11)
     finally:
         R.Relayout.to_permuted = real
-    return {"case": f"{arch} {method} + balanced cp{cp}{' (broken)' if broken else ''}", "policy": policy,
+    return {"case": f"{arch} {method} + {'Head-Tail' if head_tail else 'balanced'} cp{cp}"
+                    f"{' (broken)' if broken else ''}", "policy": policy,
             "mixers": mixers, **out}
 
 
@@ -157,7 +164,10 @@ def _check(out, broken: bool = False):
               f"{r0['n_grads']} nonzero grads): logits max abs {max(r['logits_abs'] for r in per_rank):.2e} rel "
               f"{rel_l:.2e}; grads max abs {max(r['grads_abs'] for r in per_rank):.2e} rel(largest grad) "
               f"{rel_g:.2e} [{r0['worst']}]; tolerance {TOL:g}")
-        assert r0["permuted"] and r0["mixers"] and r0["policy"].startswith("balanced"), r0
+        if r0["policy"] == "load_balance":       # Head-Tail: contiguous at the module boundary, no relayout
+            assert not r0["permuted"] and r0["mixers"], r0
+        else:
+            assert r0["permuted"] and r0["mixers"] and r0["policy"].startswith("balanced"), r0
         if broken:
             assert rel_l > 10 * TOL and rel_g > 10 * TOL, r0
         else:
@@ -173,8 +183,10 @@ def test_relayout_round_trip_and_gradient_is_the_inverse(ranks):
 
 
 def test_mixers_with_balanced_split_cp2_match_cp1(ranks):
-    """Qwen3-Next (GDN) and Falcon-H1 (Mamba2) state passing, balanced split on the attention, cp 2."""
-    _check(ranks(2).run(cases, [("qwen3_next", 2, 36), ("falcon_h1", 2, 40)], timeout=600.0))
+    """Qwen3-Next (GDN) and Falcon-H1 (Mamba2) state passing, balanced split on the attention, cp 2;
+    and Qwen3-Next's GDN next to Head-Tail (which keeps the contiguous layout at the boundary)."""
+    _check(ranks(2).run(cases, [("qwen3_next", 2, 36), ("falcon_h1", 2, 40), ("qwen3_next", 2, 36, False, True)],
+                        timeout=600.0))
 
 
 def test_mixers_with_balanced_split_cp4_match_cp1(ranks):
