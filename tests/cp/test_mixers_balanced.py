@@ -51,15 +51,19 @@ def relayout_case(seed: int) -> dict:
     wgt = torch.randn(B, C * L, H, generator=g)                  # a loss weight per global token
     x = full[:, perm[r * L:(r + 1) * L]].clone().requires_grad_(True)   # this rank's permuted slots
     rl = Relayout(perm, r, C, group)
-    y = rl.to_contiguous(x)
+    with P.comm_counter() as fwd:
+        y = rl.to_contiguous(x)
     back = rl.to_permuted(y)
-    (y * wgt[:, r * L:(r + 1) * L]).sum().backward()
+    with P.comm_counter() as bwd:
+        (y * wgt[:, r * L:(r + 1) * L]).sum().backward()
+    moved = sum(rl.send_counts) - rl.send_counts[r]          # this rank's tokens that change rank
     ids = rl.to_contiguous(perm[r * L:(r + 1) * L].view(1, L))     # integer fields move the same way
     return {"contiguous": bool(torch.equal(y.detach(), full[:, r * L:(r + 1) * L])),
             "round_trip": bool(torch.equal(back.detach(), x.detach())),
             "grad_is_inverse": bool(torch.equal(x.grad, wgt[:, perm[r * L:(r + 1) * L]])),
             "ids": bool(torch.equal(ids[0], torch.arange(r * L, (r + 1) * L))),
-            "moved": sum(rl.send_counts) - rl.send_counts[r]}
+            "moved": moved, "sent": sum(c.bytes_sent for c in fwd), "expected_sent": moved * B * H * 4,
+            "bwd_received": sum(c.bytes_received for c in bwd), "bound": B * L * H * 4}
 
 
 def packed_padded_batch(vocab: int, S: int, seed: int):
@@ -179,7 +183,8 @@ def test_relayout_round_trip_and_gradient_is_the_inverse(ranks):
     for res in ranks(4).run(relayout_case, 5, timeout=120.0):
         print(res)
         assert res["contiguous"] and res["round_trip"] and res["grad_is_inverse"] and res["ids"], res
-        assert res["moved"] > 0, res
+        assert res["moved"] > 0 and res["sent"] == res["expected_sent"] <= res["bound"], res
+        assert res["bwd_received"] == res["sent"], res         # the gradient of what was sent comes back
 
 
 def test_mixers_with_balanced_split_cp2_match_cp1(ranks):
