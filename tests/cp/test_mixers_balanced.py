@@ -252,3 +252,33 @@ def test_mixer_on_a_permuted_batch_without_the_relayout_is_refused():
                    object(), (torch.zeros(1, 4, 8),), {})
     print(err.value)
     assert "model.layers.0.linear_attn" in str(err.value) and "apply_sharding_plan" in str(err.value)
+
+
+# ---------------------------------------------------------------- the trainer (2 ranks)
+QWEN3_NEXT_TINY = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "linear_conv_kernel_dim": 4, "layer_types": ["linear_attention", "full_attention"],
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "max_position_embeddings": 4096}
+
+
+def test_trainer_qwen3_next_balanced_cp2_same_losses_as_cp1(ranks, tmp_path):
+    """The trainer (preflight proof on by default) on the main job's packed rows (the shipped data
+    slice, rows of 1024 tokens) with a tiny Qwen3-Next: the balanced split on the attention, GDN
+    state passing on the linear attention; the losses equal the same config at cp_size 1."""
+    from tests.trainer import _workers as TW
+    from tests.trainer.test_balanced_trainer import LOSS_RTOL, _cfg
+
+    def cfg(cp: int) -> dict:
+        c = _cfg(tmp_path / f"cp{cp}", f"accelerator.cp_size={cp}")
+        c["model"] = {"architecture": "qwen3_next", "config": dict(QWEN3_NEXT_TINY), "seed": 0}
+        c["plan_overrides"].append({**BASE, "match": "*.linear_attn", "inner_wrapper": "gated_deltanet_state_passing"})
+        return c
+
+    cp2 = ranks(2).run(TW.train_losses, cfg(2), timeout=600.0)
+    cp1 = ranks(1).run(TW.train_losses, cfg(1), timeout=600.0)[0]["losses"]
+    l2 = cp2[0]["losses"]
+    rel = [abs(a - b) / abs(a) for a, b in zip(cp1, l2)]
+    print(f"cp1 losses {cp1}\ncp2 losses {l2}\nmax rel err {max(rel):.2e} (tolerance {LOSS_RTOL:g})")
+    assert cp2[1]["losses"] == l2 and len(l2) == len(cp1) == 3 and max(rel) <= LOSS_RTOL
