@@ -10,7 +10,7 @@ applier). Here:
 * Qwen3-Next (Gated DeltaNet state passing) and Falcon-H1 / Bamba (Mamba2 state passing) with the
   balanced split on every attention, cp 2 and 4, packed rows with padding inside document slots
   and at the row end: logits and EVERY gradient equal CP=1 (fp32, real transformers classes, tiny
-  random configs, train(), dropout 0); the permutation is asserted not to be the identity; a
+  random configs, train(), dropout 0), and LFM2's short-conv halo at cp 2; the permutation is asserted not to be the identity; a
   negative control (the relayout's return trip skipped) is visibly wrong;
 * GDN next to Head-Tail (contiguous at the module boundary: no relayout) at cp 2, the same check;
 * the plan accepts mixers next to the balanced split and Head-Tail, and still refuses the balanced
@@ -32,7 +32,8 @@ HEAD_TAIL = {**BASE, "match": "*.self_attn",
                                            "sdpa_hf_load_balance_cp_wrapper"}}
 MIXERS = {"qwen3_next": ("*.linear_attn", "gated_deltanet_state_passing"),
           "falcon_h1": ("*.mamba", "mamba2_state_passing"),
-          "bamba": ("*.mamba", "mamba2_state_passing")}
+          "bamba": ("*.mamba", "mamba2_state_passing"),
+          "lfm2": ("*[0-9].conv", "short_conv_halo")}
 
 
 # ============================================================================ rank functions
@@ -188,10 +189,11 @@ def test_relayout_round_trip_and_gradient_is_the_inverse(ranks):
 
 
 def test_mixers_with_balanced_split_cp2_match_cp1(ranks):
-    """Qwen3-Next (GDN) and Falcon-H1 (Mamba2) state passing, balanced split on the attention, cp 2;
+    """Qwen3-Next (GDN) and Falcon-H1 (Mamba2) state passing, LFM2's short-conv halo, balanced split on
+    the attention, cp 2;
     and Qwen3-Next's GDN next to Head-Tail (which keeps the contiguous layout at the boundary)."""
-    _check(ranks(2).run(cases, [("qwen3_next", 2, 36), ("falcon_h1", 2, 40), ("qwen3_next", 2, 36, False, True)],
-                        timeout=600.0))
+    _check(ranks(2).run(cases, [("qwen3_next", 2, 36), ("falcon_h1", 2, 40), ("lfm2", 2, 38),
+                                ("qwen3_next", 2, 36, False, True)], timeout=600.0))
 
 
 def test_mixers_with_balanced_split_cp4_match_cp1(ranks):
