@@ -22,6 +22,8 @@ from .primitives import AllToAllUneven, CPCollectiveError
 
 __all__ = ["Relayout"]
 
+_LAST: dict = {}          # the last step's Relayout (key holds the perm tensor itself, compared with ``is``)
+
 
 class Relayout:
     """The exchange of rank ``rank`` of ``cp_size`` for the permutation ``perm [S]`` (slot i of the
@@ -44,6 +46,16 @@ class Relayout:
         self.recv_inv = torch.argsort(self.recv_pos)
         self.send_inv = torch.argsort(self.send_idx)
         self.L, self.group, self.tag = L, group, tag
+
+    @classmethod
+    def cached(cls, perm: torch.Tensor, rank: int, cp_size: int, group, tag: str = "cp.relayout") -> "Relayout":
+        """:class:`Relayout` for this step's ``perm`` (the same tensor object for every mixer layer of a
+        step, and in recomputation): built once per step, reused by the next layers."""
+        key = (perm, rank, cp_size, group, tag)
+        last = _LAST.get("key")
+        if last is None or last[0] is not perm or last[1:] != key[1:]:
+            _LAST["key"], _LAST["value"] = key, cls(perm, rank, cp_size, group, tag)
+        return _LAST["value"]
 
     def _check(self, x: torch.Tensor, what: str) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] != self.L:

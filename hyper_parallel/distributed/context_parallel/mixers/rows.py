@@ -143,7 +143,7 @@ def on_contiguous_layout(forward: Callable, module: nn.Module, cp_mesh) -> Calla
                                f"hidden_states {tuple(getattr(hs, 'shape', ()))} is not this rank's [B, "
                                f"{meta.local_seq_len}, H] chunk of the balanced split; refused before the relayout")
         group = resolve_group(cp_mesh)
-        rl = Relayout(meta.perm, P.group_rank(group), P.group_size(group), group, tag="cp.mixer_relayout")
+        rl = Relayout.cached(meta.perm, P.group_rank(group), P.group_size(group), group, tag="cp.mixer_relayout")
         B, L = hs.shape[:2]
         a, kw = rebuild(rl.to_contiguous(hs), map_seq(rest_args, B, L, rl.to_contiguous),
                         map_seq(rest_kwargs, B, L, rl.to_contiguous))
