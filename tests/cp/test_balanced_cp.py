@@ -156,19 +156,17 @@ def test_other_strategies_refuse_a_permuted_batch_and_balanced_needs_one():
     BalancedStrategy(None).check_inputs(q, q, q, meta, cp_size=1, cp_rank=0)
 
 
-def test_balanced_with_a_token_mixer_or_another_method_is_refused():
-    """A token mixer (GDN state passing) needs the contiguous layout: refused at planning, naming the
-    module and the fix; mixing the balanced split with another attention method is refused too."""
+def test_balanced_with_a_token_mixer_is_planned_and_with_another_method_refused():
+    """A token mixer (GDN state passing) next to the balanced split is planned (its tokens move to the
+    contiguous layout and back; parity in tests/cp/test_mixers_balanced.py); mixing the balanced split
+    with another attention method is refused."""
     from hyper_parallel.distributed.errors import CPConfigError
     from tests.cp.test_mixer_cp import MIXER, MIXER_FQN, _plan
 
     base = {"when": "cp", "region_dispatch": False, "inner_target": "self"}
-    with pytest.raises(CPConfigError) as err:
-        _plan("qwen3_next", [{**base, "match": "*.self_attn", "inner_wrapper": "sdpa_hf_balanced"},
-                             {**base, "match": MIXER_FQN["qwen3_next"], "inner_wrapper": MIXER["gdn_sp"]}])
-    msg = str(err.value)
-    print(msg)
-    assert "needs the contiguous layout" in msg and "balanced split" in msg and "model.layers.0.linear_attn" in msg
+    plan = _plan("qwen3_next", [{**base, "match": "*.self_attn", "inner_wrapper": "sdpa_hf_balanced"},
+                                {**base, "match": MIXER_FQN["qwen3_next"], "inner_wrapper": MIXER["gdn_sp"]}])
+    assert plan.batch_policy.name == "balanced"
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.wrappers._workers import build_arch
 

@@ -38,7 +38,8 @@ class WrapperInfo:
     model_adapter: str | None = None  # architecture the wrapper is written for (async adapters)
     validate: Callable | None = None  # validate(target_module, *, cp_size, **named) -> None, raises
     # a token-mixer method (not attention): may be declared on a non-attention module (e.g. a Gated
-    # DeltaNet / Mamba2 / short-conv layer), needs the contiguous layout (see context_parallel.mixers)
+    # DeltaNet / Mamba2 / short-conv layer), runs on the contiguous layout (the applier moves a permuted
+    # batch there and back: context_parallel.mixers.rows.on_contiguous_layout)
     mixer: bool = False
     named_params: tuple = ()          # names after the five mesh-family parameters
     required_params: tuple = ()       # named params without a default

@@ -9,9 +9,9 @@ local only, no collective, nothing modified:
 * :func:`check_target` — a registered model spec's allowed wrappers; an async wrapper is a model
   adapter for this architecture; the wrapper's ``validate`` hook again with TP-local
   heads;
-* :func:`batch_policy` — one batch layout per model: Head-Tail (a reordering method) is on every
-  attention or none, never with Ulysses/Hybrid; a token-mixer method needs the contiguous layout
-  and no CP method inside it.
+* :func:`batch_policy` — one batch layout per model: a reordering method (Head-Tail, balanced) is on
+  every attention or none, never with Ulysses/Hybrid; a token-mixer method runs next to any layout
+  in :data:`MIXER_LAYOUTS` (moved to the contiguous one when permuted) and has no CP method inside it.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..errors import CPConfigError
 from ..tensor_parallel import check_tp_plan, get_tp_plan
 from .resolver import ResolvedCPTarget
 
-__all__ = ["METHOD_POLICY", "check_topology", "tp_layer_plan", "check_target", "batch_policy"]
+__all__ = ["METHOD_POLICY", "MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "batch_policy"]
 
 # wrapper method -> shard_batch_for_cp policy (one policy per batch), read from the catalogue
 METHOD_POLICY = catalogue.method_policies()
@@ -70,9 +70,10 @@ def _batch_policy(targets: list) -> Optional[str]:
     attention. Raises CPConfigError naming the field and module."""
     methods: dict[str, str] = {}
     for t in targets:
-        methods.setdefault(t.info.method if t.info is not None else "custom", t.fqn)
+        if not _is_mixer(t):       # mixers reach any layout contiguously (_check_mixer_layout)
+            methods.setdefault(t.info.method if t.info is not None else "custom", t.fqn)
     if not methods:
-        return None
+        return None if not targets else "all_gather"
     seq_head = [m for m in methods if _splits_heads(m) and not _reorders(m)]   # Hybrid on the balanced split: itself
     reorder = [m for m in methods if _reorders(m)]
     if reorder:
@@ -93,11 +94,22 @@ def _batch_policy(targets: list) -> Optional[str]:
     return catalogue.batch_policy_for(methods)
 
 
+#: batch layouts (catalogue ``layout``) a token-mixer method runs under exactly: "contiguous";
+#: "head_tail" (Head-Tail keeps the contiguous layout at the module boundary); "balanced" (the mixer's
+#: tokens move to the contiguous layout and back, ``mixers.rows.on_contiguous_layout``)
+MIXER_LAYOUTS = ("contiguous", "head_tail", "balanced")
+
+
+def _is_mixer(t: ResolvedCPTarget) -> bool:
+    return t.info is not None and bool(getattr(t.info, "mixer", False))
+
+
 def _check_mixer_layout(targets: list) -> None:
-    """Token-mixer methods (``@inner_wrapper(mixer=True)``) are declared for the contiguous layout
-    only: refuse them next to a Head-Tail load-balance attention (before ``_batch_policy``'s
-    generic rule, so the message names the mixer's field)."""
-    mixers = [t for t in targets if t.info is not None and getattr(t.info, "mixer", False)]
+    """Token-mixer methods (``@inner_wrapper(mixer=True)``) run on the contiguous layout: refuse
+    them next to an attention method whose layout is not in :data:`MIXER_LAYOUTS` (before
+    ``_batch_policy``'s generic rule, so the message names the mixer's field), and any CP method
+    declared inside a mixer."""
+    mixers = [t for t in targets if _is_mixer(t)]
     for m in mixers:
         for t in targets:
             m_outer = t.inner_fqn.startswith(m.inner_fqn + ".")
@@ -109,19 +121,19 @@ def _check_mixer_layout(targets: list) -> None:
                     "nothing inside it may carry a CP method of its own", module=inner.fqn,
                     fix="make the match patterns select only the mixer modules themselves (e.g. '*[0-9].conv' "
                         "rather than '*.conv', which also matches LFM2's inner 'conv.conv')")
-    lb = next((t for t in targets if t.info is not None and _reorders(t.info.method)), None)
+    lb = next((t for t in targets if t.info is not None and _reorders(t.info.method)
+               and catalogue.get_method(t.info.method).layout not in MIXER_LAYOUTS), None)
     if mixers and lb is not None:
         m = mixers[0]
         title = catalogue.get_method(lb.info.method).title
         raise CPConfigError(
-            _field(m), f"token-mixer method {m.info.qualname.rsplit('.', 1)[-1]} needs the contiguous layout "
+            _field(m), f"token-mixer method {m.info.qualname.rsplit('.', 1)[-1]} runs on the contiguous layout "
             f"(rank r owns global tokens [r*S/C, (r+1)*S/C) and runs the module on them in order), but "
-            f"{_field(lb)} declares {title} on '{lb.fqn}', which reorders the row; a mixer method and "
+            f"{_field(lb)} declares {title} on '{lb.fqn}', whose layout "
+            f"'{catalogue.get_method(lb.info.method).layout}' has no exchange to it; a mixer method and "
             f"{lb.info.method} are not combined in one model", module=m.fqn,
-            fix=f"declare a contiguous-layout attention method (sdpa_hf, sdpa_hf_ulysses, hybrid) instead of "
-                f"the {lb.info.method} wrapper, or use accelerator.cp_size: 1")
-
-
+            fix=f"declare an attention method whose layout a mixer can follow ({', '.join(sorted(MIXER_LAYOUTS))}) "
+                f"instead of the {lb.info.method} wrapper, or use accelerator.cp_size: 1")
 
 
 def check_topology(tp_size: int, cp_size: int, ep_size: int, sequence_parallel: bool, loss_parallel: bool,

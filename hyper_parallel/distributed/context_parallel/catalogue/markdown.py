@@ -53,7 +53,10 @@ def support_matrix_markdown() -> str:
     lines.append("")
     lines.extend(f"[{i}] {n}" for i, n in enumerate(notes, 1))
     lines.append("")
-    lines.append("Token-mixer methods (contiguous layout, batch policy all_gather):")
+    lines.append("Token-mixer methods (they run on the contiguous layout; batch policy all_gather, or the attention's "
+                 "load_balance / balanced: next to the balanced split each mixer layer's input and output move "
+                 "between the permuted and the contiguous layout, one all-to-all each way, 2 x its activation "
+                 "bytes per layer forward and the same in backward):")
     lines.append("")
     for m in mixer_methods():
         o = m.offers[0]

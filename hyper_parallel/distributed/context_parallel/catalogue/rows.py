@@ -203,8 +203,9 @@ METHODS: dict = {m.name: m for m in (
         offers=(Offer("hf", "sdpa_hf_hybrid_balanced_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_balanced_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid on the balanced split")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid on the balanced split")))),
-    # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, contiguous
-    # layout only; WrapperInfo.method is "custom" and mixer=True
+    # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, run on
+    # the contiguous layout (next to "balanced" the applier moves their tokens there and back,
+    # mixers.rows.on_contiguous_layout); WrapperInfo.method is "custom" and mixer=True
     CPMethod(
         name="sequence_gather", title="sequence gather (any mixer)", kind="mixer", batch_policy="all_gather",
         head_rule="module", head_doc="none (the whole module runs on the gathered sequence)",

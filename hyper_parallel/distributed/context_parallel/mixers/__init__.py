@@ -2,8 +2,9 @@
 
 A module that mixes tokens along the sequence (a Gated DeltaNet, a Mamba2 mixer, a short
 convolution, ...) is declared under CP like the attention, on its own module (``plan_overrides``,
-``inner_wrapper: <method>``); every method is an ``@inner_wrapper(mixer=True)``, contiguous layout
-only, and one row of :mod:`..catalogue`. The generic methods live here — :mod:`.sequence_gather`
+``inner_wrapper: <method>``); every method is an ``@inner_wrapper(mixer=True)`` written for the
+contiguous layout (a permuted batch is moved to it and back: :func:`.rows.on_contiguous_layout`),
+and one row of :mod:`..catalogue`. The generic methods live here — :mod:`.sequence_gather`
 (any mixer; compute not divided by cp) and :mod:`.halo` (LFM2's short conv) — with what every
 method shares (:mod:`.rows`: documents as rows, call checks; :mod:`.state_passing`: the blocks of
 a recurrence run on the local tokens from a passed state; :mod:`.mamba2` / :mod:`.mamba1`: the SSM
