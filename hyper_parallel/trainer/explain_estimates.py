@@ -46,21 +46,24 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
 @contextlib.contextmanager
 def _probe_mode(model: nn.Module):
     """The model's attention -> the stand-in; transformers' packed-sequence detection (a
-    data-dependent ``.item()``) off: the probe feeds no position ids."""
+    data-dependent ``.item()``) off: the probe feeds no position ids; MoE experts through
+    transformers' grouped-mm fallback (torch's meta ``grouped_mm`` takes bf16 only)."""
+    import transformers.integrations.moe as moe
     import transformers.masking_utils as mu
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     before = [c._attn_implementation for c in configs]
-    find = mu.find_packed_sequence_indices
+    find, grouped = mu.find_packed_sequence_indices, moe._can_use_grouped_mm
     mu.find_packed_sequence_indices = lambda position_ids: None
+    moe._can_use_grouped_mm = lambda *a, **k: False
     try:
         for c in configs:
             c._attn_implementation = PROBE_ATTENTION
         yield
     finally:
-        mu.find_packed_sequence_indices = find
+        mu.find_packed_sequence_indices, moe._can_use_grouped_mm = find, grouped
         for c, b in zip(configs, before):
             c._attn_implementation = b
 
