@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .explain_estimates import comm_bytes, fsdp_bytes, saved_bytes_per_token, work_spread
-from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, target_comm_bytes,
-                               tiled_mlp_transient)
+from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, state_passing_extra,
+                               target_comm_bytes, tiled_mlp_transient)
 
 GB = 1e9
 
@@ -118,6 +118,8 @@ def explain(cfg, echo=print) -> dict:
     act = per_token * s_local * B
     names = {id(t): method_name(t) for t in plan.cp_targets}
     methods = sorted(set(names.values()))
+    passing = sum(state_passing_extra(names[id(t)], t.inner_module, s_local, B) for t in plan.cp_targets)
+    act += passing
     gathered = 0.0
     if "colossal" in methods:   # the gathered K/V each layer keeps for backward
         gathered = sum(1 for t in plan.cp_targets if names[id(t)] == "colossal") * \
@@ -143,7 +145,8 @@ def explain(cfg, echo=print) -> dict:
     echo(f"row length {S} (S_local {s_local} per CP rank, micro-batch {B}); saved for backward "
          f"{per_token / 1e3:.1f} kB/token -> {_gb(act)}"
          + (" (activation checkpointing: layer inputs + one layer recomputed)" if s.activation_checkpointing else "")
-         + (f"; gathered K/V {_gb(gathered)}" if gathered else ""))
+         + (f"; gathered K/V {_gb(gathered)}" if gathered else "")
+         + (f"; state passing's own {_gb(passing)} (packed rows, a delta rule's second run)" if passing else ""))
     if mlps:
         echo(f"tiled MLP ({len(mlps)} MLPs, chunks of {s.tiled_mlp_chunk_size} tokens): intermediates not saved; "
              f"one chunk's backward {_gb(transient)}")

@@ -121,3 +121,43 @@ def offload_split(L: int, s_local: int, B: int, H: int, elem: int) -> tuple[floa
     inputs go to host, two come back at a time (the layer being recomputed and the prefetched one)."""
     per = s_local * B * H * elem
     return 2 * per * (L > 1), L * per
+
+
+def _rule_saved_bytes(module: nn.Module, L: int) -> float:
+    """Bytes autograd saves in one call of the module's transformers delta-rule kernel over ``L``
+    tokens from zero state (meta tensors; 0 when the module has no such kernel)."""
+    import sys
+
+    import torch
+
+    rule = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
+    if rule is None:
+        return 0.0
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    seen: dict = {}
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        seen[id(base)] = base.numel() * base.element_size()
+        return t
+
+    mk = lambda *shape: torch.zeros(*shape, device="meta", requires_grad=True)   # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rule(mk(1, L, hk, dk), mk(1, L, hk, dk), mk(1, L, hv, dv), g=mk(1, L, hv), beta=mk(1, L, hv),
+             initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return float(sum(seen.values()))
+
+
+def state_passing_extra(name: str, module: nn.Module, s_local: int, B: int) -> float:
+    """What a state-passing layer saves beyond the module's own forward on the same tokens, on the
+    rank whose first local document continues the previous rank's (the largest): the per-document
+    packed fp32 copies of the core inputs, the fp32 output and its correction term; for a delta
+    rule also its second run (values 0, identity initial state) over the continuing document,
+    bounded by all local tokens. 0 for the other methods."""
+    m, L = module, s_local
+    if name in ("gated_deltanet_state_passing", "kda_state_passing") and hasattr(m, "key_dim"):
+        packs = (2 * m.key_dim + m.value_dim + 2 * m.num_v_heads) * 4 * L
+        return B * (packs + 2 * m.value_dim * 4 * L + _rule_saved_bytes(m, L))
+    if name == "mamba2_state_passing" and hasattr(m, "conv_dim"):
+        return B * (m.conv_dim + 3 * m.num_heads + 2 * m.intermediate_size) * 4 * L
+    return 0.0
