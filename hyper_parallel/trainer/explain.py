@@ -166,7 +166,8 @@ def explain(cfg, echo=print) -> dict:
                    or target_comm_bytes(m, t.inner_module, t.params, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp),
                                         d=hd, H=H, elem=elem))
             for k, v in one.items():
-                per[k] = per.get(k, 0.0) + v / n
+                if not (k == "bwd K/V regather" and s.activation_checkpointing):   # the recompute gathers
+                    per[k] = per.get(k, 0.0) + v / n
         title = METHODS[m].title if m in METHODS else m
         if not per:
             echo(f"{title} ({n} layers): not modelled here")

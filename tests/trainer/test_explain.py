@@ -44,10 +44,13 @@ def test_explain_config_error_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [accelerator.cp_size]"), lines
 
 
-def _measured_tensor_peak(cfg: dict) -> float:
+def _measured_tensor_peak(cfg: dict, comm: dict | None = None) -> float:
     """This run's tensor peak per rank (GB), less what the warm pool process held before it (earlier
-    tests' tensors not yet collected count in the process-wide peak, not in this run's)."""
+    tests' tensors not yet collected count in the process-wide peak, not in this run's). ``comm``:
+    filled with the bytes this rank sent per collective tag during the steps."""
     import gc
+
+    from hyper_parallel.platform import comm_counter
 
     from hyper_parallel.platform.host_memory import host_tensor_bytes
     from hyper_parallel.trainer.config import TrainerConfig
@@ -56,13 +59,17 @@ def _measured_tensor_peak(cfg: dict) -> float:
     gc.collect()
     before = host_tensor_bytes()
     trainer = TextTrainer(TrainerConfig.from_dict(cfg))
-    res = trainer.train()
+    with comm_counter() as records:
+        res = trainer.train()
+    for r in records if comm is not None else ():
+        comm[r.tag] = comm.get(r.tag, 0) + r.bytes_sent
     baseline = 0 if before is None else before[0] / 1e9
     return res[-1].record()["peak_tensor_gb_per_rank"][trainer.rank] - baseline   # this rank's peak, its baseline
 
 
-def _measured_peak_and_offload(cfg: dict) -> tuple[float, int]:
-    """(:func:`_measured_tensor_peak`, bytes activation offload moved to host in the run; 0 without)."""
+def _measured_peak_and_offload(cfg: dict) -> tuple[float, int, dict]:
+    """(:func:`_measured_tensor_peak`, bytes activation offload moved to host in the run (0
+    without), bytes sent per collective tag)."""
     import hyper_parallel.trainer.activation_offload as ao
 
     made = []
@@ -73,11 +80,12 @@ def _measured_peak_and_offload(cfg: dict) -> tuple[float, int]:
         made.append(self)
 
     ao.ActivationOffloader.__init__ = record
+    comm: dict = {}
     try:
-        peak = _measured_tensor_peak(cfg)
+        peak = _measured_tensor_peak(cfg, comm)
     finally:
         ao.ActivationOffloader.__init__ = init
-    return peak, sum(o.stats.packed_bytes for o in made)
+    return peak, sum(o.stats.packed_bytes for o in made), comm
 
 
 def test_explain_estimate_within_the_bound_of_a_measured_run(ranks, tmp_path):
@@ -152,7 +160,9 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_explain_models_the_feature_within_the_bound(ranks, tmp_path, feature):
     """The tiled MLP, activation offload, Hybrid and the token-mixer methods: the estimated tensor
-    peak per rank within 15 % of the measured one, and nothing printed as "not modelled". Offload:
+    peak per rank within 15 % of the measured one, the CP bytes each rank sends in the step
+    (platform.comm_counter, tags ``cp.*``) within 15 % of the estimate, and nothing printed as
+    "not modelled". Offload:
     the bytes estimated to go to host equal those the run's offloader moved (on CPU the host
     buffers are the same memory, so the peak alone would not tell)."""
     from hyper_parallel.trainer.config import TrainerConfig
@@ -170,7 +180,16 @@ def test_explain_models_the_feature_within_the_bound(ranks, tmp_path, feature):
     err = est["tensor_peak"] / 1e9 / measured - 1
     print(f"{feature}: explain estimate {est['tensor_peak'] / 1e9:.4f} GB, measured tensor peak {measured:.4f} GB "
           f"per rank: {100 * err:+.1f} % (bound {100 * BOUND:.0f} %); comm {est['comm']}")
+    sent = {}
+    for g in got:
+        for tag, b in g[2].items():
+            sent[tag] = max(sent.get(tag, 0), b)
+    cp_sent = sum(b for tag, b in sent.items() if tag.startswith("cp."))
+    cp_est = sum(v for k, v in est["comm"].items() if k != "fsdp")
+    print(f"CP bytes sent per rank in the step: estimate {cp_est / 1e6:.3f} MB, measured {cp_sent / 1e6:.3f} MB; "
+          f"by tag {sent}")
     assert abs(err) <= BOUND
+    assert cp_sent > 0 and abs(cp_est / cp_sent - 1) <= BOUND
     if feature == "activation_offload":
         host = max(g[1] for g in got)
         print(f"offloaded to host: estimate {est['offloaded_host'] / 1e6:.3f} MB, the run's offloader {host / 1e6:.3f} MB")
