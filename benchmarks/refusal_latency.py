@@ -66,23 +66,31 @@ def _timed(cmd: list, env: dict, out_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
+    ap.add_argument("--no-pieces", action="store_true", help="skip the per-piece timings")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "refusal_latency.json"))
     args = ap.parse_args()
     out = {"cpu": cpu_name(), "cores": os.cpu_count(), "cases": {}, "pieces": {}}
-    for name, (over, env) in CASES.items():
+
+    def save():   # after every run: a run killed by a time limit keeps what it measured
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+    for name in args.cases.split(","):
+        over, env = CASES[name]
         runs = []
         for i in range(args.repeats):
             run_dir = f"/tmp/hp_refusal_latency/{name}{i}"
             runs.append(_timed([sys.executable, "-m", "hyper_parallel.trainer.cli", *BASE, *over,
                                 f"logging.out_dir={run_dir}"], _env(env), run_dir))
             print(name, runs[-1], flush=True)
-        out["cases"][name] = runs
-    for name, code in PIECES.items():
+            out["cases"][name] = runs
+            save()
+    for name, code in ({} if args.no_pieces else PIECES).items():
         runs = [_timed([sys.executable, "-c", code], _env({}), "") for _ in range(args.repeats)]
         out["pieces"][name] = runs
         print(name, [r["seconds"] for r in runs], flush=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1)
+        save()
     print("wrote", args.out)
 
 
