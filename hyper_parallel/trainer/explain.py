@@ -7,7 +7,8 @@ plan (the planner's own summary), parameter / gradient / optimizer bytes (FSDP2 
 configured length (:func:`~.explain_estimates.saved_bytes_per_token`), communication bytes per
 step per CP method and for FSDP2 (:func:`~.explain_estimates.comm_bytes`), the attention work
 spread of the first batch (visible (q, k) pairs per CP rank, max / mean), and the peak it adds up
-to. docs/trainer.md "--explain" compares the estimate with measured peaks.
+to; the tiled MLP, activation offload, Hybrid and the token-mixer methods through
+:mod:`.explain_features`. docs/trainer.md "--explain" compares the estimate with measured peaks.
 """
 from __future__ import annotations
 
