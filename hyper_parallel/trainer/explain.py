@@ -211,7 +211,8 @@ def explain(cfg, echo=print) -> dict:
                                       "this process's resident set after building the meta model and reading a "
                                       "batch)" if baseline else ""))
     return {"params": p_rank, "grads": p_rank, "optimizer": opt_rank, "activations": act, "gathered_kv": gathered,
-            "loss_buffers": loss_buf, "tiled_mlp_transient": transient, "offloaded_host": host, "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
+            "loss_buffers": loss_buf, "tiled_mlp_transient": transient, "offloaded_host": host,
+            "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
             "comm": comm, "spread": spread, "bytes_per_token": per_token}
 
 

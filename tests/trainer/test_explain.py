@@ -192,5 +192,6 @@ def test_explain_models_the_feature_within_the_bound(ranks, tmp_path, feature):
     assert cp_sent > 0 and abs(cp_est / cp_sent - 1) <= BOUND
     if feature == "activation_offload":
         host = max(g[1] for g in got)
-        print(f"offloaded to host: estimate {est['offloaded_host'] / 1e6:.3f} MB, the run's offloader {host / 1e6:.3f} MB")
+        print(f"offloaded to host: estimate {est['offloaded_host'] / 1e6:.3f} MB, "
+              f"the run's offloader {host / 1e6:.3f} MB")
         assert host > 0 and abs(est["offloaded_host"] / host - 1) <= BOUND
