@@ -7,7 +7,8 @@ plan (the planner's own summary), parameter / gradient / optimizer bytes (FSDP2 
 configured length (:func:`~.explain_estimates.saved_bytes_per_token`), communication bytes per
 step per CP method and for FSDP2 (:func:`~.explain_estimates.comm_bytes`), the attention work
 spread of the first batch (visible (q, k) pairs per CP rank, max / mean), and the peak it adds up
-to. docs/trainer.md "--explain" compares the estimate with measured peaks.
+to; the tiled MLP, activation offload, Hybrid and the token-mixer methods through
+:mod:`.explain_features`. docs/trainer.md "--explain" compares the estimate with measured peaks.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from .explain_estimates import comm_bytes, fsdp_bytes, saved_bytes_per_token, work_spread
+from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, state_passing_extra,
+                               target_comm_bytes, tiled_mlp_transient)
 
 GB = 1e9
 
@@ -49,6 +52,13 @@ def _rss_bytes() -> float:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def _on_device(accel) -> bool:
+    """An accelerator run (CUDA / NPU), not a CPU one."""
+    from ..platform.device import detect_device_type
+
+    return (accel.device_type or detect_device_type()) != "cpu"
 
 
 def _first_batch(cfg, vocab: int, dp: int):
@@ -101,18 +111,32 @@ def explain(cfg, echo=print) -> dict:
     S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
     S += (-S) % (2 * cp if plan.batch_policy == "load_balance" else cp)
     s_local, B = S // cp, d.micro_batch_size
+    mlps = []
+    if s.tiled_mlp:   # the MLPs tiled as a run tiles them: autograd then saves only their inputs
+        from .tiled_mlp import install_tiled_mlp
+
+        mlps = install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=tp)
     per_token = saved_bytes_per_token(model, s_local)
     act = per_token * s_local * B
-    methods = sorted({t.info.method for t in plan.cp_targets if t.info is not None})
+    names = {id(t): method_name(t) for t in plan.cp_targets}
+    methods = sorted(set(names.values()))
+    passing = sum(state_passing_extra(names[id(t)], t.inner_module, s_local, B) for t in plan.cp_targets)
+    act += passing
     gathered = 0.0
     if "colossal" in methods:   # the gathered K/V each layer keeps for backward
-        gathered = sum(1 for t in plan.cp_targets if t.info and t.info.method == "colossal") * \
+        gathered = sum(1 for t in plan.cp_targets if names[id(t)] == "colossal") * \
             2 * (S - s_local) * hk * hd * elem * B
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
         gathered = gathered / max(L, 1)
-    if plan.batch_policy is not None and cp > 1:
-        gathered += 2 * S * hk * hd * elem * B   # one layer's gathered K/V while it runs
+    host = 0.0
+    if s.activation_offload:    # the layer inputs live in host buffers, two at a time on the device
+        kept, host = offload_split(L, s_local, B, H, elem)
+        act += kept - host
+    if plan.batch_policy is not None and cp > 1:   # one layer's gathered K/V while it runs
+        full = 2 * S * hk * hd * elem * B
+        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if methods == ["hybrid"] else full
+    transient = tiled_mlp_transient(model, mlps, s.tiled_mlp_chunk_size, s_local, B, elem)
     if cfg.loss.tiled:
         loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)
         what = f"tiled loss: 2 x {cfg.loss.chunk_size} x {V} fp32 chunk buffers + the head input"
@@ -123,21 +147,36 @@ def explain(cfg, echo=print) -> dict:
     echo(f"row length {S} (S_local {s_local} per CP rank, micro-batch {B}); saved for backward "
          f"{per_token / 1e3:.1f} kB/token -> {_gb(act)}"
          + (" (activation checkpointing: layer inputs + one layer recomputed)" if s.activation_checkpointing else "")
-         + (f"; gathered K/V {_gb(gathered)}" if gathered else ""))
+         + (f"; gathered K/V {_gb(gathered)}" if gathered else "")
+         + (f"; state passing's own {_gb(passing)} (packed rows, a delta rule's second run)" if passing else ""))
+    if mlps:
+        echo(f"tiled MLP ({len(mlps)} MLPs, chunks of {s.tiled_mlp_chunk_size} tokens): intermediates not saved; "
+             f"one chunk's backward {_gb(transient)}")
+    if s.activation_offload:
+        echo(f"activation offload: layer inputs {_gb(host)} in host memory, two layers' on the device"
+             + (" (CPU: the host buffers are this same memory, counted in the tensors)" if not _on_device(a) else ""))
     echo(f"loss buffers {_gb(loss_buf)} ({what})")
 
     echo("== communication per step (bytes sent per rank) ==")
     ga, recompute = s.grad_accum_steps, 2 if s.activation_checkpointing else 1
     comm = {}
     for m in methods:
-        n = sum(1 for t in plan.cp_targets if t.info and t.info.method == m)
-        per = comm_bytes(m, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp), d=hd, elem=elem)
+        targets = [t for t in plan.cp_targets if names[id(t)] == m]
+        n, per = len(targets), {}
+        for t in targets:
+            one = (comm_bytes(m, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp), d=hd, elem=elem)
+                   or target_comm_bytes(m, t.inner_module, t.params, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp),
+                                        d=hd, H=H, elem=elem))
+            for k, v in one.items():
+                if not (k == "bwd K/V regather" and s.activation_checkpointing):   # the recompute gathers
+                    per[k] = per.get(k, 0.0) + v / n
+        title = METHODS[m].title if m in METHODS else m
         if not per:
-            echo(f"{m} ({n} layers): not modelled here")
+            echo(f"{title} ({n} layers): not modelled here")
             continue
         total = sum(v * (recompute if k.startswith("fwd") else 1) for k, v in per.items()) * n * B * ga
         comm[m] = total
-        echo(f"{METHODS[m].title} ({n} layers): {_gb(total)} per step = " +
+        echo(f"{title} ({n} layers): {_gb(total)} per step = " +
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in per.items()) + f" per layer per row x {n * B * ga}")
     fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
     if fsdp:
@@ -147,13 +186,14 @@ def explain(cfg, echo=print) -> dict:
 
     echo("== attention work spread of the first batch ==")
     spread = None
+    attention = [m for m in methods if m in METHODS and METHODS[m].kind == "attention"]
     if cp > 1 and methods:
         try:
             batch = _first_batch(cfg, V, sizes.dp_replicate * sizes.dp_shard)
         except Exception as exc:  # noqa: BLE001 - the explanation goes on without the data
             echo(f"first batch not read ({type(exc).__name__}: {exc})")
         else:
-            row = METHODS[methods[-1]]
+            row = METHODS[(attention or ["colossal"])[-1]]   # token mixers: the contiguous layout
             spread = work_spread(batch, row.layout, cp, heads_split=row.head_rule == "split")
             mean = sum(spread) / cp
             echo(f"{row.title}, layout {row.layout}: visible (q, k) pairs per CP rank {spread}; "
@@ -161,18 +201,19 @@ def explain(cfg, echo=print) -> dict:
     else:
         echo("cp_size 1: no split")
 
-    tensors = 2 * p_rank + opt_rank + 2 * unit * (n_fsdp > 1) + act + gathered + loss_buf
+    on_device = _on_device(a)
+    tensors = 2 * p_rank + opt_rank + 2 * unit * (n_fsdp > 1) + act + gathered + loss_buf + transient \
+        + (0.0 if on_device else host)
     # CPU: a rank's resident set is its tensors plus the runtime (torch, transformers, the data, the
     # tokenizer), about what this process holds now that it has built the meta model and read a batch
-    from ..platform.device import detect_device_type
-
-    baseline = _rss_bytes() if (a.device_type or detect_device_type()) == "cpu" else 0.0
+    baseline = 0.0 if on_device else _rss_bytes()
     echo("== estimated peak per rank ==")
     echo(f"tensors {_gb(tensors)}" + (f"; resident set {_gb(tensors + baseline)} (runtime baseline {_gb(baseline)}: "
                                       "this process's resident set after building the meta model and reading a "
                                       "batch)" if baseline else ""))
     return {"params": p_rank, "grads": p_rank, "optimizer": opt_rank, "activations": act, "gathered_kv": gathered,
-            "loss_buffers": loss_buf, "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
+            "loss_buffers": loss_buf, "tiled_mlp_transient": transient, "offloaded_host": host,
+            "tensor_peak": tensors, "baseline": baseline, "peak": tensors + baseline,
             "comm": comm, "spread": spread, "bytes_per_token": per_token}
 
 

@@ -7,8 +7,8 @@ Everything here is local and runs on a meta-device model in one process (no proc
   meta device; the attention core is replaced by a stand-in that saves what a fused attention
   kernel saves (q, k, v, out, log-sum-exp), never an ``[S, S]`` matrix;
 * :func:`comm_bytes` — bytes each rank sends per step for one CP method, from the exchanges
-  docs/wrappers.md describes (Colossal / Head-Tail: K/V AllGather and dK/dV ReduceScatter,
-  Head-Tail's Q/O and dO/dQ All-to-All and its backward K/V regather; Ulysses: Q/K/V/O
+  docs/wrappers.md describes (Colossal / Head-Tail: K/V AllGather, its backward regather and
+  dK/dV ReduceScatter, Head-Tail's Q/O and dO/dQ All-to-All; Ulysses: Q/K/V/O
   All-to-All both ways) and FSDP2's AllGather (forward and backward) and ReduceScatter;
 * :func:`work_spread` — visible (query, key) pairs per CP rank of a batch under the method's
   layout (contiguous chunks, or Head-Tail's head r + tail 2C-1-r), documents kept apart.
@@ -46,21 +46,24 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
 @contextlib.contextmanager
 def _probe_mode(model: nn.Module):
     """The model's attention -> the stand-in; transformers' packed-sequence detection (a
-    data-dependent ``.item()``) off: the probe feeds no position ids."""
+    data-dependent ``.item()``) off: the probe feeds no position ids; MoE experts through
+    transformers' grouped-mm fallback (torch's meta ``grouped_mm`` takes bf16 only)."""
+    import transformers.integrations.moe as moe
     import transformers.masking_utils as mu
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     before = [c._attn_implementation for c in configs]
-    find = mu.find_packed_sequence_indices
+    find, grouped = mu.find_packed_sequence_indices, moe._can_use_grouped_mm
     mu.find_packed_sequence_indices = lambda position_ids: None
+    moe._can_use_grouped_mm = lambda *a, **k: False
     try:
         for c in configs:
             c._attn_implementation = PROBE_ATTENTION
         yield
     finally:
-        mu.find_packed_sequence_indices = find
+        mu.find_packed_sequence_indices, moe._can_use_grouped_mm = find, grouped
         for c, b in zip(configs, before):
             c._attn_implementation = b
 
@@ -103,8 +106,8 @@ def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: 
         out = {"fwd K/V AllGather": 2 * kv_local * (cp - 1), "bwd dK/dV ReduceScatter": 2 * kv_local * (cp - 1)}
         if method == "load_balance":
             out.update({"fwd Q/O All-to-All": 2 * q_local * share, "bwd dO/dQ All-to-All": 2 * q_local * share})
-            if not keep_gathered:
-                out["bwd K/V regather"] = 2 * kv_local * (cp - 1)
+        if not keep_gathered:   # both keep only the local K/V for backward and gather again
+            out["bwd K/V regather"] = 2 * kv_local * (cp - 1)
         return out
     if method == "ulysses":
         per = (2 * hq + 2 * hk) * d * elem * S / cp * share

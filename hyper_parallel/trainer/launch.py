@@ -4,8 +4,10 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
 
 1. In this one process, before any rank exists: the whole config (the schema, the sizes against
    N, then :func:`.config_checks.check_run_config`: cross-field checks, plan targets, tokenizer
-   and vocabulary), the data (``data.path`` is a file; ``data.source: files``: the files are read
-   and tokenized into the cache once, here, saying so) and the output paths. A problem is one line and exit code 2.
+   and vocabulary), the model on the meta device (:func:`_check_model`: the plan against it, the
+   tiled MLP's and activation offload's modules; the ranks check again), the data (``data.path``
+   is a file; ``data.source: files``: the files are read and tokenized into the cache once, here,
+   saying so) and the output paths. A problem is one line and exit code 2.
 2. N is ``--nproc-per-node`` or the product of the config's sizes (dp_replicate x dp_shard x cp x
    tp x pp). N = 1 runs in this process (the CLI goes on; no launcher).
 3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
@@ -56,10 +58,39 @@ def check_before_launch(argv: list, nproc: int | None):
                             fix=f"use --nproc-per-node {world_size_of(cfg)} (or leave it out), or change the "
                                 "sizes") from None
     check_run_config(cfg)   # ... then the checks that load transformers, the tokenizer and the plan targets
+    _check_model(cfg)
     _check_data(cfg.data)
     check_output_paths(cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
                        if cfg.schedule.save_every else None)
     return cfg, n
+
+
+def _check_model(cfg) -> None:
+    """The refusals that need the model, made here on the meta device instead of after the ranks
+    started (seconds of process start and imports per rank): the sharding/CP plan against the
+    model (every target found, each method's own check of its module), the dense token-wise MLPs
+    ``schedule.tiled_mlp`` tiles and the decoder layers ``schedule.activation_offload`` needs.
+    Only CPConfigError is raised: anything else is left to the ranks, which repeat every check."""
+    from ..distributed.errors import CPConfigError
+    from ..distributed.plan import ShardingPlanner
+    from ..distributed.tensor_parallel import find_decoder_layers
+    from .model import HyperAutoModel, tokenizer_vocab
+    from .tiled_mlp import install_tiled_mlp
+
+    a, s = cfg.accelerator, cfg.schedule
+    try:
+        model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))
+        ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
+                                                 sequence_parallel=a.sequence_parallel, loss_parallel=a.loss_parallel)
+        if s.tiled_mlp:
+            install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=a.tp_size)
+        if s.activation_offload and not list(find_decoder_layers(model)):
+            raise CPConfigError("schedule.activation_offload", f"no decoder layers found in {type(model).__name__}",
+                                fix="set schedule.activation_offload: false")
+    except CPConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - not a refusal this check knows: the ranks make (and report) it
+        pass
 
 
 def _check_data(data) -> None:

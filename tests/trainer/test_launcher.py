@@ -55,7 +55,10 @@ def test_rank_count_defaults_to_the_config_sizes():
     (["data.pad_token_id=1000000"], "data.pad_token_id"),     # hung in the preflight's collective once
     (["data.path=no/such/corpus.txt"], "data.path"),          # a data error: exit 2 too
     (["--nproc-per-node", "3"], "accelerator"),
-], ids=["bound", "pad-id", "data-file", "nproc"])
+    # needs the model: checked on the meta device in the parent (ranks took 27-49 s to say it)
+    (["model.architecture=qwen3_moe", "model.config_file=examples/models/tiny_qwen3_moe.yaml",
+      "schedule.tiled_mlp=true"], "schedule.tiled_mlp"),
+], ids=["bound", "pad-id", "data-file", "nproc", "model-tiled-mlp"])
 def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, args, field):
     """Refused before any rank starts: no mesh line, no output folder, <= 2 lines, no traceback."""
     t0 = time.time()
