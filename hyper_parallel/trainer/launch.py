@@ -74,12 +74,13 @@ def _check_model(cfg) -> None:
     from ..distributed.errors import CPConfigError
     from ..distributed.plan import ShardingPlanner
     from ..distributed.tensor_parallel import find_decoder_layers
-    from .model import HyperAutoModel, tokenizer_vocab
+    from .model import HyperAutoModel
     from .tiled_mlp import install_tiled_mlp
+    from .vocab_rule import build_vocab
 
     a, s = cfg.accelerator, cfg.schedule
     try:
-        model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=tokenizer_vocab(cfg))
+        model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
         ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
                                                  sequence_parallel=a.sequence_parallel, loss_parallel=a.loss_parallel)
         if s.tiled_mlp:
