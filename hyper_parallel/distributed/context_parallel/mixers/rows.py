@@ -151,9 +151,8 @@ def on_contiguous_layout(forward: Callable, module: nn.Module, cp_mesh) -> Calla
             out = forward(*a, **kw)
         return map_seq(out, B, L, rl.to_permuted)
 
-    for attr in ("__wrapped__", "__hp_mixer__", "__hp_undo__"):
-        if hasattr(forward, attr):
-            setattr(relaid, attr, getattr(forward, attr))
+    marks = getattr(forward, "__dict__", {})     # every marker the applier reads (__hp_mixer__, __hp_undo__, ...)
+    relaid.__dict__.update({k: v for k, v in marks.items() if k.startswith("__hp_") or k == "__wrapped__"})
     return relaid
 
 
