@@ -88,6 +88,22 @@ def run_one(config: str, split: str, steps: int, tmp: str) -> dict:
             "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
+def table(doc: dict) -> str:
+    """Markdown table of the results (the docs page's)."""
+    lines = ["| config, cp | split | per-step max/mean attention time (steps 1-4) | slowest rank attention s / step "
+             "(2-4) | slowest rank step CPU s (2-4) | cost model per step | load average (start -> end) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        name = os.path.basename(r["config"]).replace(".yaml", "")
+        step_cpu = r.get("slowest_rank_step_cpu_s_after_first")
+        lines.append(f"| {name}, {r['cp']} | {r['split']} | {' / '.join(f'{x:.3f}' for x in r['step_max_over_mean'])} | "
+                     f"{r['slowest_rank_attn_s_per_step_after_first']:.2f} | "
+                     f"{'-' if step_cpu is None else f'{step_cpu:.2f}'} | "
+                     f"{' / '.join(f'{x:.2f}' for x in r['cost_model_work_max_over_mean'])} | "
+                     f"{r['loadavg_at_start'][0]:.0f} -> {r['loadavg_1_5_15'][0]:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -116,6 +132,7 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1)
+    print(table(doc))
     return doc
 
 

@@ -15,7 +15,7 @@ over the round's mean time (times the overall mean). Also the engine tiles each 
 
     python benchmarks/load_balance_engine.py [--seq 32768] [--cp 4] [--rows 3] [--repeats 7]
 
-Writes ``benchmarks/results/load_balance_engine[_<seq>_cp<cp>].json``.
+Writes ``benchmarks/results/load_balance_engine_<seq>_cp<cp>.json``.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
             rel = np.median(t / t.mean(axis=1, keepdims=True), axis=0)
             secs = rel * t.mean()
             nt = [rank_tiles(m, method.split("_pairs")[0], tiles) for m in metas]
-            rec = {"row": i, "docs": len(row), "method": method, "rank_cpu_s": [round(s, 4) for s in secs],
+            rec = {"row": i, "docs": len(row), "method": method, "rank_cpu_s": [round(float(s), 4) for s in secs],
                    "max_over_mean": float(secs.max() / secs.mean()), "rank_tiles": nt,
                    "tiles_max_over_mean": max(nt) / (sum(nt) / len(nt)),
                    "raw_median_max_over_mean": float(np.median(t, 0).max() / np.median(t, 0).mean())}
