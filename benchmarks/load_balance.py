@@ -27,7 +27,12 @@ Splits (equal tokens per rank unless said):
   every document (read from the same index, regrouped rank-major);
 * ``torch_ptrr`` — PyTorch's ``_PTRRLoadBalancer.ptrr_scheduling`` on 128-token blocks (its flex
   block) weighted by the same work;
-* ``balanced`` — ours (``sdpa_hf_balanced``): the cost model + solver on 64-token blocks.
+* ``balanced`` — ours (``sdpa_hf_balanced``): the solver on 64-token blocks weighted by the engine
+  tiles each block computes (``balance/tiles.py``), its spread counted in visible pairs like the others.
+
+Engine-tile columns (the 64x64 tiles the CPU engine computes, what its time follows): ``head_tail_tiles``,
+``pairs_solved_tiles`` (the split solved on visible pairs, the cost model before tiles) and
+``balanced_tiles`` (ours).
 
 Also the time to compute our split (cost + solver, one row). Writes a markdown table to stdout,
 ``benchmarks/results/load_balance.json`` and ``benchmarks/results/load_balance.png``.
@@ -49,10 +54,12 @@ from benchmarks._machine import cpu_name  # noqa: E402
 from hyper_parallel.distributed.context_parallel.balance.cost import (CAUSAL, AttentionKind,  # noqa: E402
                                                                       AttentionProfile, block_work)
 from hyper_parallel.distributed.context_parallel.balance.solver import solve  # noqa: E402
+from hyper_parallel.distributed.context_parallel.balance.tiles import block_tiles  # noqa: E402
 
 PROFILES = {"causal": CAUSAL, "window": AttentionProfile((AttentionKind("window", 4096),)),
             "mixed": AttentionProfile((AttentionKind("window", 4096), AttentionKind("causal")))}
 METHODS = ("contiguous", "head_tail", "torch_per_doc", "torch_per_doc_rule", "torch_ptrr", "balanced")
+TILE_COLUMNS = ("head_tail_tiles", "pairs_solved_tiles", "balanced_tiles")   # spreads of engine tiles
 ROWS = {8192: 40, 32768: 20, 131072: 8, 524288: 3}
 
 
@@ -129,11 +136,16 @@ def spreads(row: list, S: int, cp: int, profile) -> dict:
     w128 = tok.reshape(-1, 128).sum(1)
     groups = _PTRRLoadBalancer.ptrr_scheduling(torch.from_numpy(w128), cp)
     out["torch_ptrr"] = sp([w128[np.asarray(g)].sum() for g in groups.tolist()])
+    doc = _doc_ids(row, row)
+    w64 = block_work(doc, 64, profile)
     t0 = time.perf_counter()
-    w64 = block_work(None, 64, profile, lengths=row)
-    blocks = solve(w64, cp)
+    tiles = block_tiles(doc, 64, profile)                                 # the cost our solver balances
+    blocks = solve(tiles, cp)
     out["split_ms"] = (time.perf_counter() - t0) * 1e3
     out["balanced"] = sp(w64[blocks].reshape(cp, -1).sum(1))
+    out["balanced_tiles"] = sp(tiles[blocks].reshape(cp, -1).sum(1))
+    out["head_tail_tiles"] = sp([c[r] + c[2 * cp - 1 - r] for c in [tiles.reshape(2 * cp, -1).sum(1)] for r in range(cp)])
+    out["pairs_solved_tiles"] = sp(tiles[solve(w64, cp)].reshape(cp, -1).sum(1))
     return out
 
 
@@ -161,7 +173,7 @@ def main(argv=None) -> dict:
                     rec = {"source": src, "row": S, "cp": cp, "profile": pname, "rows": len(rows),
                            "split_ms_p50": float(np.median([p["split_ms"] for p in per])),
                            "split_ms_max": float(max(p["split_ms"] for p in per))}
-                    for m in METHODS:
+                    for m in METHODS + TILE_COLUMNS:
                         v = [p[m] for p in per]
                         rec[m] = {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))}
                     results.append(rec)
@@ -179,10 +191,11 @@ def main(argv=None) -> dict:
 
 
 def table(results: list) -> str:
-    lines = ["| source | row | cp | profile | " + " | ".join(f"{m} p50 / p90" for m in METHODS)
-             + " | our split ms (p50 / max) |", "|---|---|---|---|" + "---|" * (len(METHODS) + 1)]
+    cols = METHODS + TILE_COLUMNS
+    lines = ["| source | row | cp | profile | " + " | ".join(f"{m} p50 / p90" for m in cols)
+             + " | our split ms (p50 / max) |", "|---|---|---|---|" + "---|" * (len(cols) + 1)]
     for r in results:
-        cells = " | ".join(f"{r[m]['p50']:.2f} / {r[m]['p90']:.2f}" for m in METHODS)
+        cells = " | ".join(f"{r[m]['p50']:.3f} / {r[m]['p90']:.3f}" for m in cols)
         lines.append(f"| {r['source']} | {r['row']} | {r['cp']} | {r['profile']} | {cells} | "
                      f"{r['split_ms_p50']:.1f} / {r['split_ms_max']:.1f} |")
     return "\n".join(lines)

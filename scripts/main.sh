@@ -4,7 +4,7 @@
 #   1. the documents: the Python standard library's own source files -> examples/data/stdlib/*.jsonl
 #      (scripts/build_example_data.py; the BPE tokenizer is shipped in examples/data/stdlib_tokenizer)
 #   2. a small Llama (the tokenizer's 4096-token vocabulary) trains on rows of 8192 tokens (documents
-#      + EOS packed, boundaries kept), Head-Tail CP over 2 ranks, held-out eval every 10 steps
+#      + EOS packed, boundaries kept), CP over 2 ranks with the balanced split, held-out eval every 10 steps
 #   3. hyper-train prints where every artifact is: JSON log, loss curve (train + eval), checkpoint, HF export
 # Extra arguments are config overrides, e.g.  scripts/main.sh schedule.steps=10
 set -euo pipefail
