@@ -195,45 +195,13 @@ def make_batch(kind: str, S: int, vocab: int, seed: int):
 def parity_step(model, ref, mesh, plan, kind: str, S: int, seed: int) -> dict:
     """One forward+backward under CP and at CP=1 (every document its own right-padded row with
     attention_mask); max errors on this rank."""
-    from hyper_parallel import platform as P
-    from tests.wrappers._workers import cp_forward_backward
+    from tests.wrappers._workers import document_parity
 
-    vocab = model.config.vocab_size
-    batch, docs = make_batch(kind, S, vocab, seed)
-    valid = torch.zeros(2, S, dtype=torch.bool)
-    for b, s, n in docs:
-        valid[b, s:s + n] = True
-    full, w_valid, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed + 1)
-    for p in ref.parameters():
-        p.grad = None
-    n_max = max(n for _b, _s, n in docs)
-    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    for r, (b, s, n) in enumerate(docs):
-        ids[r, :n] = batch["input_ids"][b, s:s + n]
-        mask[r, :n] = 1
-    ref_logits = ref(input_ids=ids, attention_mask=mask).logits
-    rows = torch.tensor([r for r, (_b, _s, n) in enumerate(docs) for _ in range(n)])
-    cols = torch.tensor([j for _b, _s, n in docs for j in range(n)])
-    gb = torch.tensor([b for b, _s, n in docs for _ in range(n)])
-    gs = torch.tensor([s + j for _b, s, n in docs for j in range(n)])
-    ref_tok = ref_logits[rows, cols]                                   # [tokens, V]
-    (ref_tok * w_valid[gb, gs]).sum().backward()
-    diff = (full[gb, gs] - ref_tok.detach()).abs().max().item()
-    ref_max = ref_tok.detach().abs().max().item()
-    ref_params = dict(ref.named_parameters())
-    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-    gerr, worst = 0.0, ""
-    for n, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        g = P.all_reduce(g.contiguous(), mesh.cp_mesh.get_group())
-        rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
-        e = (g - rg).abs().max().item()
-        if e >= gerr:
-            gerr, worst = e, n
-    return {"kind": kind, "S": S, "logits_abs": diff, "logits_rel": diff / max(ref_max, 1e-12),
-            "grads_abs": gerr, "grads": gerr / max(gmax, 1e-12), "worst_param": worst,
-            "cp_pad": meta.global_seq_len - S}
+    batch, docs = make_batch(kind, S, model.config.vocab_size, seed)
+    r = document_parity(model, ref, mesh, plan, batch, docs, seed + 1)
+    return {"kind": kind, "S": S, "logits_abs": r["logits_abs"], "logits_rel": r["logits_rel"],
+            "grads_abs": r["grads_abs"], "grads": r["grads"], "worst_param": r["worst"],
+            "cp_pad": r["meta"].global_seq_len - S}
 
 
 def mixer_case(arch: str, attn: str, mixer: str, cp: int, kinds=("plain", "padding", "packed"),

@@ -86,44 +86,13 @@ def packed_padded_batch(vocab: int, S: int, seed: int):
 
 
 def parity(model, ref, mesh, plan, S: int, seed: int) -> dict:
-    from hyper_parallel import platform as P
-    from tests.wrappers._workers import cp_forward_backward
+    from tests.wrappers._workers import document_parity
 
     batch, docs = packed_padded_batch(model.config.vocab_size, S, seed)
-    valid = torch.zeros(2, S, dtype=torch.bool)
-    for b, s, n in docs:
-        valid[b, s:s + n] = True
-    full, w_valid, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed + 1)
-    for p in ref.parameters():
-        p.grad = None
-    n_max = max(n for _b, _s, n in docs)
-    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    for r, (b, s, n) in enumerate(docs):
-        ids[r, :n] = batch["input_ids"][b, s:s + n]
-        mask[r, :n] = 1
-    ref_logits = ref(input_ids=ids, attention_mask=mask).logits
-    rows = torch.tensor([r for r, (_b, _s, n) in enumerate(docs) for _ in range(n)])
-    cols = torch.tensor([j for _b, _s, n in docs for j in range(n)])
-    gb = torch.tensor([b for b, _s, n in docs for _ in range(n)])
-    gs = torch.tensor([s + j for _b, s, n in docs for j in range(n)])
-    ref_tok = ref_logits[rows, cols]
-    (ref_tok * w_valid[gb, gs]).sum().backward()
-    diff = (full[gb, gs] - ref_tok.detach()).abs().max().item()
-    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-    ref_params, gerr, worst, n_grads = dict(ref.named_parameters()), 0.0, "", 0
-    for n, p in model.named_parameters():
-        g = P.all_reduce((p.grad if p.grad is not None else torch.zeros_like(p)).contiguous(),
-                         mesh.cp_mesh.get_group())
-        rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
-        n_grads += int(rg.abs().max().item() > 0)
-        e = (g - rg).abs().max().item()
-        if e >= gerr:
-            gerr, worst = e, n
+    r = document_parity(model, ref, mesh, plan, batch, docs, seed + 1)
+    meta = r.pop("meta")
     perm = meta.perm
-    return {"logits_abs": diff, "logits_rel": diff / ref_tok.abs().max().item(), "grads_abs": gerr,
-            "grads": gerr / gmax, "worst": worst, "n_grads": n_grads,
-            "permuted": bool(perm is not None and not torch.equal(perm, torch.arange(perm.numel()))),
+    return {**r, "permuted": bool(perm is not None and not torch.equal(perm, torch.arange(perm.numel()))),
             "global_len": meta.global_seq_len}
 
 

@@ -368,6 +368,49 @@ def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **mode
     return full[:, :S], w[:, :S], meta
 
 
+def document_parity(model, ref, mesh, plan, batch: dict, docs: list, seed: int) -> dict:
+    """CP forward+backward of ``batch`` against a CP=1 reference that runs every document
+    ``(row, start, length)`` of ``docs`` as its own right-padded row (attention_mask). Errors on
+    this rank: logits over the documents' tokens (abs, rel to the reference's largest), gradients
+    summed over the CP group (abs, rel to the reference's largest |grad|), the worst parameter,
+    how many reference gradients are non-zero, and the batch ``meta``."""
+    from hyper_parallel import platform as P
+
+    S = batch["input_ids"].shape[1]
+    valid = torch.zeros(batch["input_ids"].shape[0], S, dtype=torch.bool)
+    for b, s, n in docs:
+        valid[b, s:s + n] = True
+    full, w_valid, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed)
+    for p in ref.parameters():
+        p.grad = None
+    n_max = max(n for _b, _s, n in docs)
+    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    for r, (b, s, n) in enumerate(docs):
+        ids[r, :n] = batch["input_ids"][b, s:s + n]
+        mask[r, :n] = 1
+    ref_logits = ref(input_ids=ids, attention_mask=mask).logits
+    rows = torch.tensor([r for r, (_b, _s, n) in enumerate(docs) for _ in range(n)])
+    cols = torch.tensor([j for _b, _s, n in docs for j in range(n)])
+    gb = torch.tensor([b for b, _s, n in docs for _ in range(n)])
+    gs = torch.tensor([s + j for _b, s, n in docs for j in range(n)])
+    ref_tok = ref_logits[rows, cols]                                   # [tokens, V]
+    (ref_tok * w_valid[gb, gs]).sum().backward()
+    diff = (full[gb, gs] - ref_tok.detach()).abs().max().item()
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    ref_params, gerr, worst, n_grads = dict(ref.named_parameters()), 0.0, "", 0
+    for n, p in model.named_parameters():
+        g = P.all_reduce((p.grad if p.grad is not None else torch.zeros_like(p)).contiguous(),
+                         mesh.cp_mesh.get_group())
+        rg = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(p)
+        n_grads += int(rg.abs().max().item() > 0)
+        e = (g - rg).abs().max().item()
+        if e >= gerr:
+            gerr, worst = e, n
+    return {"logits_abs": diff, "logits_rel": diff / max(ref_tok.abs().max().item(), 1e-12), "grads_abs": gerr,
+            "grads": gerr / max(gmax, 1e-12), "worst": worst, "n_grads": n_grads, "meta": meta}
+
+
 def grad_error(model, ref, mesh) -> tuple[float, float]:
     """(max over parameters of max |CP grad summed over the CP group - reference grad|, the
     reference's largest |grad|); a parameter without a grad on one side counts as zeros."""
