@@ -92,11 +92,12 @@ def apply_vocab(hf_cfg, vocab: int, cfg) -> None:
         _resize_vocab_config(hf_cfg, vocab)
         return
     given = given_vocab_size(cfg)
-    if given is not None:
-        if given < vocab:
-            raise too_small(given, vocab, f"{vocab} ids")
-        return
     text = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
+    if given is not None:
+        built = getattr(text, "vocab_size", None)   # what the embedding gets (a text_config's own size wins)
+        if given < vocab or (isinstance(built, int) and built < vocab):
+            raise too_small(min(given, built) if isinstance(built, int) else given, vocab, f"{vocab} ids")
+        return
     if getattr(text, "vocab_size", None) is None:
         raise CPConfigError("model.config.vocab_size", f"{type(hf_cfg).__name__} has no vocab_size to set")
     _set_vocab(hf_cfg, text, vocab)

@@ -124,3 +124,19 @@ def test_every_rank_refuses_it_at_the_build(ranks, source, tmp_path):
     outs = ranks(2).run(W.build_error, cfg)
     for out in outs:
         assert out is not None and "[model.config.vocab_size]" in out[1] and str(rows) in out[1], outs
+
+
+def test_a_text_config_smaller_than_the_data_is_refused_even_under_a_larger_top_level_size(monkeypatch):
+    """A multimodal config embeds ``text_config.vocab_size`` rows: a larger top-level ``vocab_size``
+    must not hide a text vocabulary below the data's ids."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from hyper_parallel.trainer import vocab_rule
+
+    monkeypatch.setattr(vocab_rule, "given_vocab_size", lambda _cfg: 300000)
+    cfg = transformers.Qwen2VLConfig(text_config={"vocab_size": 100, "bos_token_id": 0, "eos_token_id": 1})
+    with pytest.raises(CPConfigError, match=r"\[model.config.vocab_size\] 100 is below .*256"):
+        vocab_rule.apply_vocab(cfg, 256, SimpleNamespace(path=None))
+    vocab_rule.apply_vocab(transformers.LlamaConfig(vocab_size=4096), 256, SimpleNamespace(path=None))
