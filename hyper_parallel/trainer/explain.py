@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from .explain_estimates import comm_bytes, fsdp_bytes, saved_bytes_per_token, work_spread
-from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, state_passing_extra,
-                               target_comm_bytes, tiled_mlp_transient)
+from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, relayout_bytes,
+                               state_passing_extra, target_comm_bytes, tiled_mlp_transient)
 
 GB = 1e9
 
@@ -109,7 +109,8 @@ def explain(cfg, echo=print) -> dict:
          f"unsharded layers in flight {_gb(2 * unit * (n_fsdp > 1))} (one decoder layer + the prefetched next)")
 
     S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
-    S += (-S) % (2 * cp if plan.batch_policy == "load_balance" else cp)
+    policy = getattr(plan.batch_policy, "name", plan.batch_policy)   # a BalancedSplit carries its name
+    S += (-S) % (2 * cp if policy == "load_balance" else plan.batch_policy.block * cp if policy == "balanced" else cp)
     s_local, B = S // cp, d.micro_batch_size
     mlps = []
     if s.tiled_mlp:   # the MLPs tiled as a run tiles them: autograd then saves only their inputs
@@ -123,8 +124,8 @@ def explain(cfg, echo=print) -> dict:
     passing = sum(state_passing_extra(names[id(t)], t.inner_module, s_local, B) for t in plan.cp_targets)
     act += passing
     gathered = 0.0
-    if "colossal" in methods:   # the gathered K/V each layer keeps for backward
-        gathered = sum(1 for t in plan.cp_targets if names[id(t)] == "colossal") * \
+    if {"colossal", "balanced"} & set(methods):   # the gathered K/V each layer keeps for backward
+        gathered = sum(1 for t in plan.cp_targets if names[id(t)] in ("colossal", "balanced")) * \
             2 * (S - s_local) * hk * hd * elem * B
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
@@ -135,7 +136,7 @@ def explain(cfg, echo=print) -> dict:
         act += kept - host
     if plan.batch_policy is not None and cp > 1:   # one layer's gathered K/V while it runs
         full = 2 * S * hk * hd * elem * B
-        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if methods == ["hybrid"] else full
+        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if set(methods) <= {"hybrid", "hybrid_balanced"} else full
     transient = tiled_mlp_transient(model, mlps, s.tiled_mlp_chunk_size, s_local, B, elem)
     if cfg.loss.tiled:
         loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)
@@ -167,6 +168,8 @@ def explain(cfg, echo=print) -> dict:
             one = (comm_bytes(m, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp), d=hd, elem=elem)
                    or target_comm_bytes(m, t.inner_module, t.params, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp),
                                         d=hd, H=H, elem=elem))
+            if policy == "balanced" and METHODS.get(m) is not None and METHODS[m].kind == "mixer":
+                one = {**one, **relayout_bytes(S, cp, H, elem)}   # to the contiguous layout and back
             for k, v in one.items():
                 if not (k == "bwd K/V regather" and s.activation_checkpointing):   # the recompute gathers
                     per[k] = per.get(k, 0.0) + v / n

@@ -102,7 +102,7 @@ def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: 
     share = (cp - 1) / cp
     kv_local = S / cp * hk * d * elem
     q_local = S / cp * hq * d * elem
-    if method in ("colossal", "load_balance"):
+    if method in ("colossal", "load_balance", "balanced"):   # balanced: Colossal on the permuted row
         out = {"fwd K/V AllGather": 2 * kv_local * (cp - 1), "bwd dK/dV ReduceScatter": 2 * kv_local * (cp - 1)}
         if method == "load_balance":
             out.update({"fwd Q/O All-to-All": 2 * q_local * share, "bwd dO/dQ All-to-All": 2 * q_local * share})
@@ -146,9 +146,27 @@ def work_spread(batch: dict, layout: str, cp: int, heads_split: bool = False) ->
     valid = batch.get("attention_mask")
     visible = (pos + 1) * (valid if valid is not None else 1)
     per_token = visible.sum(0)
+    if layout == "balanced":    # the balanced split's own permutation of this batch (blocks of 64)
+        return _balanced_spread(pos, valid, per_token, cp)
     pad = (-S) % (2 * cp)
     per_token = torch.cat([per_token, per_token.new_zeros(pad)])
     if heads_split:
         total = int(per_token.sum())
         return [total // cp] * cp
     return [int(sum(int(per_token[a:b].sum()) for a, b in layout_chunks(layout, S + pad, cp, r))) for r in range(cp)]
+
+
+def _balanced_spread(pos: torch.Tensor, valid, per_token: torch.Tensor, cp: int) -> list[int]:
+    """Visible pairs per rank under :func:`~..distributed.context_parallel.balance.split.balanced_permutation`
+    of the batch's documents (a document starts where ``pos`` is 0; padding = -1)."""
+    from ..distributed.context_parallel.balance.split import DEFAULT_BLOCK, balanced_permutation
+
+    B, S = pos.shape
+    doc = (pos == 0).long().cumsum(1) - 1
+    if valid is not None:
+        doc = torch.where(valid.bool(), doc, torch.full_like(doc, -1))
+    pad = (-S) % (DEFAULT_BLOCK * cp)
+    doc = torch.cat([doc, doc.new_full((B, pad), -1)], 1)
+    per_token = torch.cat([per_token, per_token.new_zeros(pad)])
+    perm = balanced_permutation(doc, B, S + pad, cp)
+    return [int(x) for x in per_token[perm].reshape(cp, -1).sum(1)]

@@ -64,7 +64,7 @@ def target_comm_bytes(name: str, module: nn.Module, params: dict, *, S: int, cp:
     if cp <= 1:
         return {}
     L = S / cp
-    if name == "hybrid":
+    if name in ("hybrid", "hybrid_balanced"):
         u = int(params.get("ulysses_degree", 1))
         ring = cp // u
         a2a = (u - 1) / u * L * d * elem
@@ -97,7 +97,7 @@ def target_comm_bytes(name: str, module: nn.Module, params: dict, *, S: int, cp:
 
 def hybrid_gathered_bytes(plan, S: int, hk: int, d: int, elem: int, B: int) -> float:
     """One Hybrid layer's gathered K/V ``[B, Hk/u, S, D]`` x 2 while it runs (the largest ``1/u``)."""
-    us = [int(t.params.get("ulysses_degree", 1)) for t in plan.cp_targets if method_name(t) == "hybrid"]
+    us = [int(t.params.get("ulysses_degree", 1)) for t in plan.cp_targets if method_name(t) in ("hybrid", "hybrid_balanced")]
     return 2 * S * max(1, hk // min(us)) * d * elem * B if us else 0.0
 
 
@@ -161,3 +161,11 @@ def state_passing_extra(name: str, module: nn.Module, s_local: int, B: int) -> f
     if name == "mamba2_state_passing" and hasattr(m, "conv_dim"):
         return B * (m.conv_dim + 3 * m.num_heads + 2 * m.intermediate_size) * 4 * L
     return 0.0
+
+
+def relayout_bytes(S: int, cp: int, H: int, elem: int) -> dict:
+    """A token mixer next to the balanced split: its hidden states move to the contiguous layout and
+    its output back (one all-to-all each; a rank sends the tokens that change rank, (cp-1)/cp of
+    its ``S/cp`` on average), and the same two exchanges in backward."""
+    one = (cp - 1) / cp * (S / cp) * H * elem
+    return {"fwd relayout All-to-All": 2 * one, "bwd relayout All-to-All": 2 * one}

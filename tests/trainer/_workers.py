@@ -23,6 +23,7 @@ METHODS = {
     "ulysses": {"_target_": WRAPPERS + "sdpa_hf_ulysses_cp_wrapper"},
     "hybrid": {"_target_": WRAPPERS + "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2},
     "head_tail": {"_target_": WRAPPERS + "sdpa_hf_load_balance_cp_wrapper"},
+    "balanced": {"_target_": WRAPPERS + "sdpa_hf_balanced_cp_wrapper"},
 }
 
 

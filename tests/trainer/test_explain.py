@@ -116,7 +116,7 @@ def _example(name: str, tmp_path, *overrides: str) -> dict:
                                   "logging.plot=false", f"logging.out_dir={tmp_path}", *overrides])
 
 
-def _lfm2(tmp_path, seq: int) -> dict:
+def _lfm2(tmp_path, seq: int, attention: str = "sdpa_hf") -> dict:
     """Tiny LFM2 (one gated short conv, one attention layer): the short-conv halo method."""
     cfg = W.make_cfg("llama", cp=2, steps=1, seq_len=seq, micro_batch_size=1, method="colossal",
                      out_dir=str(tmp_path))
@@ -125,7 +125,7 @@ def _lfm2(tmp_path, seq: int) -> dict:
         "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
         "conv_L_cache": 3, "max_position_embeddings": seq, "block_auto_adjust_ff_dim": False}}
     inner = {"region_dispatch": False, "inner_target": "self", "when": "cp"}
-    cfg["plan_overrides"] = [{"match": "model.layers.1.self_attn", "inner_wrapper": "sdpa_hf", **inner},
+    cfg["plan_overrides"] = [{"match": "model.layers.1.self_attn", "inner_wrapper": attention, **inner},
                              {"match": "model.layers.0.conv", "inner_wrapper": "short_conv_halo", **inner}]
     return cfg
 
@@ -154,6 +154,11 @@ FEATURES = {
                                                    "data.micro_batch_size=1",
                                                    f"model.config={{max_position_embeddings: {SEQ}}}")),
     "short_conv_halo": (2, lambda p: _lfm2(p, SEQ)),
+    # the balanced split of packed rows: Colossal's exchanges on the permuted row, and a mixer next to it
+    # moving its tokens to the contiguous layout and back (one all-to-all each way, forward and backward)
+    "balanced": (2, lambda p: W.make_cfg("llama", cp=2, steps=1, seq_len=SEQ, micro_batch_size=1, method="balanced",
+                                         out_dir=str(p), model__config={"max_position_embeddings": SEQ})),
+    "short_conv_halo_next_to_balanced": (2, lambda p: _lfm2(p, SEQ, attention="sdpa_hf_balanced")),
 }
 
 
