@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hyper_parallel.testing import scaled
 
@@ -200,3 +201,22 @@ def test_explain_models_the_feature_within_the_bound(ranks, tmp_path, feature):
         print(f"offloaded to host: estimate {est['offloaded_host'] / 1e6:.3f} MB, "
               f"the run's offloader {host / 1e6:.3f} MB")
         assert host > 0 and abs(est["offloaded_host"] / host - 1) <= BOUND
+
+
+def test_work_spread_of_the_first_batch_under_each_layout():
+    """Visible (query, key) pairs per rank of one packed row (documents of 900, 100, 40 and 1008
+    tokens; positions restart per document): every layout counts all pairs once, and the balanced
+    split's own permutation (which balances engine tiles, 64-token blocks) spreads the pairs less
+    than the contiguous split and Head-Tail."""
+    from hyper_parallel.trainer.explain_estimates import work_spread
+
+    lens = [900, 100, 40, 1008]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos}
+    total = sum(n * (n + 1) // 2 for n in lens)
+    for cp in (2, 4):
+        spreads = {lay: work_spread(batch, lay, cp) for lay in ("contiguous", "head_tail", "balanced")}
+        print(cp, spreads)
+        assert all(sum(s) == total for s in spreads.values()), spreads
+        ratio = {lay: max(s) * cp / total for lay, s in spreads.items()}
+        assert ratio["balanced"] < min(ratio["contiguous"], ratio["head_tail"]), ratio
