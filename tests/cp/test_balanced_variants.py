@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.cp.test_balanced_cp import TOL
+from tests.cp.test_balanced_cp import _check as check_parity
 
 SYNC_HYBRID = "hyper_parallel.distributed.context_parallel.wrappers.sdpa_hf_hybrid_balanced_cp_wrapper"
 ADAPTER = "hyper_parallel.models.{a}.adapter.distributed.context_parallel_async.{a}_async_balanced_cp_wrapper"
@@ -84,17 +84,11 @@ def async_cases(items: list) -> list:
 
 
 def _check(out, *, trace: bool = False):
-    for per_rank in zip(*out):
-        r0 = per_rank[0]
-        rel_l, rel_g = max(r["logits_rel"] for r in per_rank), max(r["grads"] for r in per_rank)
-        print(f"{r0['case']} ({r0['policy']}, S padded {r0['global_len']}): logits max abs "
-              f"{max(r['logits_abs'] for r in per_rank):.2e} rel {rel_l:.2e}; grads max abs "
-              f"{max(r['grads_abs'] for r in per_rank):.2e} rel(largest grad) {rel_g:.2e}; tolerance {TOL:g}")
-        assert r0["permuted"], r0
-        assert rel_l <= TOL and rel_g <= TOL, r0
-        if trace:
-            for r in per_rank:
-                assert r["pending"] == 0 and not r["bad_counts"] and r["overlap"], r
+    """The balanced parity checks (:func:`tests.cp.test_balanced_cp._check`), then the async trace."""
+    check_parity(out)
+    for per_rank in zip(*out) if trace else ():
+        for r in per_rank:
+            assert r["pending"] == 0 and not r["bad_counts"] and r["overlap"], r
 
 
 def test_async_balanced_cp2_matches_cp1(ranks):
