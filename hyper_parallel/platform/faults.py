@@ -11,7 +11,8 @@ save of step ``step``, just before DCP writes (the peer's next collective is one
 ``at=setup`` (with ``step=1``) in the CLI right after the config agreement, before the trainer
 builds anything (the peer's next collective is the set-up's config-digest agreement). Unset: nothing happens. The
 hook exists for the peer-failure tests (``tests/foundation/test_peer_failure.py``); never set
-it in a real run. A malformed value raises ``ValueError`` naming the variable.
+it in a real run. A malformed value raises ``ValueError`` naming the variable. The line it prints
+before a stop or kill ends with ``t=<time.time()>``: the fault time, read by the tests.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 
 ENV = "HYPER_PARALLEL_FAULT_INJECT"
 KINDS = ("stop", "kill", "raise")
@@ -68,5 +70,5 @@ def maybe_inject_fault(rank: int, step: int, at: str) -> None:
                             f"on this rank only")
     sig = signal.SIGSTOP if spec.kind == "stop" else signal.SIGKILL
     print(f"hyper_parallel fault injection: rank {rank} (pid {os.getpid()}) sends itself {sig.name} "
-          f"at step {step} ({at})", file=sys.stderr, flush=True)
+          f"at step {step} ({at}), t={time.time():.3f}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), sig)

@@ -57,6 +57,14 @@ class RemoteError(RuntimeError):
     """Stand-in for an exception whose class could not be pickled back."""
 
 
+def _forget_earlier_tasks() -> None:
+    """Each task starts with no pending collective handle: one an earlier task left behind (a test
+    that fails on purpose mid-exchange) is not the next task's leak (tests assert ``pending_handles()``)."""
+    comm = sys.modules.get("hyper_parallel.platform.comm")
+    if comm is not None:
+        comm._PENDING.clear()
+
+
 def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, env: dict) -> None:
     sys.path[:] = sys_path
     os.environ.update(env)
@@ -78,6 +86,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, en
         if item is None:
             break
         module, qualname, args, kwargs = item
+        _forget_earlier_tasks()
         try:
             obj = importlib.import_module(module)
             for part in qualname.split("."):

@@ -177,7 +177,7 @@ def test_fault_spec_parsing():
 
 # ----------------------------------------------------------------------------- end to end (torchrun)
 COMM_TIMEOUT_S = 10
-EXIT_BOUND_S = 60          # survivors must exit within COMM_TIMEOUT_S + this after the fault
+EXIT_BOUND_S = 60          # survivors must exit within COMM_TIMEOUT_S + scaled(this) after the fault
 
 
 def _children(pid: int) -> list[int]:
@@ -220,8 +220,13 @@ def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s
     Returns the survivor's stderr, torchrun's output, the fault time (faulty worker first seen
     stopped or gone) and the survivor's exit time. A stopped worker is SIGKILLed once the
     survivor has exited (and in any case in ``finally``): nothing outlives the test.
-    ``deadline_s`` only guards against a hang (start-up on a loaded 2-core machine can take minutes).
+    ``deadline_s`` (scaled) only guards against a hang (start-up on a loaded 2-core machine can take
+    minutes). The fault time is the one the faulty rank printed just before it stopped or killed
+    itself, and the survivor's exit time is when it wrote its last line (its stderr's mtime), so
+    a watcher thread that a busy machine schedules late measures nothing late; its own
+    observations are the fallback.
     """
+    deadline_s = scaled(deadline_s)
     logs, out = tmp_path / "logs", tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(logs), "--redirects", "3", "--monitor-interval", "0.1",
@@ -258,7 +263,7 @@ def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s
                 if _state(workers[faulty_rank]) == "T":
                     os.kill(workers[faulty_rank], signal.SIGKILL)   # the frozen peer: clean it up
             time.sleep(0.1)   # polling external processes, not synchronizing with them
-        rc = proc.wait(timeout=60)
+        rc = proc.wait(timeout=scaled(60))
     finally:
         for pid in workers.values():
             if _state(pid) != "gone":
@@ -267,7 +272,11 @@ def _run_with_fault(tmp_path: Path, fault: str, faulty_rank: int = 1, deadline_s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         launcher_log.close()
-    survivor_err = [p for p in logs.glob("*/attempt_0/0/stderr.log")]
+    survivor_err = list(logs.glob("*/attempt_0/0/stderr.log"))
+    faulty_err = list(logs.glob(f"*/attempt_0/{faulty_rank}/stderr.log"))
+    stamp = re.search(r"fault injection: .* t=(\d+\.\d+)", faulty_err[0].read_text()) if faulty_err else None
+    if stamp and survivor_err:     # both from the ranks themselves, on the wall clock
+        fault_t, survivor_exit_t = float(stamp.group(1)), survivor_err[0].stat().st_mtime
     return {"rc": rc, "fault_t": fault_t, "survivor_exit_t": survivor_exit_t,
             "launcher": (tmp_path / "torchrun.log").read_text(),
             "stderr": survivor_err[0].read_text() if survivor_err else "", "out": out}
@@ -283,7 +292,7 @@ def _the_line(res: dict) -> str:
     assert len(lines) == 1, res["stderr"][-3000:] + "\n--- launcher ---\n" + res["launcher"][-3000:]
     assert "Traceback" not in res["stderr"], res["stderr"][-3000:]
     assert res["fault_t"] is not None and res["survivor_exit_t"] is not None, res["launcher"][-3000:]
-    assert res["survivor_exit_t"] - res["fault_t"] <= COMM_TIMEOUT_S + EXIT_BOUND_S
+    assert res["survivor_exit_t"] - res["fault_t"] <= COMM_TIMEOUT_S + scaled(EXIT_BOUND_S)
     assert res["rc"] != 0
     return lines[0]
 
@@ -333,7 +342,7 @@ def test_frozen_peer_gives_one_line_and_the_survivor_exits(fault_runs, at, op):
                      r"(\d+\.\d) s - likely cause: peer rank 1 stopped responding \(frozen/SIGSTOP, hung or "
                      r"overloaded\) or died; exiting with code 3 \(traceback: (.+)\)", line)
     assert m, line
-    assert COMM_TIMEOUT_S - 0.5 <= float(m.group(1)) <= COMM_TIMEOUT_S + EXIT_BOUND_S, line
+    assert COMM_TIMEOUT_S - 0.5 <= float(m.group(1)) <= COMM_TIMEOUT_S + scaled(EXIT_BOUND_S), line
     assert "timed out" in Path(m.group(2)).read_text().lower()   # the full traceback, for debugging
     assert _exitcode_of_rank(res["launcher"], 0) == 3, res["launcher"][-3000:]
 
@@ -405,11 +414,11 @@ def _killed_launcher_run(tmp_path: Path) -> bool:
         os.kill(proc.pid, signal.SIGKILL)   # the launcher only: its ranks are orphaned
         proc.wait()
         killed = time.monotonic()
-        while any(_state(p) != "gone" for p in workers) and time.monotonic() - killed < COMM_TIMEOUT_S + 30:
+        while any(_state(p) != "gone" for p in workers) and time.monotonic() - killed < scaled(COMM_TIMEOUT_S + 30):
             time.sleep(0.1)
         stopped_after = time.monotonic() - killed
         assert all(_state(p) == "gone" for p in workers), "orphaned ranks kept running"
-        assert stopped_after <= COMM_TIMEOUT_S, stopped_after
+        assert stopped_after <= scaled(COMM_TIMEOUT_S), stopped_after
         before = _snapshot(out)
         time.sleep(3)
         assert _snapshot(out) == before        # nothing written after the ranks stopped
