@@ -12,6 +12,8 @@ applier). Here:
   and at the row end: logits and EVERY gradient equal CP=1 (fp32, real transformers classes, tiny
   random configs, train(), dropout 0), and LFM2's short-conv halo at cp 2; the permutation is asserted not to be the identity; a
   negative control (the relayout's return trip skipped) is visibly wrong;
+* Kimi Linear's KDA, MiniMax's lightning attention, Jamba's Mamba1 and RecurrentGemma's RG-LRU
+  state passing next to the balanced split at cp 2, the same check;
 * GDN next to Head-Tail (contiguous at the module boundary: no relayout) at cp 2, the same check;
 * the plan accepts mixers next to the balanced split and Head-Tail, and still refuses the balanced
   split mixed with another attention method, a layout with no exchange to the contiguous one, and a
@@ -33,7 +35,11 @@ HEAD_TAIL = {**BASE, "match": "*.self_attn",
 MIXERS = {"qwen3_next": ("*.linear_attn", "gated_deltanet_state_passing"),
           "falcon_h1": ("*.mamba", "mamba2_state_passing"),
           "bamba": ("*.mamba", "mamba2_state_passing"),
-          "lfm2": ("*[0-9].conv", "short_conv_halo")}
+          "lfm2": ("*[0-9].conv", "short_conv_halo"),
+          "kimi_linear": ("model.layers.0.self_attn", "kda_state_passing"),
+          "minimax": ("model.layers.0.self_attn", "lightning_state_passing"),
+          "jamba": ("*.mamba", "mamba1_state_passing"),
+          "recurrent_gemma": ("model.layers.0.temporal_block", "rglru_state_passing")}
 
 
 # ============================================================================ rank functions
@@ -101,13 +107,14 @@ def case(arch: str, cp: int, S: int, broken: bool = False, head_tail: bool = Fal
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.cp.common import mesh_ctx
-    from tests.cp.test_mixer_cp import build
+    from tests.cp.test_mixer_cp import ATTN_FQN, build
 
     model, ref = build(arch).float().train(), build(arch).float().train()
     ref.load_state_dict(model.state_dict())
     mesh = mesh_ctx(cp)
     match, method = MIXERS[arch]
-    plan = ShardingPlanner(plan_overrides=[HEAD_TAIL if head_tail else BALANCED,
+    attn = {**(HEAD_TAIL if head_tail else BALANCED), "match": ATTN_FQN.get(arch, "*.self_attn")}
+    plan = ShardingPlanner(plan_overrides=[attn,
                                            {**BASE, "match": match, "inner_wrapper": method}]).plan(model, mesh, cp_size=cp)
     if not head_tail:
         plan.batch_policy = dataclasses.replace(plan.batch_policy, block=2)    # many blocks per rank on short rows
@@ -163,6 +170,13 @@ def test_mixers_with_balanced_split_cp2_match_cp1(ranks):
     and Qwen3-Next's GDN next to Head-Tail (which keeps the contiguous layout at the boundary)."""
     _check(ranks(2).run(cases, [("qwen3_next", 2, 36), ("falcon_h1", 2, 40), ("lfm2", 2, 38),
                                 ("qwen3_next", 2, 36, False, True)], timeout=600.0))
+
+
+def test_recurrent_mixers_with_balanced_split_cp2_match_cp1(ranks):
+    """Kimi Linear (KDA), MiniMax (lightning attention), Jamba (Mamba1) and RecurrentGemma (RG-LRU)
+    state passing next to the balanced split, cp 2: the same relayout, the same check."""
+    _check(ranks(2).run(cases, [("kimi_linear", 2, 36), ("minimax", 2, 38), ("jamba", 2, 40),
+                                ("recurrent_gemma", 2, 36)], timeout=600.0))
 
 
 def test_mixers_with_balanced_split_cp4_match_cp1(ranks):
