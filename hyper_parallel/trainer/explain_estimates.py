@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..distributed.context_parallel.catalogue import METHODS, gathers_kv, gathers_kv_only
+from ..distributed.context_parallel.catalogue import METHODS, gathers_kv, gathers_kv_only, splits_heads_over_cp
 
 PROBE_ATTENTION = "hp_explain_probe"
 
@@ -112,7 +112,7 @@ def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: 
         if not keep_gathered:   # both keep only the local K/V for backward and gather again
             out["bwd K/V regather"] = 2 * kv_local * (cp - 1)
         return out
-    if row is not None and row.kind == "attention" and row.head_rule == "split" and row.degree == "cp":   # Ulysses
+    if row is not None and splits_heads_over_cp(row):   # Ulysses
         per = (2 * hq + 2 * hk) * d * elem * S / cp * share
         return {"fwd Q/K/V/O All-to-All": per, "bwd dO/dQ/dK/dV All-to-All": per}
     return {}

@@ -57,10 +57,9 @@ def test_method_families_are_read_off_the_rows():
 
     fams = {}
     for m in catalogue.attention_methods():
-        ulysses_only = m.head_rule == "split" and m.degree == "cp"
         got = [f for f, hit in (("kv_only", catalogue.gathers_kv_only(m)),
                                 ("head_tail", catalogue.gathers_kv(m) and not catalogue.gathers_kv_only(m)),
-                                ("hybrid", catalogue.has_ulysses_degree(m)), ("ulysses", ulysses_only)) if hit]
+                                ("hybrid", catalogue.has_ulysses_degree(m)), ("ulysses", catalogue.splits_heads_over_cp(m))) if hit]
         assert len(got) == 1, f"{m.name}: one exchange family, got {got}"
         fams[m.name] = got[0]
     assert async_handoff.KV_PIPELINED == tuple(n for n, f in fams.items() if f == "kv_only")

@@ -29,7 +29,7 @@ from .rows import (ASYNC_ADAPTERS, MAMBA2_FAMILIES, METHODS, MIXERS_MODULE, STYL
 from .rules import (async_methods, attention_methods, batch_policies, batch_policy_for, builtin_modules,
                     builtin_names, check_degree, entry_meta, entry_params, gathers_kv, gathers_kv_only, get_method,
                     has_ulysses_degree, head_split, method_names, method_policies, mixer_methods, names_where, offers,
-                    uses_balanced_permutation, wrapper_styles)
+                    splits_heads_over_cp, uses_balanced_permutation, wrapper_styles)
 
 __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE", "MAMBA2_FAMILIES",
            "ASYNC_ADAPTERS",
@@ -37,4 +37,5 @@ __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE",
            "batch_policies", "method_policies", "batch_policy_for", "check_degree", "head_split", "offers",
            "entry_meta", "async_methods", "entry_params", "adapter_module", "async_entry_name",
            "builtin_modules", "builtin_names", "entry_table_markdown", "support_matrix_markdown",
-           "gathers_kv", "gathers_kv_only", "has_ulysses_degree", "uses_balanced_permutation", "names_where"]
+           "gathers_kv", "gathers_kv_only", "has_ulysses_degree", "splits_heads_over_cp",
+           "uses_balanced_permutation", "names_where"]

@@ -38,6 +38,12 @@ def has_ulysses_degree(row: CPMethod) -> bool:
     return row.kind == "attention" and row.head_rule == "split" and row.degree == "param"
 
 
+def splits_heads_over_cp(row: CPMethod) -> bool:
+    """The heads are split over the whole CP group, no K/V gather (``head_rule`` "split", ``degree``
+    "cp"): pure Ulysses."""
+    return row.kind == "attention" and row.head_rule == "split" and row.degree == "cp"
+
+
 def uses_balanced_permutation(row: CPMethod) -> bool:
     """The batch is on the work-balanced permutation (``layout`` "balanced")."""
     return row.layout == "balanced"
