@@ -71,7 +71,7 @@ def _first_batch(cfg, vocab: int, dp: int):
 def explain(cfg, echo=print) -> dict:
     """Print the explanation of the checked config ``cfg`` (see the module doc); returns its
     numbers (bytes per rank) for tests and benchmarks."""
-    from ..distributed.context_parallel.catalogue import METHODS
+    from ..distributed.context_parallel.catalogue import METHODS, gathers_kv_only, has_ulysses_degree
     from ..distributed.plan import ShardingPlanner
     from .model import HyperAutoModel
     from .vocab_rule import build_vocab
@@ -124,8 +124,10 @@ def explain(cfg, echo=print) -> dict:
     passing = sum(state_passing_extra(names[id(t)], t.inner_module, s_local, B) for t in plan.cp_targets)
     act += passing
     gathered = 0.0
-    if {"colossal", "balanced"} & set(methods):   # the gathered K/V each layer keeps for backward
-        gathered = sum(1 for t in plan.cp_targets if names[id(t)] in ("colossal", "balanced")) * \
+    rows = {m: METHODS.get(m) for m in methods}   # None: a custom wrapper
+    kv_only = {m for m, r in rows.items() if r is not None and gathers_kv_only(r)}
+    if kv_only:   # the gathered K/V each layer keeps for backward
+        gathered = sum(1 for t in plan.cp_targets if names[id(t)] in kv_only) * \
             2 * (S - s_local) * hk * hd * elem * B
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
@@ -136,7 +138,8 @@ def explain(cfg, echo=print) -> dict:
         act += kept - host
     if plan.batch_policy is not None and cp > 1:   # one layer's gathered K/V while it runs
         full = 2 * S * hk * hd * elem * B
-        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if set(methods) <= {"hybrid", "hybrid_balanced"} else full
+        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if all(
+            r is not None and has_ulysses_degree(r) for r in rows.values()) else full
     transient = tiled_mlp_transient(model, mlps, s.tiled_mlp_chunk_size, s_local, B, elem)
     if cfg.loss.tiled:
         loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)

@@ -20,6 +20,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from ..distributed.context_parallel.catalogue import METHODS, gathers_kv, gathers_kv_only, splits_heads_over_cp
+
 PROBE_ATTENTION = "hp_explain_probe"
 
 
@@ -102,14 +104,15 @@ def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: 
     share = (cp - 1) / cp
     kv_local = S / cp * hk * d * elem
     q_local = S / cp * hq * d * elem
-    if method in ("colossal", "load_balance", "balanced"):   # balanced: Colossal on the permuted row
+    row = METHODS.get(method)
+    if row is not None and gathers_kv(row):   # balanced: Colossal on the permuted row
         out = {"fwd K/V AllGather": 2 * kv_local * (cp - 1), "bwd dK/dV ReduceScatter": 2 * kv_local * (cp - 1)}
-        if method == "load_balance":
+        if not gathers_kv_only(row):   # Head-Tail also dispatches the queries
             out.update({"fwd Q/O All-to-All": 2 * q_local * share, "bwd dO/dQ All-to-All": 2 * q_local * share})
         if not keep_gathered:   # both keep only the local K/V for backward and gather again
             out["bwd K/V regather"] = 2 * kv_local * (cp - 1)
         return out
-    if method == "ulysses":
+    if row is not None and splits_heads_over_cp(row):   # Ulysses
         per = (2 * hq + 2 * hk) * d * elem * S / cp * share
         return {"fwd Q/K/V/O All-to-All": per, "bwd dO/dQ/dK/dV All-to-All": per}
     return {}

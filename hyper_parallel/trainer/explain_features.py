@@ -57,6 +57,48 @@ def _state_numel(m: nn.Module) -> tuple[int, int]:
     return width, width
 
 
+def _gather_comm(m: nn.Module, L: float, cp: int, H: int, elem: int) -> dict:
+    g = L * H * elem * (cp - 1)
+    return {"fwd hidden AllGather": g, "bwd ReduceScatter": g}
+
+
+def _halo_comm(m: nn.Module, L: float, cp: int, H: int, elem: int) -> dict:
+    h, ch = _conv(m)
+    return {"fwd halo": h * ch * elem, "bwd halo gradient": h * ch * elem}
+
+
+def _gdn_ulysses_comm(m: nn.Module, L: float, cp: int, H: int, elem: int) -> dict:
+    share = (cp - 1) / cp * L * elem
+    s2h = (2 * m.key_dim + m.value_dim + 2 * m.num_v_heads) * share
+    return {"fwd q/k/v/b/a + out All-to-All": s2h + m.value_dim * share,
+            "bwd gradients All-to-All": s2h + m.value_dim * share}
+
+
+def _state_passing_comm(m: nn.Module, L: float, cp: int, H: int, elem: int) -> dict:
+    h, ch = _conv(m)
+    nt, ns = _state_numel(m)
+    states = (nt + ns) * 4 * (cp - 1)
+    return {"fwd conv halo": h * ch * elem, "fwd state AllGather": states,
+            "bwd halo gradient": h * ch * elem, "bwd state ReduceScatter": states}
+
+
+#: every mixer row of the catalogue -> its comm model ``f(module, S/cp, cp, H, elem)``, or None where
+#: --explain prints "not modelled" (a test checks the keys against the catalogue's mixer rows)
+MIXER_COMM = {
+    "sequence_gather": _gather_comm, "short_conv_halo": _halo_comm, "gated_deltanet_ulysses": _gdn_ulysses_comm,
+    "gated_deltanet_state_passing": _state_passing_comm, "mamba2_state_passing": _state_passing_comm,
+    "mamba1_state_passing": _state_passing_comm, "rglru_state_passing": _state_passing_comm,
+    "kda_state_passing": _state_passing_comm, "lightning_state_passing": _state_passing_comm,
+    "dsa_all_gather": None, "doge_dynamic_mask": None,
+}
+
+
+def _is_hybrid(name: str) -> bool:
+    from ..distributed.context_parallel.catalogue import METHODS, has_ulysses_degree
+
+    return name in METHODS and has_ulysses_degree(METHODS[name])
+
+
 def target_comm_bytes(name: str, module: nn.Module, params: dict, *, S: int, cp: int, hq: int, hk: int, d: int,
                       H: int, elem: int) -> dict:
     """Bytes one rank sends for one layer of method ``name`` and one row of global length ``S``
@@ -64,7 +106,7 @@ def target_comm_bytes(name: str, module: nn.Module, params: dict, *, S: int, cp:
     if cp <= 1:
         return {}
     L = S / cp
-    if name in ("hybrid", "hybrid_balanced"):
+    if _is_hybrid(name):
         u = int(params.get("ulysses_degree", 1))
         ring = cp // u
         a2a = (u - 1) / u * L * d * elem
@@ -72,32 +114,13 @@ def target_comm_bytes(name: str, module: nn.Module, params: dict, *, S: int, cp:
         return {"fwd Q/K/V/O All-to-All": (2 * hq + 2 * hk) * a2a, "fwd K/V AllGather": kv,
                 "bwd K/V regather": kv, "bwd dK/dV ReduceScatter": kv,
                 "bwd dO/dQ/dK/dV All-to-All": (2 * hq + 2 * hk) * a2a}
-    if name in ("sequence_gather", "dsa_all_gather", "doge_dynamic_mask"):
-        if name != "sequence_gather":
-            return {}
-        g = L * H * elem * (cp - 1)
-        return {"fwd hidden AllGather": g, "bwd ReduceScatter": g}
-    h, ch = _conv(module)
-    halo = h * ch * elem
-    if name == "short_conv_halo":
-        return {"fwd halo": halo, "bwd halo gradient": halo}
-    if name == "gated_deltanet_ulysses":
-        m = module
-        share = (cp - 1) / cp * L * elem
-        s2h = (2 * m.key_dim + m.value_dim + 2 * m.num_v_heads) * share
-        return {"fwd q/k/v/b/a + out All-to-All": s2h + m.value_dim * share,
-                "bwd gradients All-to-All": s2h + m.value_dim * share}
-    if name.endswith("_state_passing"):
-        nt, ns = _state_numel(module)
-        states = (nt + ns) * 4 * (cp - 1)
-        return {"fwd conv halo": halo, "fwd state AllGather": states,
-                "bwd halo gradient": halo, "bwd state ReduceScatter": states}
-    return {}
+    model = MIXER_COMM.get(name)
+    return model(module, L, cp, H, elem) if model is not None else {}
 
 
 def hybrid_gathered_bytes(plan, S: int, hk: int, d: int, elem: int, B: int) -> float:
     """One Hybrid layer's gathered K/V ``[B, Hk/u, S, D]`` x 2 while it runs (the largest ``1/u``)."""
-    us = [int(t.params.get("ulysses_degree", 1)) for t in plan.cp_targets if method_name(t) in ("hybrid", "hybrid_balanced")]
+    us = [int(t.params.get("ulysses_degree", 1)) for t in plan.cp_targets if _is_hybrid(method_name(t))]
     return 2 * S * max(1, hk // min(us)) * d * elem * B if us else 0.0
 
 

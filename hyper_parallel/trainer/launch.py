@@ -70,7 +70,10 @@ def _check_model(cfg) -> None:
     started (seconds of process start and imports per rank): the sharding/CP plan against the
     model (every target found, each method's own check of its module), the dense token-wise MLPs
     ``schedule.tiled_mlp`` tiles and the decoder layers ``schedule.activation_offload`` needs.
-    Only CPConfigError is raised: anything else is left to the ranks, which repeat every check."""
+    A model that cannot be built on the meta device here is left to the ranks (they build it for
+    real and repeat every check), with one line on stderr when there was a check to make (a plan
+    override, cp / tp / ep > 1, the tiled MLP or activation offload); any other exception of these
+    checks is a bug and propagates."""
     from ..distributed.errors import CPConfigError
     from ..distributed.plan import ShardingPlanner
     from ..distributed.tensor_parallel import find_decoder_layers
@@ -81,17 +84,21 @@ def _check_model(cfg) -> None:
     a, s = cfg.accelerator, cfg.schedule
     try:
         model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
-        ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
-                                                 sequence_parallel=a.sequence_parallel, loss_parallel=a.loss_parallel)
-        if s.tiled_mlp:
-            install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=a.tp_size)
-        if s.activation_offload and not list(find_decoder_layers(model)):
-            raise CPConfigError("schedule.activation_offload", f"no decoder layers found in {type(model).__name__}",
-                                fix="set schedule.activation_offload: false")
     except CPConfigError:
         raise
-    except Exception:  # noqa: BLE001 - not a refusal this check knows: the ranks make (and report) it
-        pass
+    except Exception as exc:  # noqa: BLE001 - a build the meta device cannot do: the ranks build it for real
+        if cfg.plan_overrides or max(a.cp_size, a.tp_size, a.ep_size) > 1 or s.tiled_mlp or s.activation_offload:
+            print(f"hyper-train: the model was not built on the meta device here ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''}); its plan is checked on the ranks",
+                  file=sys.stderr, flush=True)
+        return
+    ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
+                                             sequence_parallel=a.sequence_parallel, loss_parallel=a.loss_parallel)
+    if s.tiled_mlp:
+        install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=a.tp_size)
+    if s.activation_offload and not list(find_decoder_layers(model)):
+        raise CPConfigError("schedule.activation_offload", f"no decoder layers found in {type(model).__name__}",
+                            fix="set schedule.activation_offload: false")
 
 
 def _check_data(data) -> None:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -47,6 +48,52 @@ def test_rows_are_complete():
         for o in m.offers:
             assert (o.entry is None) != (o.reason is None), f"{m.name} x {o.style}: entry xor reason"
             assert o.reason is None or len(o.reason) > 20
+
+
+def test_method_families_are_read_off_the_rows():
+    """Every attention row is in exactly one exchange family, and the families are what the readers
+    (--explain's comm model, the async handoffs) use: no reader keeps its own list of names."""
+    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff, async_protocol
+
+    fams = {}
+    for m in catalogue.attention_methods():
+        got = [f for f, hit in (("kv_only", catalogue.gathers_kv_only(m)),
+                                ("head_tail", catalogue.gathers_kv(m) and not catalogue.gathers_kv_only(m)),
+                                ("hybrid", catalogue.has_ulysses_degree(m)), ("ulysses", catalogue.splits_heads_over_cp(m))) if hit]
+        assert len(got) == 1, f"{m.name}: one exchange family, got {got}"
+        fams[m.name] = got[0]
+    assert async_handoff.KV_PIPELINED == tuple(n for n, f in fams.items() if f == "kv_only")
+    assert async_handoff._HYBRID == tuple(n for n, f in fams.items() if f == "hybrid")
+    assert async_handoff._PERMUTED == tuple(m.name for m in catalogue.attention_methods() if m.layout == "balanced")
+    assert set(async_protocol.ASYNC_METHODS) == {m.name for m in catalogue.async_methods()}
+
+
+def _explain_comm(name, cp=4):
+    from hyper_parallel.trainer.explain_estimates import comm_bytes
+    from hyper_parallel.trainer.explain_features import target_comm_bytes
+
+    kw = dict(S=64, cp=cp, hq=4, hk=2, d=8, elem=4)
+    return comm_bytes(name, **kw) or target_comm_bytes(name, None, {"ulysses_degree": 2}, H=32, **kw)
+
+
+def test_explain_models_every_attention_row(monkeypatch):
+    """--explain's comm model covers every attention row, and a new row of an existing family is
+    modelled as its family without touching the trainer (a copy of each row under a new name)."""
+    from hyper_parallel.trainer.explain_features import MIXER_COMM
+
+    assert set(MIXER_COMM) == set(catalogue.method_names("mixer")), "a mixer row without a comm model entry"
+    rows = dict(catalogue.METHODS)
+    for m in catalogue.attention_methods():
+        assert _explain_comm(m.name), f"{m.name}: --explain has no comm model"
+        rows[m.name + "_copy"] = dataclasses.replace(m, name=m.name + "_copy")
+    monkeypatch.setattr(catalogue.rows, "METHODS", rows)
+    monkeypatch.setattr(catalogue, "METHODS", rows)
+    monkeypatch.setattr(catalogue.rules, "METHODS", rows)
+    import hyper_parallel.trainer.explain_estimates as est
+    monkeypatch.setattr(est, "METHODS", rows)
+    for m in list(rows.values()):
+        if m.kind == "attention" and not m.name.endswith("_copy"):
+            assert _explain_comm(m.name + "_copy") == _explain_comm(m.name), m.name
 
 
 def test_registry_reads_the_catalogue():

@@ -77,3 +77,50 @@ def test_mask_skipped_only_under_cp_and_only_when_every_wrapped_module_ignores_i
     _mark(mixed.model.layers[1].self_attn, ignores=False)         # a method that reads the mask
     assert install_no_model_mask(mixed) == []
     assert all(m is not None for m in _masks_seen(mixed, _Meta(cp_size=2)))
+
+
+def test_a_cp_forward_changes_nothing_another_thread_sees():
+    """Thread A is inside a CP forward (no mask built) while thread B runs the same model without CP:
+    B gets transformers' [L, L] mask and reads the model's own config throughout (nothing shared is
+    swapped per call), and A still builds none."""
+    import threading
+
+    model = _doge()
+    for layer in model.model.layers:
+        _mark(layer.self_attn, ignores=True)
+    assert install_no_model_mask(model) == ["model"]
+    inside, b_done, seen = threading.Event(), threading.Event(), []
+
+    def hook(m, a, kw):
+        seen.append((threading.current_thread().name, kw.get("attention_mask")))
+        if threading.current_thread().name == "A" and not inside.is_set():
+            inside.set()
+            assert b_done.wait(120), "thread B did not finish"
+
+    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    errors = []
+
+    def run_a():
+        try:
+            with cp_batch_context(_Meta(cp_size=2)):
+                model(input_ids=torch.randint(3, 60, (1, 8)))
+        except BaseException as exc:   # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    a = threading.Thread(target=run_a, name="A")
+    a.start()
+    try:
+        assert inside.wait(120), "thread A did not reach its first layer"
+        impl_during = model.model.config._attn_implementation
+        model(input_ids=torch.randint(3, 60, (1, 8)))
+    finally:
+        b_done.set()
+        a.join(120)
+        h.remove()
+    assert not errors, errors
+    a_masks = [m for t, m in seen if t == "A"]
+    b_masks = [m for t, m in seen if t != "A"]
+    print(f"config seen by B during A's CP forward: {impl_during}; masks A {a_masks}, B "
+          f"{[tuple(m.shape) if m is not None else None for m in b_masks]}")
+    assert impl_during == "sdpa"
+    assert a_masks == [None] and len(b_masks) == 1 and tuple(b_masks[0].shape[-2:]) == (8, 8)

@@ -41,6 +41,9 @@ class WrapperInfo:
     # DeltaNet / Mamba2 / short-conv layer), runs on the contiguous layout (the applier moves a permuted
     # batch there and back: context_parallel.mixers.rows.on_contiguous_layout)
     mixer: bool = False
+    # a mixer's forward arguments -> the dim carrying the sequence (None: none), on top of the defaults
+    # (context_parallel.mixers.layout.DEFAULT_SEQ_DIMS); what a permuted batch moves, the rest refused
+    seq_dims: dict | None = None
     named_params: tuple = ()          # names after the five mesh-family parameters
     required_params: tuple = ()       # named params without a default
 
@@ -70,8 +73,12 @@ def _inspect(fn: Callable) -> tuple[tuple, tuple]:
 
 def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: str = "custom",
                   is_async: bool = False, communicates: bool = True, model_adapter: str | None = None,
-                  validate: Callable | None = None, mixer: bool = False):
+                  validate: Callable | None = None, mixer: bool = False, seq_dims: dict | None = None):
     """Mark ``fn`` as an inner wrapper (usable bare or with keyword metadata)."""
+    if seq_dims is not None and (not mixer or not isinstance(seq_dims, dict) or not all(
+            isinstance(k, str) and (v is None or type(v) is int and v >= 0) for k, v in seq_dims.items())):
+        raise ValueError(f"inner_wrapper seq_dims (mixer=True only) maps forward argument names to a sequence "
+                         f"dim (int >= 0) or None, got {seq_dims!r} with mixer={mixer}")
 
     def deco(f: Callable) -> Callable:
         if method not in METHODS:
@@ -82,7 +89,7 @@ def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: 
         f.__hp_inner_wrapper__ = WrapperInfo(
             fn=f, qualname=f"{f.__module__}.{f.__qualname__}", method=method, style=style,
             is_async=is_async, communicates=communicates, model_adapter=model_adapter,
-            validate=validate, mixer=mixer, named_params=named, required_params=required,
+            validate=validate, mixer=mixer, seq_dims=seq_dims, named_params=named, required_params=required,
         )
         return f
 

@@ -45,7 +45,7 @@ import torch.nn as nn
 from ..context_parallel.interception import applying
 from ..context_parallel.interception.model_mask import install_no_model_mask
 from ..context_parallel.meta import cp_batch_context, current_cp_batch_meta
-from ..context_parallel.mixers.rows import on_contiguous_layout
+from ..context_parallel.mixers.layout import on_contiguous_layout
 from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
 from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
 from ..errors import CPConfigError
@@ -125,7 +125,7 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
                     raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()} returned a "
                                         f"{type(ret).__name__}, expected a forward callable or None", module=t.fqn)
                 if t.info is not None and t.info.mixer:     # a permuted batch reaches it in the contiguous layout
-                    ret = on_contiguous_layout(ret, module, cp_mesh)
+                    ret = on_contiguous_layout(ret, module, cp_mesh, t.info.seq_dims, t.fqn)
                 installed.replace_forward(module, ret, getattr(ret, "__hp_undo__", None))
             else:
                 installed.record_external(module, prev)
@@ -134,7 +134,8 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
                                         "replace the module's forward", module=t.fqn,
                                         fix="return the replacement forward, or assign target_module.forward")
                 if t.info is not None and t.info.mixer:
-                    module.forward = on_contiguous_layout(module.forward, module, cp_mesh)
+                    module.forward = on_contiguous_layout(module.forward, module, cp_mesh, t.info.seq_dims,
+                                                          t.fqn)
         module.__hp_cp_wrapped__ = (t.spec.inner_wrapper or t.spec.local_compute_fn).describe()
         module.__dict__["__hp_cp_prev_forward__"] = prev_entry
         log.info("CP: %s", t.describe())

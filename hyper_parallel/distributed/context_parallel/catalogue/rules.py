@@ -20,6 +20,40 @@ def mixer_methods() -> list:
     return [m for m in METHODS.values() if m.kind == "mixer"]
 
 
+def gathers_kv(row: CPMethod) -> bool:
+    """The attention all-gathers K/V over the whole CP group, Colossal-style (its heads are not
+    split: ``head_rule`` "gqa"): colossal, Head-Tail, the balanced split."""
+    return row.kind == "attention" and row.head_rule == "gqa"
+
+
+def gathers_kv_only(row: CPMethod) -> bool:
+    """:func:`gathers_kv` with the K/V gather as the only forward exchange: the queries stay on
+    their rank (every layout but Head-Tail, which dispatches them): colossal, the balanced split."""
+    return gathers_kv(row) and row.layout != "head_tail"
+
+
+def has_ulysses_degree(row: CPMethod) -> bool:
+    """A Ulysses group of a named degree inside the CP group, Colossal across the groups
+    (``head_rule`` "split", ``degree`` "param"): Hybrid and Hybrid on the balanced split."""
+    return row.kind == "attention" and row.head_rule == "split" and row.degree == "param"
+
+
+def splits_heads_over_cp(row: CPMethod) -> bool:
+    """The heads are split over the whole CP group, no K/V gather (``head_rule`` "split", ``degree``
+    "cp"): pure Ulysses."""
+    return row.kind == "attention" and row.head_rule == "split" and row.degree == "cp"
+
+
+def uses_balanced_permutation(row: CPMethod) -> bool:
+    """The batch is on the work-balanced permutation (``layout`` "balanced")."""
+    return row.layout == "balanced"
+
+
+def names_where(pred, kind: Optional[str] = "attention") -> tuple:
+    """Canonical names of the rows (of ``kind``; None: any) for which ``pred(row)`` holds, in catalogue order."""
+    return tuple(m.name for m in METHODS.values() if (kind is None or m.kind == kind) and pred(m))
+
+
 def get_method(name: str, kind: Optional[str] = "attention") -> CPMethod:
     """The row for a method name or alias (of ``kind``; None: any); ValueError lists the names."""
     key = _ALIASES.get(name) if isinstance(name, str) else None

@@ -25,6 +25,11 @@ __all__ = ["Relayout"]
 _LAST: dict = {}          # the last step's Relayout (key holds the perm tensor itself, compared with ``is``)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The one host -> device copy of an index tensor (a seam: tests count its calls)."""
+    return t.to(device)
+
+
 class Relayout:
     """The exchange of rank ``rank`` of ``cp_size`` for the permutation ``perm [S]`` (slot i of the
     permuted row holds global token ``perm[i]``); ``group``: the CP group (None = one rank)."""
@@ -46,6 +51,16 @@ class Relayout:
         self.recv_inv = torch.argsort(self.recv_pos)
         self.send_inv = torch.argsort(self.send_idx)
         self.L, self.group, self.tag = L, group, tag
+        self._on: dict = {}          # device -> (send_idx, recv_inv, recv_pos, send_inv) there
+
+    def _indices(self, device: torch.device) -> tuple:
+        """The four index tensors on ``device``, copied there once per Relayout (= once per step and
+        device: :meth:`cached` keeps one Relayout per step's ``perm``)."""
+        out = self._on.get(device)
+        if out is None:
+            out = self._on[device] = tuple(_to_device(t, device) for t in (self.send_idx, self.recv_inv,
+                                                                             self.recv_pos, self.send_inv))
+        return out
 
     @classmethod
     def cached(cls, perm: torch.Tensor, rank: int, cp_size: int, group, tag: str = "cp.relayout") -> "Relayout":
@@ -65,15 +80,17 @@ class Relayout:
     def to_contiguous(self, x: torch.Tensor) -> torch.Tensor:
         """Permuted slots -> this rank's contiguous chunk (dim 1)."""
         self._check(x, "to_contiguous")
-        send = x.index_select(1, self.send_idx.to(x.device))
+        send_idx, recv_inv, _, _ = self._indices(x.device)
+        send = x.index_select(1, send_idx)
         recv = AllToAllUneven.apply(send.contiguous(), self.group, self.send_counts, self.recv_counts, 1,
                                     self.tag)
-        return recv.index_select(1, self.recv_inv.to(x.device))
+        return recv.index_select(1, recv_inv)
 
     def to_permuted(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous chunk -> its permuted slots (the inverse of :meth:`to_contiguous`)."""
         self._check(y, "to_permuted")
-        send = y.index_select(1, self.recv_pos.to(y.device))
+        _, _, recv_pos, send_inv = self._indices(y.device)
+        send = y.index_select(1, recv_pos)
         recv = AllToAllUneven.apply(send.contiguous(), self.group, self.recv_counts, self.send_counts, 1,
                                     self.tag + ".back")
-        return recv.index_select(1, self.send_inv.to(y.device))
+        return recv.index_select(1, send_inv)

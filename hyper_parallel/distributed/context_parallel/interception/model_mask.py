@@ -8,9 +8,12 @@ memory per rank that nothing reads (DSA and Doge even force it with ``allow_is_c
 
 :func:`install_no_model_mask` wraps the forward of each base model (the module holding the decoder
 layers' ``ModuleList``, with a ``config``) whose every CP-wrapped descendant ignores the mask: during
-a CP forward (``cp_batch_context`` with ``cp_size > 1``) that forward runs with a shallow config copy
-naming :data:`HF_CP_INTERFACE` -- an attention interface with no mask function, for which transformers'
-mask creation returns ``None`` before building anything -- and with its own config back afterwards.
+a CP forward (``cp_batch_context`` with ``cp_size > 1``) that forward sees, as ``self.config``, a shallow
+copy naming :data:`HF_CP_INTERFACE` -- an attention interface with no mask function, for which
+transformers' mask creation returns ``None`` before building anything. Nothing shared changes per call:
+the module's class is, once at install, a subclass whose ``config`` property returns this thread's copy
+while the thread is in that forward (a thread-local), else the module's own config; another thread, or
+code outside the forward, sees the own config throughout.
 Outside a CP forward (the preflight proof's reference, no meta) it runs unchanged. A model that also
 has a module wrapped by a method that reads the mask keeps its mask. docs/wrappers.md, "Attentions
 with a selection of their own".
@@ -20,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import threading
 from typing import Callable, Optional
 
 import torch.nn as nn
@@ -46,23 +50,60 @@ def mask_owner(model: nn.Module, fqn: str, names: Optional[dict] = None) -> Opti
     return None
 
 
+_ACTIVE = threading.local()     # .configs: {id(base model): its private config} of this thread's CP forwards
+_CLASSES: dict = {}             # model class -> its subclass with the ``config`` property
+
+
+def _config_get(self):
+    private = getattr(_ACTIVE, "configs", {}).get(id(self))
+    if private is not None:
+        return private
+    try:
+        return self.__dict__["config"]
+    except KeyError:
+        raise AttributeError("config") from None
+
+
+def _config_set(self, value):
+    self.__dict__["config"] = value
+
+
+def _with_config_property(module: nn.Module) -> None:
+    """Give ``module`` (once) the subclass of its class whose ``config`` reads :data:`_ACTIVE` first."""
+    cls = type(module)
+    if cls.__dict__.get("__hp_private_config__"):
+        return
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        sub = _CLASSES[cls] = type(cls.__name__, (cls,), {
+            "config": property(_config_get, _config_set), "__hp_private_config__": True,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    module.__class__ = sub
+
+
 def _skipping_forward(module: nn.Module, original: Callable) -> Callable:
     from ..meta import current_cp_batch_meta
+
+    _with_config_property(module)
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
         if meta is None or meta.cp_size == 1:
             return original(*args, **kwargs)
-        own = module.__dict__.get("config")
-        private = copy.copy(own)
+        private = copy.copy(module.__dict__["config"])
         # set the field directly: the property setter would recurse into *shared* sub-configs
         private.__dict__["_attn_implementation_internal"] = HF_CP_INTERFACE
-        module.config = private
+        configs = _ACTIVE.__dict__.setdefault("configs", {})
+        outer = configs.get(id(module))
+        configs[id(module)] = private
         try:
             return original(*args, **kwargs)
         finally:
-            module.config = own
+            if outer is None:
+                configs.pop(id(module), None)
+            else:
+                configs[id(module)] = outer
 
     forward.__hp_no_model_mask__ = True
     return forward

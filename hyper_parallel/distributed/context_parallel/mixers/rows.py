@@ -7,14 +7,11 @@ is its own right-padded row (a 2-D ``attention_mask`` passed when the forward ta
 recurrent state or a conv window restarts at every document and padding is never an input of a
 real token (padding outputs 0). Local only: no collective. docs/wrappers.md, "Token mixers".
 
-Every mixer method is written for the contiguous layout; :func:`on_contiguous_layout` (installed by
-the plan applier around every ``@inner_wrapper(mixer=True)`` forward) moves a permuted batch
-(balanced split, ``meta.perm``) to it and back: one all-to-all each way
-(docs/strategies/load_balance_packed.md, "Token mixers").
+Every mixer method is written for the contiguous layout; :func:`.layout.on_contiguous_layout` moves a
+permuted batch (balanced split) to it and back, for the arguments the registration states.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
@@ -23,12 +20,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .... import platform as P
-from ..comm import Relayout, all_gather_seq, resolve_group
+from ..comm import all_gather_seq, resolve_group
 from ..interception.hf_interface import HF_FALSY_KWARGS, HF_IGNORED_KWARGS
-from ..meta import CPBatchMeta, cp_batch_context, current_cp_batch_meta
+from ..meta import CPBatchMeta, current_cp_batch_meta
 
 __all__ = ["CPMixerError", "CACHE_KEYS", "hidden_param", "accepts", "split_hidden", "check_call", "is_seq", "map_seq",
-           "gather_any", "zero_out", "segments", "run_rows", "current_fqn", "validate_common", "require_class", "on_contiguous_layout"]
+           "gather_any", "zero_out", "segments", "run_rows", "current_fqn", "validate_common", "require_class"]
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params", "past_key_value")
 
@@ -85,7 +82,7 @@ def check_call(what: str, fqn: str, hs, kwargs: dict, meta: CPBatchMeta) -> None
     if meta.perm is not None:
         raise CPMixerError(f"{what} on '{fqn}': the batch is in the balanced split's permuted layout (meta.perm) "
                            "but the mixer method runs on the contiguous one; install it with apply_sharding_plan, "
-                           "which moves its tokens to the contiguous layout and back (on_contiguous_layout)")
+                           "which moves its tokens to the contiguous layout and back (mixers.layout.on_contiguous_layout)")
     for key in CACHE_KEYS:      # the model's default cache (use_cache, eval): not filled under CP
         if kwargs.get(key) is not None:
             kwargs[key] = None
@@ -119,41 +116,6 @@ def bound_call(what: str, fqn: str, sig: inspect.Signature, module: nn.Module, c
         raise CPMixerError(f"{what} on '{fqn}': {type(module).__name__} was called with {bad}, which the CP method "
                            "does not carry; refused rather than dropped")
     return meta, a, hs
-
-
-def on_contiguous_layout(forward: Callable, module: nn.Module, cp_mesh) -> Callable:
-    """``forward`` (a mixer method, written for the contiguous layout) runnable under any split.
-
-    When the current batch is permuted (``meta.perm``: the balanced split) every ``[B|1, L, ...]``
-    argument moves from the permuted slots to this rank's contiguous chunk (global tokens
-    ``[r*L, (r+1)*L)``) with one all-to-all (:class:`~..comm.Relayout`, counts from ``perm`` alone),
-    ``forward`` runs unchanged under the contiguous view of the meta (``perm=None``; doc ids and
-    positions are global, so they need no change) and every ``[B|1, L, ...]`` output moves back with
-    the inverse exchange. Backward: the inverse exchanges. Otherwise (contiguous batch, cp 1)
-    ``forward`` itself runs."""
-    name = hidden_param(module)
-
-    def relaid(*args, **kwargs):
-        meta = current_cp_batch_meta(required=False)
-        if meta is None or meta.perm is None or cp_mesh is None or meta.cp_size == 1:
-            return forward(*args, **kwargs)
-        hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
-        if not isinstance(hs, torch.Tensor) or hs.dim() != 3 or hs.shape[1] != meta.local_seq_len:
-            raise CPMixerError(f"{getattr(forward, '__hp_mixer__', 'mixer method')} on {type(module).__name__}: "
-                               f"hidden_states {tuple(getattr(hs, 'shape', ()))} is not this rank's [B, "
-                               f"{meta.local_seq_len}, H] chunk of the balanced split; refused before the relayout")
-        group = resolve_group(cp_mesh)
-        rl = Relayout.cached(meta.perm, P.group_rank(group), P.group_size(group), group, tag="cp.mixer_relayout")
-        B, L = hs.shape[:2]
-        a, kw = rebuild(rl.to_contiguous(hs), map_seq(rest_args, B, L, rl.to_contiguous),
-                        map_seq(rest_kwargs, B, L, rl.to_contiguous))
-        with cp_batch_context(dataclasses.replace(meta, perm=None, policy="all_gather")):
-            out = forward(*a, **kw)
-        return map_seq(out, B, L, rl.to_permuted)
-
-    marks = getattr(forward, "__dict__", {})     # every marker the applier reads (__hp_mixer__, __hp_undo__, ...)
-    relaid.__dict__.update({k: v for k, v in marks.items() if k.startswith("__hp_") or k == "__wrapped__"})
-    return relaid
 
 
 def is_seq(t: Any, B: int, L: int) -> bool:

@@ -44,7 +44,10 @@ DEFAULT_Q_CHUNKS = 4
 DEFAULT_KV_CHUNKS = 4
 # the methods whose K/V AllGather is pipelined in ``kv_chunks`` chunks (the balanced split: the same
 # gathers of the permuted row, keys at ``meta.k_index`` = ``meta.perm``, queries at ``meta.q_index``)
-KV_PIPELINED = ("colossal", "balanced")
+KV_PIPELINED = catalogue.names_where(catalogue.gathers_kv_only)
+# the methods with a Ulysses group of a named degree (regather re-runs its A2A) / on the balanced permutation
+_HYBRID = catalogue.names_where(catalogue.has_ulysses_degree)
+_PERMUTED = catalogue.names_where(catalogue.uses_balanced_permutation)
 #: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
 keep_gathered_kv = False
 
@@ -146,7 +149,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
         # depends only on values every rank shares. A backend that copies K/V per query head for a
         # head map (CUDA, NPU: kv_map_in_place False) saves that copy on the mapped ranks, which then
         # would not regather: there only layouts without a head map on any rank regather
-        regather = m in ("hybrid", "hybrid_balanced") and u < plan.checker.cp_size and (
+        regather = m in _HYBRID and u < plan.checker.cp_size and (
             kv_map_in_place(k.device) or not any(lay.kv_map_args(j) for j in range(u)))
         with c.regather("k", "v", (k, v), keep_gathered_kv) if regather else contextlib.nullcontext():
             for ci, (coll, tok) in enumerate(c.q_parts):
@@ -232,7 +235,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
                                   cp_rank=plan.checker.cp_rank)
         c.plans, c.layout = plan.at_heads(hk * groups, hk, f"module '{owner}'")
-        if plan.method in ("balanced", "hybrid_balanced"):
+        if plan.method in _PERMUTED:
             plan.checker.check_permuted(meta)
         if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
             raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "

@@ -9,18 +9,15 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import catalogue
 from ..async_collectives import AsyncCollective, trace_event, tracing
 from ..comm import regather_saved_kv
-from ..methods.balanced.strategy import BalancedHybridStrategy, BalancedStrategy
 from ..methods.colossal.async_ import colossal_kv_plan
-from ..methods.colossal.strategy import AllGatherStrategy
+from ..methods.factory import STRATEGY_CLASSES
 from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
-from ..methods.head_tail.strategy import HeadTailStrategy
 from ..methods.hybrid.async_ import hybrid_kv_plan
-from ..methods.hybrid.strategy import HybridStrategy
 from ..methods.ulysses.async_ import ulysses_out_plan, ulysses_plan
 from ..methods.ulysses.layout import UlyssesHeadLayout, ulysses_head_layout
-from ..methods.ulysses.strategy import UlyssesStrategy
 
 
 def q_chunk_count(rows: int, q_chunks: int) -> int:
@@ -66,8 +63,11 @@ def _group_of(cp_mesh):
 
 
 def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
-    """The collectives of ``method`` on the cached groups (never creates one)."""
-    if method in ("hybrid", "hybrid_balanced"):   # hybrid_balanced: the same exchanges on the permuted row
+    """The collectives of ``method`` on the cached groups (never creates one), chosen by its
+    catalogue row's exchange family; the checker is the row's sync strategy."""
+    row = catalogue.get_method(method)
+    cls = STRATEGY_CLASSES[row.strategy]
+    if catalogue.has_ulysses_degree(row):   # Hybrid (on the balanced split: the same exchanges, permuted row)
         if mesh is None or not hasattr(mesh, "hybrid_groups"):
             raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
         cg, ug = mesh.hybrid_groups(ulysses_degree)
@@ -75,22 +75,20 @@ def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
         def hybrid(lay):
             kv = hybrid_kv_plan(cg, ug, lay)
             return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
-        checker = HybridStrategy(cg, ug) if method == "hybrid" else BalancedHybridStrategy(cg, ug)
-        return _Plan(method, None, checker, ug, ulysses_degree, build=hybrid)
+        return _Plan(method, None, cls(cg, ug), ug, ulysses_degree, build=hybrid)
     group = _group_of(cp_mesh)
-    if method in ("colossal", "balanced"):   # balanced: the same gathers, of the permuted row's slots
+    if catalogue.gathers_kv_only(row):   # colossal; balanced: the same gathers, of the permuted row's slots
         kv = colossal_kv_plan(group)
-        checker = AllGatherStrategy(group) if method == "colossal" else BalancedStrategy(group)
-        return _Plan(method, {"k": kv, "v": kv}, checker, group=group)
-    if method == "ulysses":
+        return _Plan(method, {"k": kv, "v": kv}, cls(group), group=group)
+    if catalogue.splits_heads_over_cp(row):
         def ulysses(lay):
             kv = ulysses_plan(group, lay, "kv")
             return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
-        return _Plan(method, None, UlyssesStrategy(group), group, build=ulysses)
-    if method == "load_balance":
+        return _Plan(method, None, cls(group), group, build=ulysses)
+    if catalogue.gathers_kv(row):        # Head-Tail: the K/V gather plus the query dispatch
         kv = colossal_kv_plan(group)
         return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group), "out": head_tail_out_plan(group)},
-                     HeadTailStrategy(group), group=group)
+                     cls(group), group=group)
     raise ValueError(f"no async plan for CP method {method!r}")
 
 

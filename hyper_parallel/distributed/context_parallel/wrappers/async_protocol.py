@@ -25,16 +25,28 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from .. import catalogue
 from ..interception import (AttentionCall, ensure_hf_interface_registered, hf_probe_inputs, install_private_config,
                             intercept_hf_interface)
 from .heads import check_heads, module_heads
 from .preflight import check_features, check_module_position_semantics
 
 HANDOFF_KEYS = ("q", "k", "v", "wait")
+
+
+def _handoff_comm(row) -> tuple:
+    """The tensors an async method communicates at its handoffs, read off its catalogue row: K/V
+    alone when the K/V AllGather is its only exchange, K/V then Q for Head-Tail (queries
+    dispatched), Q/K/V when the heads are split over a Ulysses group."""
+    if catalogue.gathers_kv_only(row):
+        return ("k", "v")
+    if catalogue.gathers_kv(row):
+        return ("k", "v", "q")
+    return ("q", "k", "v")
+
+
 # which tensors each async method communicates at its handoffs
-ASYNC_METHODS = {"colossal": ("k", "v"), "ulysses": ("q", "k", "v"), "hybrid": ("q", "k", "v"),
-                 "load_balance": ("k", "v", "q"), "balanced": ("k", "v"),
-                 "hybrid_balanced": ("q", "k", "v")}
+ASYNC_METHODS = {m.name: _handoff_comm(m) for m in catalogue.async_methods()}
 
 
 class HandoffPoint(nn.Module):
