@@ -40,7 +40,8 @@ def validate_rglru_state_passing(target_module: nn.Module, *, cp_size: int, tp_s
                          f"kernel - 1); declare sequence_gather (generic, exact) for it instead")
 
 
-@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_rglru_state_passing)
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_rglru_state_passing,
+               seq_dims={"attention_mask": None})   # the block reads no mask: documents come from the CP meta
 def rglru_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """State passing for RecurrentGemma's recurrent block: all channels on the local tokens.
 
