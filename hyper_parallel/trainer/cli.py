@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
             return 2
         if nproc > 1:
-            return launch.launch(argv, nproc, method)
+            return launch.launch(argv, nproc, method, worker=_train)
     elif nproc is not None:
         print("hyper-train: --nproc-per-node is the launcher's (torchrun's) here, not hyper-train's",
               file=sys.stderr)

@@ -147,9 +147,10 @@ def _every_failure(failures: dict) -> dict:
     return out
 
 
-def launch(argv: list, nproc: int, start_method: str = "spawn") -> int:
-    """Step 3 of the module doc: start ``nproc`` ranks running the CLI on ``argv`` (``start_method``
-    ``fork`` or ``spawn``); the exit code."""
+def launch(argv: list, nproc: int, start_method: str = "spawn", worker=None) -> int:
+    """Step 3 of the module doc: start ``nproc`` ranks running the CLI on ``argv``; ``start_method``
+    ``fork`` runs ``worker(argv, True)`` (the CLI's ``_train``) in forked ranks, ``spawn`` fresh
+    interpreters. Returns the exit code."""
     _quiet_torchelastic()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -163,11 +164,13 @@ def launch(argv: list, nproc: int, start_method: str = "spawn") -> int:
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1, start_method=start_method, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     try:
+        if start_method == "fork" and worker is None:
+            raise ValueError("launch(start_method='fork') needs the worker function (cli._train)")
         if start_method == "fork":
             from .start_method import forked_rank, prepare_parent_for_fork
 
             prepare_parent_for_fork()
-            elastic_launch(config, forked_rank)(list(argv))
+            elastic_launch(config, forked_rank)(worker, list(argv))
         else:
             elastic_launch(config, sys.executable)("-u", "-m", "hyper_parallel.trainer.cli", *argv)
     except ChildFailedError as exc:

@@ -8,7 +8,7 @@ Rule (:func:`choose`, made before any rank starts; a bad value is a one-line ref
   NPU: a forked child of a process that touched a device driver is not safe, so GPU/NPU machines
   always spawn) and ``accelerator.device_type`` null or ``cpu``.
 
-A forked rank (:func:`forked_rank`) runs the CLI's worker path (``cli._train``, as ``python -m
+A forked rank (:func:`forked_rank`) runs the CLI's worker path (``cli._train``, handed over, as ``python -m
 hyper_parallel.trainer.cli`` does inside a torchrun rank) without paying ``import torch,
 transformers`` again. It is started by torchelastic's ``MultiprocessContext``: torchelastic sets
 the rank's environment (RANK, LOCAL_RANK, TORCHELASTIC_ERROR_FILE, ...), ``@record`` wraps the
@@ -93,12 +93,11 @@ def prepare_parent_for_fork() -> None:
         stream.flush()
 
 
-def forked_rank(argv: list) -> int:
-    """A rank forked from ``hyper-train``: its thread count, then the CLI's worker path on
-    ``argv``. Returns 0 (an error ends the process inside ``_train`` with its exit code)."""
+def forked_rank(worker, argv: list) -> int:
+    """A rank forked from ``hyper-train``: its thread count, then ``worker(argv, True)`` (the CLI's
+    worker path, ``cli._train``, handed over by the CLI: no fork needs pickling). Returns its code
+    (0; an error ends the process inside ``_train`` with its exit code)."""
     import torch
-
-    from . import cli
 
     try:
         sys.stdout.reconfigure(line_buffering=True)   # as ``python -u`` for a spawned rank
@@ -108,7 +107,7 @@ def forked_rank(argv: list) -> int:
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))   # a spawned rank's OpenMP reads this at start-up
     _STARTED_BY[:] = ["fork"]
-    return cli._train(list(argv), True)
+    return worker(list(argv), True)
 
 
 def origin_line() -> str:
