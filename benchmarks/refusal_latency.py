@@ -59,7 +59,11 @@ def _env(extra: dict) -> dict:
 def _timed(cmd: list, env: dict, out_dir: str) -> dict:
     load = os.getloadavg()
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:   # recorded, not fatal: the other runs still count
+        return {"seconds": None, "exit": "timeout 600 s", "load_avg_1_5_15": [round(x, 2) for x in load],
+                "line": ""}
     took = time.perf_counter() - t0
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hyper-train")]
     return {"seconds": round(took, 2), "exit": p.returncode, "load_avg_1_5_15": [round(x, 2) for x in load],
