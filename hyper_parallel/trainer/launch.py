@@ -14,8 +14,11 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
    elastic_launch``, standalone c10d rendezvous on localhost, no restarts), by the start method
    :func:`.start_method.choose` picks (``HYPER_PARALLEL_START_METHOD``): ``fork`` (CPU-only
    machines, the default there) runs :func:`.start_method.forked_rank`, the CLI's worker path,
-   in ranks forked from this already-imported process (no second ``import torch, transformers``;
-   what this process ran before the fork and why that is safe: :mod:`.start_method`);
+   in ranks forked from this already-imported process (no second ``import torch, transformers``).
+   Checked for fork safety: this process has run no backward and touched no device, ran its
+   checks on one OpenMP thread (no libgomp team), flushes stdio, gives the ranks
+   ``TOKENIZERS_PARALLELISM=false``; threads alive at fork (OpenBLAS servers, the rendezvous
+   TCPStore server, a Rayon pool) are not needed by a rank. Details: :mod:`.start_method`;
    ``spawn`` (any accelerator, or asked for) starts ``python -m hyper_parallel.trainer.cli
    CONFIG k=v ...`` in fresh interpreters. Inside them the CLI behaves as under torchrun. When one rank fails, torchelastic stops the others (SIGTERM, then SIGKILL after
    ``shutdown_timeout``) and this process prints one line per root cause (:mod:`.failures`),
