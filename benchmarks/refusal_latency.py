@@ -11,9 +11,12 @@ from a shell that is no torchrun worker, exactly as a user starts ``hyper-train`
 
 Then the pieces: a bare interpreter, ``import torch``, ``import transformers``, importing the CLI,
 and the parent's own check of a valid config (:func:`hyper_parallel.trainer.launch.check_before_launch`).
-Writes ``benchmarks/results/refusal_latency.json`` with the CPU and the load average before each run.
+Writes ``benchmarks/results/refusal_latency.json`` (or ``--out``) with the CPU, the load average
+before each run and the ranks' start method (``--start-method``, passed as
+``HYPER_PARALLEL_START_METHOD``; ``auto``: fork on a CPU-only machine, see trainer/start_method.py).
 
     python benchmarks/refusal_latency.py --repeats 3
+    python benchmarks/refusal_latency.py --cases rank --no-pieces --start-method spawn --out ...
 """
 from __future__ import annotations
 
@@ -56,7 +59,11 @@ def _env(extra: dict) -> dict:
 def _timed(cmd: list, env: dict, out_dir: str) -> dict:
     load = os.getloadavg()
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:   # recorded, not fatal: the other runs still count
+        return {"seconds": None, "exit": "timeout 600 s", "load_avg_1_5_15": [round(x, 2) for x in load],
+                "line": ""}
     took = time.perf_counter() - t0
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hyper-train")]
     return {"seconds": round(took, 2), "exit": p.returncode, "load_avg_1_5_15": [round(x, 2) for x in load],
@@ -69,8 +76,12 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
     ap.add_argument("--no-pieces", action="store_true", help="skip the per-piece timings")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "refusal_latency.json"))
+    ap.add_argument("--start-method", default="auto",
+                    help="HYPER_PARALLEL_START_METHOD for the launched ranks (auto, fork, spawn); a comma-separated "
+                         "list alternates them within each repeat (same load for both)")
     args = ap.parse_args()
-    out = {"cpu": cpu_name(), "cores": os.cpu_count(), "cases": {}, "pieces": {}}
+    out = {"cpu": cpu_name(), "cores": os.cpu_count(), "start_methods": args.start_method.split(","),
+           "cases": {}, "pieces": {}}
 
     def save():   # after every run: a run killed by a time limit keeps what it measured
         with open(args.out, "w") as fh:
@@ -80,12 +91,14 @@ def main() -> None:
         over, env = CASES[name]
         runs = []
         for i in range(args.repeats):
-            run_dir = f"/tmp/hp_refusal_latency/{name}{i}"
-            runs.append(_timed([sys.executable, "-m", "hyper_parallel.trainer.cli", *BASE, *over,
-                                f"logging.out_dir={run_dir}"], _env(env), run_dir))
-            print(name, runs[-1], flush=True)
-            out["cases"][name] = runs
-            save()
+            for method in args.start_method.split(","):
+                run_dir = f"/tmp/hp_refusal_latency/{name}{i}{method}"
+                runs.append({"start_method": method, **_timed(
+                    [sys.executable, "-m", "hyper_parallel.trainer.cli", *BASE, *over, f"logging.out_dir={run_dir}"],
+                    _env({**env, "HYPER_PARALLEL_START_METHOD": method}), run_dir)})
+                print(name, runs[-1], flush=True)
+                out["cases"][name] = runs
+                save()
     for name, code in ({} if args.no_pieces else PIECES).items():
         runs = [_timed([sys.executable, "-c", code], _env({}), "") for _ in range(args.repeats)]
         out["pieces"][name] = runs

@@ -130,14 +130,16 @@ def main(argv=None) -> int:
 
     if not launch.in_worker():
         from ..distributed.errors import CPConfigError
+        from .start_method import choose as choose_start_method
 
         try:
-            _, nproc = launch.check_before_launch(argv, nproc)
+            cfg, nproc = launch.check_before_launch(argv, nproc)
+            method = choose_start_method(cfg) if nproc > 1 else None
         except (CPConfigError, FileNotFoundError) as exc:
             print(f"hyper-train: configuration error: {exc}", file=sys.stderr, flush=True)
             return 2
         if nproc > 1:
-            return launch.launch(argv, nproc)
+            return launch.launch(argv, nproc, method, worker=_train)
     elif nproc is not None:
         print("hyper-train: --nproc-per-node is the launcher's (torchrun's) here, not hyper-train's",
               file=sys.stderr)
@@ -178,6 +180,10 @@ def _train(argv: list, hard_exit: bool) -> int:
         level = getattr(logging, str(cfg.logging.level).upper(), logging.INFO)
         logging.basicConfig(level=level if is_main else max(level, logging.WARNING),
                             format="%(levelname)s %(name)s: %(message)s")
+        if failures.launched():
+            from .start_method import origin_line
+
+            logging.getLogger(__name__).info(origin_line())
         maybe_inject_fault(_rank() or 0, 1, "setup")   # test hook (platform/faults.py)
         trainer = TextTrainer(cfg)
         results = trainer.train()

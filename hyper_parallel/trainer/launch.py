@@ -11,14 +11,22 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
 2. N is ``--nproc-per-node`` or the product of the config's sizes (dp_replicate x dp_shard x cp x
    tp x pp). N = 1 runs in this process (the CLI goes on; no launcher).
 3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
-   elastic_launch``, standalone c10d rendezvous on localhost, no restarts) as
-   ``python -m hyper_parallel.trainer.cli CONFIG k=v ...``; inside them the CLI behaves as under
-   torchrun. When one rank fails, torchelastic stops the others (SIGTERM, then SIGKILL after
+   elastic_launch``, standalone c10d rendezvous on localhost, no restarts), by the start method
+   :func:`.start_method.choose` picks (``HYPER_PARALLEL_START_METHOD``): ``fork`` (CPU-only
+   machines, the default there) runs :func:`.start_method.forked_rank`, the CLI's worker path,
+   in ranks forked from this already-imported process (no second ``import torch, transformers``).
+   Checked for fork safety: this process has run no backward and touched no device, ran its
+   checks on one OpenMP thread (no libgomp team), flushes stdio, gives the ranks
+   ``TOKENIZERS_PARALLELISM=false``; threads alive at fork (OpenBLAS servers, the rendezvous
+   TCPStore server, a Rayon pool) are not needed by a rank. Details: :mod:`.start_method`;
+   ``spawn`` (any accelerator, or asked for) starts ``python -m hyper_parallel.trainer.cli
+   CONFIG k=v ...`` in fresh interpreters. Inside them the CLI behaves as under torchrun. When one rank fails, torchelastic stops the others (SIGTERM, then SIGKILL after
    ``shutdown_timeout``) and this process prints one line per root cause (:mod:`.failures`),
    with no launcher traceback and torchelastic's own log lines silenced.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -48,6 +56,7 @@ def check_before_launch(argv: list, nproc: int | None):
     from .config import TrainerConfig
     from .config_checks import check_run_config
     from .metrics import check_output_paths
+    from .start_method import serial_threads
 
     cfg = TrainerConfig.from_yaml(argv[0], list(argv[1:]))   # the schema, then the sizes (cheap) ...
     n = world_size_of(cfg) if nproc is None else nproc
@@ -57,9 +66,10 @@ def check_before_launch(argv: list, nproc: int | None):
         raise CPConfigError("accelerator", f"{exc} (--nproc-per-node {n})",
                             fix=f"use --nproc-per-node {world_size_of(cfg)} (or leave it out), or change the "
                                 "sizes") from None
-    check_run_config(cfg)   # ... then the checks that load transformers, the tokenizer and the plan targets
-    _check_model(cfg)
-    _check_data(cfg.data)
+    with serial_threads():   # one thread: no OpenMP team in a process that may fork (start_method.py)
+        check_run_config(cfg)   # ... then the checks that load transformers, the tokenizer and the plan targets
+        _check_model(cfg)
+        _check_data(cfg.data)
     check_output_paths(cfg.logging, (cfg.schedule.checkpoint_dir or Path(cfg.logging.out_dir) / "checkpoints")
                        if cfg.schedule.save_every else None)
     return cfg, n
@@ -125,8 +135,32 @@ def _quiet_torchelastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch(argv: list, nproc: int) -> int:
-    """Step 3 of the module doc: start ``nproc`` ranks running the CLI on ``argv``; the exit code."""
+def _every_failure(failures: dict) -> dict:
+    """torchelastic's function-entrypoint context reports only the first rank it saw fail; the
+    others' error files (``.../attempt_N/<local rank>/error.json``, single node: local = global
+    rank) are added, so the summary can tell a root cause from its consequences."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    out = dict(failures)
+    for rank, failure in failures.items():
+        folder = Path(failure.error_file).parent.parent if failure.error_file else None
+        for path in sorted(folder.glob("*/error.json")) if folder and folder.is_dir() else ():
+            other = int(path.parent.name) if path.parent.name.isdigit() else None
+            if other is None or other in out:
+                continue
+            try:
+                code = int(json.loads(path.read_text()).get("hyper_parallel", {}).get("code", 1))
+            except (OSError, ValueError, AttributeError):
+                continue
+            out[other] = ProcessFailure(local_rank=other, pid=0, exitcode=code, error_file=str(path))
+        break
+    return out
+
+
+def launch(argv: list, nproc: int, start_method: str = "spawn", worker=None) -> int:
+    """Step 3 of the module doc: start ``nproc`` ranks running the CLI on ``argv``; ``start_method``
+    ``fork`` runs ``worker(argv, True)`` (the CLI's ``_train``) in forked ranks, ``spawn`` fresh
+    interpreters. Returns the exit code."""
     _quiet_torchelastic()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -138,11 +172,19 @@ def launch(argv: list, nproc: int) -> int:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                          monitor_interval=0.1, start_method=start_method, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "hyper_parallel.trainer.cli", *argv)
+        if start_method == "fork" and worker is None:
+            raise ValueError("launch(start_method='fork') needs the worker function (cli._train)")
+        if start_method == "fork":
+            from .start_method import forked_rank, prepare_parent_for_fork
+
+            prepare_parent_for_fork()
+            elastic_launch(config, forked_rank)(worker, list(argv))
+        else:
+            elastic_launch(config, sys.executable)("-u", "-m", "hyper_parallel.trainer.cli", *argv)
     except ChildFailedError as exc:
-        lines, code = summarise(exc.failures, nproc)
+        lines, code = summarise(_every_failure(exc.failures), nproc)
         for line in lines:
             print(line, file=sys.stderr, flush=True)
         return code

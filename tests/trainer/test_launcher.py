@@ -4,7 +4,9 @@ are started by torch's elastic launch API, and a failure is one line per root ca
 launcher traceback: exit 2 for configuration/data errors, 1 for others. Real processes."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ import pytest
 
 from hyper_parallel.distributed.errors import CPConfigError
 from hyper_parallel.testing import scaled
-from hyper_parallel.trainer import failures
+from hyper_parallel.trainer import failures, start_method
 from hyper_parallel.trainer.cli import load_config
 from hyper_parallel.trainer.launch import check_before_launch, world_size_of
 
@@ -143,3 +145,77 @@ def test_summary_one_line_per_root_cause(tmp_path, monkeypatch, capsys):
                                       for r in (0, 1)}, 2)
     assert (lines, code) == ([nan], 4)
     assert capsys.readouterr().err == ""   # started by hyper-train: a rank prints nothing itself
+
+
+def _launched_losses(tmp_path: Path, method: str) -> tuple[list, str, int]:
+    """A 3-step run started with ``HYPER_PARALLEL_START_METHOD=method``: (losses, stderr, launcher pid)."""
+    out = tmp_path / method
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", start_method.ENV: method}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                failures.LAUNCHED_ENV):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "hyper_parallel.trainer.cli", "examples/train_cp2.yaml", *TINY,
+                             f"logging.out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=scaled(300))
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    losses = [r["loss"] for r in json.loads((out / "train_log.json").read_text())["steps"]]
+    return losses, stderr, proc.pid
+
+
+def test_ranks_are_forked_on_a_cpu_machine_spawned_when_asked_and_train_the_same():
+    """``auto`` on this CPU-only machine forks the ranks from the checked launcher (rank 0 logs how
+    it was started and its parent: the launcher itself), ``spawn`` starts fresh interpreters, and
+    both runs give bit-identical losses (nothing the parent ran before the fork leaks into a rank)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        forked, err_f, pid_f = _launched_losses(Path(tmp), "auto")
+        spawned, err_s, pid_s = _launched_losses(Path(tmp), "spawn")
+    assert re.search(rf"rank started by fork \(pid (\d+), parent pid {pid_f}\)", err_f), err_f[-3000:]
+    assert re.search(rf"rank started by spawn \(pid (\d+), parent pid {pid_s}\)", err_s), err_s[-3000:]
+    assert f"pid {pid_f}, parent" not in err_f   # a child, not the launcher itself
+    print(f"losses fork {forked} spawn {spawned}")
+    assert len(forked) == 3 and forked == spawned
+
+
+def test_start_method_rule(monkeypatch):
+    """The env var's values, and fork refused (one line naming the variable) where an accelerator is."""
+    import torch
+
+    cfg = load_config([str(ROOT / "examples/train_cp2.yaml")])
+    for value, want in (("", "fork"), ("auto", "fork"), ("fork", "fork"), ("SPAWN", "spawn")):
+        monkeypatch.setenv(start_method.ENV, value)
+        assert start_method.choose(cfg) == want, value
+    monkeypatch.setenv(start_method.ENV, "forkserver")
+    with pytest.raises(CPConfigError, match=r"\[HYPER_PARALLEL_START_METHOD\] 'forkserver' is not one of"):
+        start_method.choose(cfg)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setenv(start_method.ENV, "auto")
+    assert start_method.choose(cfg) == "spawn"
+    monkeypatch.setenv(start_method.ENV, "fork")
+    with pytest.raises(CPConfigError, match="fork is not safe here: this machine has an accelerator"):
+        start_method.choose(cfg)
+    monkeypatch.undo()
+    cfg.accelerator.device_type = "cuda"
+    assert start_method.choose(cfg) == "spawn"
+
+
+def test_the_parent_check_leaves_no_openmp_team_and_keeps_its_thread_count(monkeypatch):
+    """check_before_launch runs on one intra-op thread (no libgomp team to die in a forked child)
+    and restores the count."""
+    import contextlib
+
+    import torch
+
+    before, seen, real = torch.get_num_threads(), [], start_method.serial_threads
+
+    @contextlib.contextmanager
+    def spy():
+        with real():
+            seen.append(torch.get_num_threads())
+            yield
+    monkeypatch.setattr(start_method, "serial_threads", spy)
+    check_before_launch([str(ROOT / "examples/train_cp2.yaml")], None)
+    assert seen == [1] and torch.get_num_threads() == before
