@@ -51,7 +51,9 @@ def run_one(config: str, split: str, steps: int, tmp: str) -> dict:
     path = os.path.join(out, "config.yaml")
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(cfg, fh)
-    env = dict(os.environ, HP_E2E_ATTN_OUT=out, OMP_NUM_THREADS="1",
+    # spawned ranks: the timing hook (sitecustomize) installs itself at interpreter start of a rank
+    # (LOCAL_RANK set), which a rank forked from hyper-train's parent never has
+    env = dict(os.environ, HP_E2E_ATTN_OUT=out, OMP_NUM_THREADS="1", HYPER_PARALLEL_START_METHOD="spawn",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "benchmarks", "_e2e_hook"), ROOT,
                                            os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
