@@ -185,7 +185,7 @@ def test_start_method_rule(monkeypatch):
     import torch
 
     cfg = load_config([str(ROOT / "examples/train_cp2.yaml")])
-    for value, want in (("", "fork"), ("auto", "fork"), ("fork", "fork"), ("SPAWN", "spawn")):
+    for value, want in (("", "spawn"), ("auto", "fork"), ("fork", "fork"), ("SPAWN", "spawn")):
         monkeypatch.setenv(start_method.ENV, value)
         assert start_method.choose(cfg) == want, value
     monkeypatch.setenv(start_method.ENV, "forkserver")
