@@ -13,7 +13,7 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
 3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
    elastic_launch``, standalone c10d rendezvous on localhost, no restarts), by the start method
    :func:`.start_method.choose` picks (``HYPER_PARALLEL_START_METHOD``): ``fork`` (CPU-only
-   machines, the default there) runs :func:`.start_method.forked_rank`, the CLI's worker path,
+   machines, opt-in: the default is ``spawn``) runs :func:`.start_method.forked_rank`, the CLI's worker path,
    in ranks forked from this already-imported process (no second ``import torch, transformers``).
    Checked for fork safety: this process has run no backward and touched no device, ran its
    checks on one OpenMP thread (no libgomp team), flushes stdio, gives the ranks
@@ -142,18 +142,17 @@ def _every_failure(failures: dict) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     out = dict(failures)
-    for rank, failure in failures.items():
-        folder = Path(failure.error_file).parent.parent if failure.error_file else None
-        for path in sorted(folder.glob("*/error.json")) if folder and folder.is_dir() else ():
-            other = int(path.parent.name) if path.parent.name.isdigit() else None
-            if other is None or other in out:
-                continue
-            try:
-                code = int(json.loads(path.read_text()).get("hyper_parallel", {}).get("code", 1))
-            except (OSError, ValueError, AttributeError):
-                continue
-            out[other] = ProcessFailure(local_rank=other, pid=0, exitcode=code, error_file=str(path))
-        break
+    first = next(iter(failures.values()), None)
+    folder = Path(first.error_file).parent.parent if first is not None and first.error_file else None
+    for path in sorted(folder.glob("*/error.json")) if folder and folder.is_dir() else ():
+        other = int(path.parent.name) if path.parent.name.isdigit() else None
+        if other is None or other in out:
+            continue
+        try:
+            code = int(json.loads(path.read_text()).get("hyper_parallel", {}).get("code", 1))
+        except (OSError, ValueError, AttributeError):
+            continue
+        out[other] = ProcessFailure(local_rank=other, pid=0, exitcode=code, error_file=str(path))
     return out
 
 

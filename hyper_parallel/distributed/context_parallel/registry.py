@@ -39,7 +39,7 @@ class WrapperInfo:
     validate: Callable | None = None  # validate(target_module, *, cp_size, **named) -> None, raises
     # a token-mixer method (not attention): may be declared on a non-attention module (e.g. a Gated
     # DeltaNet / Mamba2 / short-conv layer), runs on the contiguous layout (the applier moves a permuted
-    # batch there and back: context_parallel.mixers.rows.on_contiguous_layout)
+    # batch there and back: context_parallel.mixers.layout.on_contiguous_layout)
     mixer: bool = False
     # a mixer's forward arguments -> the dim carrying the sequence (None: none), on top of the defaults
     # (context_parallel.mixers.layout.DEFAULT_SEQ_DIMS); what a permuted batch moves, the rest refused

@@ -96,7 +96,7 @@ def _batch_policy(targets: list) -> Optional[str]:
 
 #: batch layouts (catalogue ``layout``) a token-mixer method runs under exactly: "contiguous";
 #: "head_tail" (Head-Tail keeps the contiguous layout at the module boundary); "balanced" (the mixer's
-#: tokens move to the contiguous layout and back, ``mixers.rows.on_contiguous_layout``)
+#: tokens move to the contiguous layout and back, ``mixers.layout.on_contiguous_layout``)
 MIXER_LAYOUTS = ("contiguous", "head_tail", "balanced")
 
 

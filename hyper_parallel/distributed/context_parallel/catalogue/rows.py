@@ -205,7 +205,7 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid on the balanced split")))),
     # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, run on
     # the contiguous layout (next to "balanced" the applier moves their tokens there and back,
-    # mixers.rows.on_contiguous_layout); WrapperInfo.method is "custom" and mixer=True
+    # mixers.layout.on_contiguous_layout); WrapperInfo.method is "custom" and mixer=True
     CPMethod(
         name="sequence_gather", title="sequence gather (any mixer)", kind="mixer", batch_policy="all_gather",
         head_rule="module", head_doc="none (the whole module runs on the gathered sequence)",
