@@ -4,7 +4,8 @@ Nothing else in hyper_parallel calls ``torch.distributed`` collectives directly.
 """
 from .comm import (CommHandle, CommRecord, CommTimeoutError, all_gather, all_gather_object,
                    all_reduce, all_to_all, all_to_all_uneven, barrier, comm_counter, default_timeout, group_rank,
-                   group_size, launch_chain, pending_handles, reduce_scatter, set_default_timeout)
+                   group_size, launch_chain, pending_handles, reduce_scatter, set_default_timeout,
+                   drain_chain_thread, forget_pending_handles)
 from .peer import (CollectiveError, PeerFailure, PeerLostError, PeerTimeoutError, classify_failure,
                    diagnose)
 from .device import Platform, PlatformError, detect_device_type, get_platform

@@ -165,6 +165,20 @@ def pending_handles() -> int:
     return len(_PENDING)
 
 
+def forget_pending_handles() -> None:
+    """Stop counting every handle launched so far (a test harness starting an unrelated task after
+    one that failed mid-exchange on purpose); the collectives themselves are not touched."""
+    _PENDING.clear()
+
+
+def drain_chain_thread() -> None:
+    """Return once the chain thread (:func:`launch_chain`) has released everything its finished
+    chains referenced (inputs, intermediates): it runs FIFO and drops a chain before taking the
+    next, so a no-op submitted now runs after that. Local to this process, no collective."""
+    if _CHAIN is not None:
+        _CHAIN.submit(lambda: None).result()
+
+
 def peer_error(op: str, group, t0: float, timeout: datetime.timedelta,
                exc: Optional[BaseException] = None) -> CollectiveError:
     """The typed error of collective ``op`` on ``group`` launched at ``t0`` (``time.monotonic``)

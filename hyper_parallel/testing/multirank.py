@@ -62,7 +62,7 @@ def _forget_earlier_tasks() -> None:
     that fails on purpose mid-exchange) is not the next task's leak (tests assert ``pending_handles()``)."""
     comm = sys.modules.get("hyper_parallel.platform.comm")
     if comm is not None:
-        comm._PENDING.clear()
+        comm.forget_pending_handles()
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, env: dict) -> None:

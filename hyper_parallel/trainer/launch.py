@@ -13,7 +13,7 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
 3. The ranks are started by PyTorch's elastic launch API (``torch.distributed.launcher.api.
    elastic_launch``, standalone c10d rendezvous on localhost, no restarts), by the start method
    :func:`.start_method.choose` picks (``HYPER_PARALLEL_START_METHOD``): ``fork`` (CPU-only
-   machines, opt-in: the default is ``spawn``) runs :func:`.start_method.forked_rank`, the CLI's worker path,
+   machines, the default there) runs :func:`.start_method.forked_rank`, the CLI's worker path,
    in ranks forked from this already-imported process (no second ``import torch, transformers``).
    Checked for fork safety: this process has run no backward and touched no device, ran its
    checks on one OpenMP thread (no libgomp team), flushes stdio, gives the ranks
@@ -22,7 +22,7 @@ Contract (:func:`launch`, called by the CLI when this process is not a torchelas
    ``spawn`` (any accelerator, or asked for) starts ``python -m hyper_parallel.trainer.cli
    CONFIG k=v ...`` in fresh interpreters. Inside them the CLI behaves as under torchrun. When one rank fails, torchelastic stops the others (SIGTERM, then SIGKILL after
    ``shutdown_timeout``) and this process prints one line per root cause (:mod:`.failures`),
-   with no launcher traceback and torchelastic's own log lines silenced.
+   with no launcher traceback and the launchers' own log lines silenced (:data:`QUIETED_LOGGERS`).
 """
 from __future__ import annotations
 
@@ -124,14 +124,20 @@ def _check_data(data) -> None:
                             fix="point it at a text file, e.g. examples/data/corpus.txt")
 
 
+#: the loggers that report worker exits and stops; the summary replaces them. ``torch.multiprocessing``
+#: stops forked ranks: "Terminating process P via signal SIGTERM" for a rank still alive when another failed
+QUIETED_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
 def _quiet_torchelastic() -> None:
-    """torchelastic logs every worker exit and stop at WARNING/ERROR: the summary replaces them
-    (``LOGLEVEL`` set by the user wins)."""
+    """torchelastic (and, for forked ranks, ``torch.multiprocessing``) log every worker exit and
+    stop at WARNING/ERROR: the summary replaces them (``LOGLEVEL`` set by the user wins)."""
     if "LOGLEVEL" not in os.environ:
         os.environ["LOGLEVEL"] = "CRITICAL"   # read when torchelastic creates its loggers
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")) \
-                and os.environ["LOGLEVEL"] == "CRITICAL":
+    if os.environ["LOGLEVEL"] != "CRITICAL":
+        return
+    for name in (*QUIETED_LOGGERS, *logging.root.manager.loggerDict):
+        if name.startswith(QUIETED_LOGGERS):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -2,10 +2,8 @@
 
 Rule (:func:`choose`, made before any rank starts; a bad value is a one-line refusal, exit 2):
 
-* ``HYPER_PARALLEL_START_METHOD`` (:data:`ENV`) = ``spawn`` or unset: spawn; ``fork``: fork, refused
-  when fork is not allowed (below); ``auto``: fork when allowed, else spawn. Fork is opt-in for now:
-  under a host load of ~240 a forked run's one-rank failure printed a second line (not yet
-  diagnosed; at a quiet load it prints one), so the default stays spawn.
+* ``HYPER_PARALLEL_START_METHOD`` (:data:`ENV`) = ``auto`` or unset: fork when allowed (below),
+  else spawn; ``fork``: fork, refused when fork is not allowed; ``spawn``: spawn.
 * fork is allowed only on Linux, with no accelerator on the machine (``torch.accelerator``, CUDA,
   NPU: a forked child of a process that touched a device driver is not safe, so GPU/NPU machines
   always spawn) and ``accelerator.device_type`` null or ``cpu``.
@@ -61,7 +59,7 @@ def choose(cfg) -> str:
     naming :data:`ENV` for a bad value or a fork that is not allowed."""
     from ..distributed.errors import CPConfigError
 
-    asked = os.environ.get(ENV, "spawn").strip().lower() or "spawn"   # unset: spawn (see module doc)
+    asked = os.environ.get(ENV, "auto").strip().lower() or "auto"   # unset: auto (see module doc)
     if asked not in CHOICES:
         raise CPConfigError(ENV, f"{asked!r} is not one of {', '.join(CHOICES)}",
                             fix=f"set {ENV}=auto (fork on CPU-only machines, else spawn) or unset it")

@@ -113,6 +113,24 @@ def test_an_error_on_one_rank_stops_every_rank_within_seconds_with_its_message(t
     assert took < scaled(FAILURE_BOUND_S)
 
 
+def test_forked_ranks_a_peer_stopped_by_the_launcher_adds_no_line():
+    """Forked ranks: rank 1 fails while rank 0 is still running, so torch's process context stops
+    rank 0 with SIGTERM (and would log "Terminating process P via signal SIGTERM"): the parent prints
+    rank 1's line only, exit 1. Deterministic stand-in for a survivor that is slow to notice its
+    peer's failure (a loaded host)."""
+    code = ("import sys; from hyper_parallel.trainer.launch import launch; "
+            "from tests.trainer._launch_workers import one_bad_rank_one_slow_peer as w; "
+            "sys.exit(launch(['bad row'], 2, 'fork', worker=w))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "LOGLEVEL", failures.LAUNCHED_ENV):
+        env.pop(key, None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=scaled(120))
+    print(p.stderr)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert _lines(p.stderr) == ["hyper-train: rank 1: ValueError: bad row"], p.stderr
+
+
 def _failure(tmp_path: Path, monkeypatch, rank: int, exitcode: int, recorded: tuple | None):
     """torchelastic's ProcessFailure of a rank that exited with ``exitcode`` after
     ``failures.record_failure(*recorded)`` (None: no error file, e.g. killed by a signal)."""
@@ -185,7 +203,7 @@ def test_start_method_rule(monkeypatch):
     import torch
 
     cfg = load_config([str(ROOT / "examples/train_cp2.yaml")])
-    for value, want in (("", "spawn"), ("auto", "fork"), ("fork", "fork"), ("SPAWN", "spawn")):
+    for value, want in (("", "fork"), ("auto", "fork"), ("fork", "fork"), ("SPAWN", "spawn")):
         monkeypatch.setenv(start_method.ENV, value)
         assert start_method.choose(cfg) == want, value
     monkeypatch.setenv(start_method.ENV, "forkserver")
