@@ -11,7 +11,8 @@ the first (warm-up): the per-step spreads' median and the spread of the ranks' s
 
     python benchmarks/load_balance_e2e.py [--steps 4] [--only cp2|cp4]
 
-Writes ``benchmarks/results/load_balance_e2e.json`` (merged per config) and prints a table.
+Appends to ``benchmarks/results/load_balance_e2e.json`` (each record numbered ``run`` per config and split;
+earlier runs are kept) and prints a table.
 """
 from __future__ import annotations
 
@@ -92,13 +93,14 @@ def run_one(config: str, split: str, steps: int, tmp: str) -> dict:
 
 def table(doc: dict) -> str:
     """Markdown table of the results (the docs page's)."""
-    lines = ["| config, cp | split | per-step max/mean attention time (steps 1-4) | slowest rank attention s / step "
-             "(2-4) | slowest rank step CPU s (2-4) | cost model per step | load average (start -> end) |",
+    lines = ["| config, cp, run | split | per-step max/mean attention time (every step) | slowest rank attention s / "
+             "step (after the first) | slowest rank step CPU s (after the first) | cost model per step | load average "
+             "(start -> end) |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        name = os.path.basename(r["config"]).replace(".yaml", "")
+        name = f'{os.path.basename(r["config"]).replace(".yaml", "")}, {r["cp"]}, run {r.get("run", 1)}'
         step_cpu = r.get("slowest_rank_step_cpu_s_after_first")
-        lines.append(f"| {name}, {r['cp']} | {r['split']} | {' / '.join(f'{x:.3f}' for x in r['step_max_over_mean'])} | "
+        lines.append(f"| {name} | {r['split']} | {' / '.join(f'{x:.3f}' for x in r['step_max_over_mean'])} | "
                      f"{r['slowest_rank_attn_s_per_step_after_first']:.2f} | "
                      f"{'-' if step_cpu is None else f'{step_cpu:.2f}'} | "
                      f"{' / '.join(f'{x:.2f}' for x in r['cost_model_work_max_over_mean'])} | "
@@ -124,8 +126,9 @@ def main(argv=None) -> dict:
                 load0 = [round(x, 2) for x in os.getloadavg()]
                 rec = run_one(CONFIGS[key], split, args.steps, os.path.join(tmp, key))
                 rec["loadavg_at_start"] = load0
-                doc["results"] = [r for r in doc["results"] if (r["config"], r["split"]) != (rec["config"], split)]
-                doc["results"].append(rec)
+                rec["run"] = 1 + max((r.get("run", 1) for r in doc["results"]
+                                      if (r["config"], r["split"]) == (rec["config"], split)), default=0)
+                doc["results"].append(rec)   # earlier runs stay: the docs quote them by number
                 print(f"{key} {split:<9} per-step max/mean {rec['step_max_over_mean']}  summed(after 1st) "
                       f"{rec['summed_after_first_max_over_mean']}  slowest {rec['slowest_rank_attn_s_per_step_after_first']} s"
                       f"  load {load0}->{rec['loadavg_1_5_15']}", flush=True)
