@@ -13,6 +13,12 @@ collective timeout) is multiplied by :func:`timeout_scale` — ``HYPER_PARALLEL_
 which ``scripts/test.sh`` sets to 4 unless given — so a busy machine makes tests slower, never
 red. A call that *expects* a hang (it tests the timeout itself) passes ``expect_hang=True`` and
 keeps its exact timeout.
+
+Ranks start from a forkserver that has imported torch, transformers and this package once
+(``HYPER_PARALLEL_POOL_START=forkserver``, the default): a rank costs a fork, not a fresh
+interpreter's imports (~3 s of CPU each), so re-spawning a pool after a failure test is cheap.
+``HYPER_PARALLEL_POOL_START=spawn`` starts fresh interpreters instead. The server never runs
+tensor code (no OpenMP team, no process group), so forking from it is safe.
 """
 from __future__ import annotations
 
@@ -39,6 +45,24 @@ def timeout_scale() -> float:
 def scaled(seconds: float) -> float:
     """``seconds`` x :func:`timeout_scale`: the bound for anything a test waits on (subprocesses too)."""
     return seconds * timeout_scale()
+
+
+#: Modules the forkserver imports once; every rank forked from it starts with them loaded.
+PRELOAD = ("torch", "torch.distributed", "transformers", "hyper_parallel.distributed",
+           "hyper_parallel.trainer.config", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+START_ENV = "HYPER_PARALLEL_POOL_START"
+
+
+def start_context():
+    """The multiprocessing context ranks start from (``HYPER_PARALLEL_POOL_START``: forkserver | spawn)."""
+    method = os.environ.get(START_ENV, "forkserver").strip().lower() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_ENV} must be 'forkserver' or 'spawn', got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))   # read when the server starts (once per process)
+    return ctx
 
 
 class RankTimeout(TimeoutError):
@@ -124,7 +148,7 @@ class RankPool:
         self.shutdown()
         from ..platform import free_port
 
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         self._results = ctx.Queue()
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

@@ -310,16 +310,19 @@ def test_output_folders_are_created_up_front(ranks, tmp_path):
     assert (tmp_path / "run" / "logs").is_dir() and (tmp_path / "run" / "plots").is_dir()
 
 
-def test_cli_unknown_plot_format_exit_2_before_training(tmp_path):
+def test_cli_unknown_plot_format_exit_2_before_training(tmp_path, monkeypatch, capsys):
+    """In-process ``cli.main`` (one rank, no launcher): the plot file's format is checked before step 1."""
+    from hyper_parallel.trainer import cli
+
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": W.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "hyper_parallel.trainer.cli", "examples/train_cp1.yaml", "schedule.steps=2",
-           "data.seq_len=64", "logging.progress=false", f"logging.out_dir={out}", "logging.plot_file=curve.xyz"]
-    p = subprocess.run(cmd, cwd=W.ROOT, env=env, capture_output=True, text=True, timeout=scaled(300))
-    assert p.returncode == 2, p.stderr[-3000:]
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hyper-train:")]
-    assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [logging.plot_file] "), p.stderr
-    assert "Traceback" not in p.stderr and "step 1/" not in p.stdout
+    monkeypatch.chdir(W.ROOT)
+    code = cli.main(["examples/train_cp1.yaml", "schedule.steps=2", "data.seq_len=64", "logging.progress=false",
+                     f"logging.out_dir={out}", "logging.plot_file=curve.xyz"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 2, stderr[-3000:]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("hyper-train:")]
+    assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [logging.plot_file] "), stderr
+    assert "Traceback" not in stderr and "step 1/" not in stdout
     assert not (out / "train_log.jsonl").exists()
 
 

@@ -114,16 +114,6 @@ def test_a_directory_as_the_config_path(tmp_path):
         load_config([str(tmp_path)])
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("HYPER_PARALLEL_TRACEBACK", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "hyper_parallel.trainer.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=scaled(180))
-
-
 @pytest.mark.parametrize("args,field", [
     (["examples/train_cp1.yaml", "optimizer.eps=-1"], "optimizer.eps"),
     (["examples/train_cp1.yaml", "accelerator.device_type=cuda"], "accelerator.device_type"),
@@ -132,12 +122,21 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     (["examples/train_long_cp2.yaml", "model.config.vocab_size=4095", "data.files=[examples/data/stdlib_small.jsonl]"],
      "model.config.vocab_size"),
 ], ids=["bound", "cuda", "directory", "vocab-bytes", "vocab-files"])
-def test_cli_exit_2_one_line_no_traceback(tmp_path, args, field):
-    p = _cli([*args, f"logging.out_dir={tmp_path / 'run'}"], ROOT)
-    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"hyper-train: configuration error: [{field}]"), p.stderr
-    assert "Traceback" not in p.stderr
+def test_cli_exit_2_one_line_no_traceback(tmp_path, monkeypatch, capsys, args, field):
+    """``hyper-train ARGS`` refused by the parent's check: exit 2, one line, nothing run. In-process
+    (``cli.main`` from the repository root): every one of these is refused before a rank could start; a
+    real console-script process is tests/trainer/test_launcher.py's refusal test."""
+    from hyper_parallel.trainer import cli
+
+    monkeypatch.chdir(ROOT)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "HYPER_TRAIN_LAUNCHED"):
+        monkeypatch.delenv(key, raising=False)
+    code = cli.main([*args, f"logging.out_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 2, out[-2000:] + err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("INFO ", "DEBUG "))]
+    assert len(lines) == 1 and lines[0].startswith(f"hyper-train: configuration error: [{field}]"), err
+    assert "Traceback" not in err
     assert not (tmp_path / "run").exists()    # refused before anything ran
 
 

@@ -26,6 +26,7 @@ def _cli(tmp_path, *args):
 
 
 def test_explain_prints_every_section_and_starts_nothing(tmp_path):
+    """The console script as a real process (``--explain`` needs no rank)."""
     out = tmp_path / "run"
     p = _cli(tmp_path, "examples/train_cp2.yaml", "--explain", "data.seq_len=64", f"logging.out_dir={out}")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -38,10 +39,13 @@ def test_explain_prints_every_section_and_starts_nothing(tmp_path):
     assert "Traceback" not in p.stderr and "step 1/" not in p.stdout and not out.exists()   # no rank ran
 
 
-def test_explain_config_error_is_one_line_exit_2(tmp_path):
-    p = _cli(tmp_path, "examples/train_cp2.yaml", "--explain", "accelerator.cp_size=two")
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
+def test_explain_config_error_is_one_line_exit_2(monkeypatch, capsys):
+    """In-process ``cli.main`` (the error is raised before anything is built)."""
+    from hyper_parallel.trainer import cli
+
+    monkeypatch.chdir(W.ROOT)
+    assert cli.main(["examples/train_cp2.yaml", "--explain", "accelerator.cp_size=two"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hyper-train: configuration error: [accelerator.cp_size]"), lines
 
 

@@ -52,7 +52,7 @@ def test_rank_count_defaults_to_the_config_sizes():
         check_before_launch([str(ROOT / "examples/train_cp2.yaml")], 3)
 
 
-@pytest.mark.parametrize("args,field", [
+REFUSED_IN_THE_PARENT = [
     (["optimizer.eps=-1"], "optimizer.eps"),
     (["data.pad_token_id=1000000"], "data.pad_token_id"),     # hung in the preflight's collective once
     (["data.path=no/such/corpus.txt"], "data.path"),          # a data error: exit 2 too
@@ -60,34 +60,47 @@ def test_rank_count_defaults_to_the_config_sizes():
     # needs the model: checked on the meta device in the parent (ranks took 27-49 s to say it)
     (["model.architecture=qwen3_moe", "model.config_file=examples/models/tiny_qwen3_moe.yaml",
       "schedule.tiled_mlp=true"], "schedule.tiled_mlp"),
-], ids=["bound", "pad-id", "data-file", "nproc", "model-tiled-mlp"])
-def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, args, field):
-    """Refused before any rank starts: no mesh line, no output folder, <= 2 lines, no traceback."""
+]
+
+
+@pytest.mark.parametrize("args,field", REFUSED_IN_THE_PARENT, ids=["bound", "pad-id", "data-file", "nproc",
+                                                                  "model-tiled-mlp"])
+def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, monkeypatch, capsys, args, field):
+    """Refused before any rank starts: exit 2, no mesh line, no output folder, <= 2 lines, no traceback.
+    In-process (``cli.main``, the console script's function, from the repository root); the console
+    script as its own process is :func:`test_a_refusal_from_the_console_script_is_exit_2_one_line`."""
+    from hyper_parallel.trainer import cli
+
+    monkeypatch.chdir(ROOT)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", failures.LAUNCHED_ENV):
+        monkeypatch.delenv(key, raising=False)
     t0 = time.time()
-    p = _hyper_train(["examples/train_cp2.yaml", *args, f"logging.out_dir={tmp_path / 'run'}"])
+    code = cli.main(["examples/train_cp2.yaml", *args, f"logging.out_dir={tmp_path / 'run'}"])
     took = time.time() - t0
-    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
-    err = _lines(p.stderr)
-    assert 1 <= len(err) <= 2 and err[0].startswith(f"hyper-train: configuration error: [{field}]"), p.stderr
-    assert "Traceback" not in p.stderr + p.stdout and "mesh:" not in p.stdout
+    out, err_text = capsys.readouterr()
+    assert code == 2, out[-2000:] + err_text[-3000:]
+    err = _lines(err_text)
+    assert 1 <= len(err) <= 2 and err[0].startswith(f"hyper-train: configuration error: [{field}]"), err_text
+    assert "Traceback" not in err_text + out and "mesh:" not in out
     assert not (tmp_path / "run").exists()
     print(f"refused in {took:.1f} s: {err[0][:100]}")
 
 
-def test_bad_option_exit_2():
-    p = _hyper_train(["examples/train_cp2.yaml", "--nproc-per-node", "x"])
-    assert p.returncode == 2 and "--nproc-per-node needs a positive integer" in p.stderr, p.stderr
+def test_a_refusal_from_the_console_script_is_exit_2_one_line(tmp_path):
+    """The same refusal through a real ``hyper-train`` process: exit status 2, one stderr line."""
+    p = _hyper_train(["examples/train_cp2.yaml", "optimizer.eps=-1", f"logging.out_dir={tmp_path / 'run'}"])
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    err = _lines(p.stderr)
+    assert len(err) == 1 and err[0].startswith("hyper-train: configuration error: [optimizer.eps]"), p.stderr
+    assert "Traceback" not in p.stderr + p.stdout and "mesh:" not in p.stdout
+    assert not (tmp_path / "run").exists()
 
 
-def test_good_config_trains_on_two_launched_ranks_and_lists_its_artifacts(tmp_path):
-    out = tmp_path / "run"
-    p = _hyper_train(["examples/train_cp2.yaml", "--nproc-per-node", "2", *TINY, "schedule.save_every=3",
-                      f"logging.out_dir={out}"])
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "world=2" in p.stdout and "done: 3 steps" in p.stdout, p.stdout[-2000:]
-    for name, path in (("JSON log", out / "train_log.json"), ("checkpoint", out / "checkpoints" / "step_3")):
-        assert f"{name:<12} {path.resolve()}" in p.stdout, p.stdout[-2000:]
-    assert "Traceback" not in p.stderr and "terminate called" not in p.stderr, p.stderr[-3000:]
+def test_bad_option_exit_2(capsys):
+    from hyper_parallel.trainer import cli
+
+    assert cli.main(["examples/train_cp2.yaml", "--nproc-per-node", "x"]) == 2
+    assert "--nproc-per-node needs a positive integer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("step,at", [(2, "step"), (1, "setup")], ids=["before-step-2", "set-up"])
@@ -165,8 +178,9 @@ def test_summary_one_line_per_root_cause(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""   # started by hyper-train: a rank prints nothing itself
 
 
-def _launched_losses(tmp_path: Path, method: str) -> tuple[list, str, int]:
-    """A 3-step run started with ``HYPER_PARALLEL_START_METHOD=method``: (losses, stderr, launcher pid)."""
+def _launched_losses(tmp_path: Path, method: str) -> tuple[list, str, int, str]:
+    """A 3-step run started with ``HYPER_PARALLEL_START_METHOD=method`` that saves step 3:
+    (losses, stderr, launcher pid, stdout)."""
     out = tmp_path / method
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", start_method.ENV: method}
@@ -174,23 +188,27 @@ def _launched_losses(tmp_path: Path, method: str) -> tuple[list, str, int]:
                 failures.LAUNCHED_ENV):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "hyper_parallel.trainer.cli", "examples/train_cp2.yaml", *TINY,
-                             f"logging.out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             "schedule.save_every=3", f"logging.out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     stdout, stderr = proc.communicate(timeout=scaled(300))
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
     losses = [r["loss"] for r in json.loads((out / "train_log.json").read_text())["steps"]]
-    return losses, stderr, proc.pid
+    return losses, stderr, proc.pid, stdout
 
 
-def test_ranks_are_forked_on_a_cpu_machine_spawned_when_asked_and_train_the_same():
-    """``auto`` on this CPU-only machine forks the ranks from the checked launcher (rank 0 logs how
-    it was started and its parent: the launcher itself), ``spawn`` starts fresh interpreters, and
-    both runs give bit-identical losses (nothing the parent ran before the fork leaks into a rank)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        forked, err_f, pid_f = _launched_losses(Path(tmp), "auto")
-        spawned, err_s, pid_s = _launched_losses(Path(tmp), "spawn")
+def test_good_config_trains_on_launched_ranks_forked_or_spawned_the_same_and_lists_its_artifacts(tmp_path):
+    """A good config trains on two ranks that hyper-train starts itself (N from the sizes) and the
+    run ends by listing its artifacts. ``auto`` on this CPU-only machine forks the ranks from the
+    checked launcher (rank 0 logs how it was started and its parent: the launcher itself), ``spawn``
+    starts fresh interpreters, and both runs give bit-identical losses (nothing the parent ran before
+    the fork leaks into a rank)."""
+    forked, err_f, pid_f, out_f = _launched_losses(tmp_path, "auto")
+    spawned, err_s, pid_s, _ = _launched_losses(tmp_path, "spawn")
+    out = tmp_path / "auto"
+    assert "world=2" in out_f and "done: 3 steps" in out_f, out_f[-2000:]
+    for name, path in (("JSON log", out / "train_log.json"), ("checkpoint", out / "checkpoints" / "step_3")):
+        assert f"{name:<12} {path.resolve()}" in out_f, out_f[-2000:]
+    assert "Traceback" not in err_f and "terminate called" not in err_f, err_f[-3000:]
     assert re.search(rf"rank started by fork \(pid (\d+), parent pid {pid_f}\)", err_f), err_f[-3000:]
     assert re.search(rf"rank started by spawn \(pid (\d+), parent pid {pid_s}\)", err_s), err_s[-3000:]
     assert f"pid {pid_f}, parent" not in err_f   # a child, not the launcher itself
