@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-
-from hyper_parallel.testing import scaled
 
 from . import _workers as W
 from .test_parity import run_parity
@@ -35,20 +31,15 @@ def test_qwen3_moe_colossal_cp2_parity(ranks):
     run_parity(ranks, "qwen3_moe", dict(cp=2, method="colossal"))
 
 
-def test_torchrun_cli_cp2_end_to_end(tmp_path):
-    """The main job's command, shortened: torchrun 2 ranks, CP=2, progress bar, JSON log + PNG."""
-    root = W.ROOT
-    out = tmp_path / "cp2"
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-           "hyper_parallel.trainer.cli", "examples/train_cp2.yaml", "schedule.steps=3",
-           "data.seq_len=64", f"logging.out_dir={out}"]
-    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=scaled(300))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+def test_torchrun_cli_cp2_end_to_end(cli_run):
+    """The main job's command, shortened (the ``cli_run`` session fixture: torchrun 2 ranks, CP=2, 3
+    steps): the resolved plan printed, progress bar, JSON log + PNG, a checkpoint per step."""
+    out, p = cli_run
     assert "cp_mesh ranks=[0, 1]" in p.stdout and "sdpa_hf_cp_wrapper [colossal, sync]" in p.stdout
     assert "tok/s=" in p.stderr  # tqdm bar (rank 0) shows loss and tokens/s
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log["steps"]] == [1, 2, 3]
     assert log["meta"]["topology"]["cp_size"] == 2 and log["meta"]["cp_policy"] == "all_gather"
     assert (out / "loss_curve.png").stat().st_size > 1000
+    assert sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.startswith("step_")) == \
+        ["step_1", "step_2", "step_3"]
