@@ -132,10 +132,23 @@ class MeshContext:
         world = dist.group.WORLD if dist.is_initialized() else None
         key = (sizes, platform.device_type, platform.backend, default_timeout(), id(world))
         ctx = _SHARED.get(key)
-        if ctx is None or ctx._world is not world:
+        if ctx is None or ctx._world is not world or not ctx.alive:
             ctx = _SHARED[key] = cls(sizes, platform)
         ctx.ensure_hybrid(hybrid_degrees)
         return ctx
+
+    @property
+    def alive(self) -> bool:
+        """Whether every group of the root mesh still exists (``platform.release_subgroups`` destroys
+        them; a context whose groups are gone must be built again)."""
+        if not dist.is_initialized():
+            return True
+        try:
+            groups = self.root.get_all_groups()
+        except RuntimeError:        # "Could not resolve the process group registered under the name ..."
+            return False
+        live = dist.distributed_c10d._world.pg_map
+        return all(g in live for g in groups)
 
     def _override(self, names):
         """backend_override giving each named new dim's group the collective timeout."""

@@ -68,3 +68,32 @@ def timed_world_group():
     if group is None or group not in dist.distributed_c10d._world.pg_map:
         group = _TIMED_GROUPS[key] = dist.new_group(timeout=timeout)
     return group
+
+
+def subgroup_count() -> int:
+    """Process groups of this process other than the default one (0 when not distributed)."""
+    if not dist.is_initialized():
+        return 0
+    return sum(1 for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD)
+
+
+def release_subgroups(limit: int = 0) -> int:
+    """Destroy every process group but the default one once more than ``limit`` exist; returns how
+    many were destroyed. Every rank of the world must call it at the same point, with no collective
+    in flight: a gloo group's transport thread wakes every 10 ms for the life of the process (about
+    0.1 % of a core per idle group), so a long-lived process that keeps building meshes (a warm test
+    worker, a notebook) must free them. Groups this package caches (the meshes of
+    ``MeshContext.shared``, :func:`timed_world_group`) are rebuilt on their next use."""
+    if subgroup_count() <= limit:
+        return 0
+    world = dist.group.WORLD
+    groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
+    for g in groups:
+        dist.destroy_process_group(g)
+    _TIMED_GROUPS.clear()
+    # DTensor caches sharding decisions per DeviceMesh, and a mesh rebuilt with the same shape and
+    # names compares equal to the destroyed one: a cached decision would name a destroyed group
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    return len(groups)

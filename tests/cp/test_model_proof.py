@@ -26,7 +26,7 @@ _MESH: dict = {}
 def _mesh(cp: int):
     from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
 
-    if cp not in _MESH:
+    if cp not in _MESH or not _MESH[cp].alive:     # the harness frees idle groups between tests
         _MESH[cp] = MeshContext(MeshSizes(cp=cp))
     return _MESH[cp]
 

@@ -22,7 +22,7 @@ _MESH: dict = {}
 
 def mesh_ctx(cp: int, tp: int = 1, hybrid=(), dp_replicate: int = 1) -> MeshContext:
     key = (cp, tp, dp_replicate)
-    if key not in _MESH:
+    if key not in _MESH or not _MESH[key].alive:     # the harness frees idle groups between tests
         _MESH[key] = MeshContext(MeshSizes(cp=cp, tp=tp, dp_replicate=dp_replicate), hybrid_degrees=hybrid)
     mesh = _MESH[key]
     mesh.ensure_hybrid(hybrid)
