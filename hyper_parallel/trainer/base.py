@@ -39,7 +39,7 @@ from .config_warnings import config_warnings
 from .device_setup import bind_local_device, local_rank as _local_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
+from .model import HyperAutoModel, check_fsdp_dtypes, head_probe_model, is_meta_model, materialize
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
@@ -177,6 +177,9 @@ class BaseTrainer:
         if bf16 and self.fsdp is False:
             raise CPConfigError("schedule.mixed_precision", "bf16 is FSDP2's mixed-precision policy, but "
                                 f"{type(self).__name__}.fsdp is False", fix="enable FSDP or drop bf16")
+        shards = bf16 or (self.fsdp if self.fsdp is not None else self.mesh.fsdp_mesh.size() > 1)
+        if shards:                              # FSDP2 needs one parameter dtype: refused at model.dtype
+            check_fsdp_dtypes(model, self.cfg.model.dtype)
         # CP preflight proof (accelerator.cp_preflight_proof): before FSDP, on the probe batch
         # sharded by this trainer's batch contract; a refusal fails every rank before the first step
         proof = ({"pad_token_id": self.cfg.data.pad_token_id, "ignore_index": self.cfg.data.ignore_index}
