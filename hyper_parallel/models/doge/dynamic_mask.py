@@ -14,9 +14,16 @@ wrappers do not use), so this method re-runs the module's lines (transformers 5.
    ``config.sliding_window`` when set (the model then builds a sliding-window mask); no mask is built;
 4. ``o_proj``.
 
-The top-``keep_window_size`` selection is a no-op while no query sees more than
-``keep_window_size`` keys (no document, or sliding window, longer: every visible key is kept); a batch with a longer document is refused at the
-call, before any collective and on every rank alike (the meta is global). The forward carries
+The top-``keep_window_size`` selection keeps every visible key while no query sees more than
+``keep_window_size`` keys (no document, or sliding window, longer): step 3 as written. Otherwise
+each query keeps, per KV head, the ``keep_window_size`` visible global keys with the largest ``dt``,
+**ties to the lower global key index** (:func:`key_ranks`, one stable sort of the gathered ``dt``;
+:func:`keep_window_selector` per query block), and attends over those keys only
+(:func:`~hyper_parallel.ops.selected.selected_attention`). The same rule is bound to the module's
+own dense mask (:func:`prepare_dynamic_mask_ordered`), so its CP=1 forward — the preflight proof's
+reference — selects the same keys; transformers' ``torch.topk`` keeps an unspecified one of tied
+keys, and ties are common (repeated tokens at the first layer, ``A = 0`` at initialization).
+The forward carries
 ``__hp_ignores_model_mask__``: under CP the base model builds no ``[B, 1, L, L]`` mask
 (:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`). Training only (no cache).
 docs/wrappers.md, "Doge".
@@ -151,8 +158,8 @@ def validate_doge(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -
 def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Doge's attention with its dynamic mask under CP (module docstring): the per-key bias as an
     extra key channel, one AllGather of ``[k' | v]``, the engine on global positions and documents.
-    Forward: 1 AllGather; backward: 1 ReduceScatter. Refused (before any collective) when a
-    document is longer than ``keep_window_size`` (the dynamic top-k would then drop keys)."""
+    Forward: 1 AllGather; backward: 1 ReduceScatter. Documents longer than ``keep_window_size``:
+    the dynamic top-k over the global keys with the lower-index tie rule (module docstring)."""
     del mesh, tp_mesh, ep_mesh
     what = "doge_dynamic_mask_cp_wrapper"
     m = target_module
