@@ -109,12 +109,15 @@ def indexer_forward_ordered(self, hidden_states, q_resid, position_embeddings, a
 
 
 @torch.no_grad()
-def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, block: int = KEY_BLOCK):
+def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, block: int = KEY_BLOCK,
+                vis=None):
     """Global top-k keys per local query: ``iq [B, L, Hi, Di]``, ``weights [B, L, Hi]``, ``ik [B, S, Di]``
     (global keys) -> (``[B, L, min(topk, S)]`` int64 global key indices, ``[B, L]`` bool: the k-th and
     the (k+1)-th best visible keys score equally, a tie at the k-th place). The transformers indexer's
     score ``sum_h w[h] * relu(scale * q[h].k)`` with invisible keys at ``-inf``, a running top-(k+1)
-    over key blocks (stable sort: among equal scores the earlier key wins). Local, no collective."""
+    over key blocks (stable sort: among equal scores the earlier key wins). ``vis(s0, s1)`` ->
+    ``[B|1, L, s1 - s0]`` bool replaces the visibility from positions and documents when given (the
+    one-rank forward: from the module's mask). Local, no collective."""
     B, L = iq.shape[:2]
     S = ik.shape[1]
     k = min(topk, S)
@@ -125,7 +128,7 @@ def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, b
         s1 = min(s0 + block, S)
         sc = index_scores(iq, weights, ik[:, s0:s1], scale)                   # [B, L, n]
         idx = torch.arange(s0, s1, device=iq.device)
-        sc = sc.masked_fill(~visible(q_idx, idx, doc_q, doc_k), float("-inf"))
+        sc = sc.masked_fill(~(visible(q_idx, idx, doc_q, doc_k) if vis is None else vis(s0, s1)), float("-inf"))
         v = torch.cat([best_v, sc], dim=-1)
         i = torch.cat([best_i, idx.expand(B, L, -1)], dim=-1)
         order = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k + 1]
@@ -215,11 +218,9 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     if getattr(m, "indexer", None) is not None:     # the stated tie rule at CP=1 too (the proof's reference)
         m.indexer.forward = functools.partial(types.MethodType(indexer_forward_ordered, m.indexer), rope=rope_ix)
 
-    def forward(*args, **kwargs):
-        entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
-        if entry is None:
-            return original(*args, **kwargs)
-        meta, a, hs = entry
+    def compute(a, hs, gather, q_idx, vis_block, vis_sel):
+        """The method on ``hs [B, L, hidden]``: ``gather`` makes the global ``[B, S, ...]`` rows from
+        the local ones, ``vis_block(s0, s1)`` / ``vis_sel(sel)`` give which keys each local query sees."""
         B, L, _ = hs.shape
         cos, sin = a["position_embeddings"]
         # -- the module's lines on the local tokens (transformers 5.24)
@@ -239,16 +240,13 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
                 iq, ik, iw = _indexer_inputs(ix, rope_ix, hs, q_resid, cos, sin)
             parts.append(ik.to(key.dtype))
         # -- the one collective: K, V and the indexer key of every rank
-        g = all_gather_seq(torch.cat(parts, dim=-1).contiguous(), cp_mesh, dim=1, tag="cp.dsa_kv")
+        g = gather(torch.cat(parts, dim=-1).contiguous())
         S = g.shape[1]
         kg = g[..., :H * Dq].view(B, S, H, Dq).transpose(1, 2)
         vg = g[..., H * Dq:H * (Dq + Dv)].view(B, S, H, Dv).transpose(1, 2)
-        q_idx = meta.q_index.to(hs.device)
-        doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
-        doc_q = None if doc_k is None else doc_k[:, q_idx]
         if ix is not None:
             sel, _ = select_topk(iq, iw, g[..., H * (Dq + Dv):].detach(), ix.softmax_scale, ix.index_topk,
-                                 q_idx, doc_q, doc_k)
+                                 q_idx, None, None, vis=vis_block)
         else:
             sel = a.get("prev_topk_indices")
             if sel is None or tuple(sel.shape[:2]) != (B, L):
@@ -256,16 +254,45 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
                                    f"indices [B, L_local, k] (got {None if sel is None else tuple(sel.shape)}): "
                                    "declare dsa_all_gather on every DSA attention of the model")
             sel = sel.long()
-        ok = visible(q_idx, sel, doc_q, doc_k.expand(B, -1) if doc_k is not None else None)
-        if doc_q is None:
-            ok = ok.expand(B, -1, -1)
-        out = attend_selected(query, kg, vg, sel, ok, m.scaling)               # [B, H, L, Dv]
+        out = attend_selected(query, kg, vg, sel, vis_sel(sel).expand(B, -1, -1), m.scaling)   # [B, H, L, Dv]
         out = m.o_proj(out.transpose(1, 2).reshape(B, L, -1).contiguous())
         if "prev_topk_indices" in sig.parameters:                             # GLM-MoE-DSA: pass the selection on
             return out, None, sel.to(torch.int32)
         return out, None
 
+    def one_rank(*args, **kwargs):
+        """The same computation on one rank (no CP forward in progress: the preflight proof's
+        reference, or a module called outside CP): visibility from the module's own
+        ``attention_mask`` (``[B, 1, S, S]``, bool or additive; None = causal), no collective."""
+        a = dict(sig.bind(m, *args, **kwargs).arguments)
+        hs = a["hidden_states"]
+        if a.get("cache") is not None or a.get("past_key_values") is not None:
+            return original(*args, **kwargs)
+        S = hs.shape[1]
+        mask = a.get("attention_mask")
+        if mask is None:
+            vis_all = torch.ones(S, S, dtype=torch.bool, device=hs.device).tril()[None]
+        else:
+            mask = mask[:, 0, :, :S]
+            vis_all = mask if mask.dtype == torch.bool else mask == 0
+        return compute(a, hs, lambda t: t, torch.arange(S, device=hs.device),
+                       lambda s0, s1: vis_all[..., s0:s1], lambda sel: vis_all.expand(sel.shape[0], -1, -1).gather(-1, sel))
+
+    def forward(*args, **kwargs):
+        entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
+        if entry is None:
+            return one_rank(*args, **kwargs)
+        meta, a, hs = entry
+        q_idx = meta.q_index.to(hs.device)
+        doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        doc_q = None if doc_k is None else doc_k[:, q_idx]
+        return compute(a, hs, lambda t: all_gather_seq(t, cp_mesh, dim=1, tag="cp.dsa_kv"), q_idx,
+                       lambda s0, s1: visible(q_idx, torch.arange(s0, s1, device=hs.device), doc_q, doc_k),
+                       lambda sel: visible(q_idx, sel, doc_q, doc_k.expand(sel.shape[0], -1) if doc_k is not None
+                                           else None))
+
     forward.__wrapped__ = original
+    forward.__hp_one_rank__ = one_rank     # the same computation at one rank: the preflight proof's reference
     forward.__hp_mixer__ = what
     setattr(forward, IGNORES_MODEL_MASK, True)      # causal, documents, padding: from the batch meta only
     return forward
