@@ -158,8 +158,9 @@ class BaseTrainer:
         """Apply the run's plan (built once in :func:`setup_distributed`): TP placement -> declared
         CP wrappers -> activation checkpointing -> FSDP2 (:func:`apply_sharding_plan`).
 
-        A single rank with no parallelism and fp32 keeps the plain HF model (activation
-        checkpointing through HF's non-reentrant gradient checkpointing). ``mixed_precision:
+        A single rank with no parallelism, fp32 and no method installed at cp 1 (``at_cp1``: DSA,
+        Doge) keeps the plain HF model (activation checkpointing through HF's non-reentrant
+        gradient checkpointing). ``mixed_precision:
         bf16`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with fp32
         master weights — on every topology, a 1-rank FSDP mesh included, so CP=1 and CP>1 run
         the same bf16 arithmetic.
@@ -168,7 +169,7 @@ class BaseTrainer:
         ac = self.cfg.schedule.activation_checkpointing
         bf16 = self.cfg.schedule.mixed_precision == "bf16"
         materialize_fn = (lambda m: materialize(m, self.device)) if is_meta_model(model) else None
-        if self.mesh.world_size == 1 and plan.tp_size == 1 and plan.cp_size == 1 and not bf16:
+        if self.mesh.world_size == 1 and plan.tp_size == 1 and plan.cp_size == 1 and not bf16 and not plan.cp_targets:
             if materialize_fn is not None:
                 materialize_fn(model)
             if ac:

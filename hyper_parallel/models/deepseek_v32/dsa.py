@@ -200,7 +200,7 @@ def _indexer_inputs(ix: nn.Module, rope, hs, q_resid, cos, sin):
     return q, k, w
 
 
-@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_dsa)
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_dsa, at_cp1=True)
 def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """DSA under CP on a :data:`DSA_CLASSES` attention (module docstring): local MLA + indexer
     projections, one AllGather of ``[K | V | indexer key]``, global top-k per local query, attention
@@ -279,6 +279,8 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
                        lambda s0, s1: vis_all[..., s0:s1], lambda sel: vis_all.expand(sel.shape[0], -1, -1).gather(-1, sel))
 
     def forward(*args, **kwargs):
+        if cp_mesh is None:                       # installed at cp_size 1: the one-rank computation
+            return one_rank(*args, **kwargs)
         entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
         if entry is None:
             return one_rank(*args, **kwargs)

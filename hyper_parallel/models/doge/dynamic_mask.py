@@ -154,7 +154,7 @@ def validate_doge(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -
                          "dropout — set attention_dropout: 0.0")
 
 
-@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_doge)
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_doge, at_cp1=True)
 def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Doge's attention with its dynamic mask under CP (module docstring): the per-key bias as an
     extra key channel, one AllGather of ``[k' | v]``, the engine on global positions and documents.
@@ -171,6 +171,8 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     m.prepare_dynamic_mask = types.MethodType(prepare_dynamic_mask_ordered, m)
 
     def forward(*args, **kwargs):
+        if cp_mesh is None:                       # installed at cp_size 1: the module's forward, tie rule bound
+            return original(*args, **kwargs)
         entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
         if entry is None:
             return original(*args, **kwargs)
