@@ -67,7 +67,7 @@ def tie_rule_reference(model) -> None:
     from hyper_parallel.models.doge.dynamic_mask import prepare_dynamic_mask_ordered
 
     for layer in model.model.layers:
-        m = layer.self_attn
+        m = getattr(layer, "self_attn", None)
         if type(m).__name__ == "DogeAttention":
             m.prepare_dynamic_mask = types.MethodType(prepare_dynamic_mask_ordered, m)
         elif getattr(m, "indexer", None) is not None:
