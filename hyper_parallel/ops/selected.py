@@ -1,12 +1,13 @@
 """Attention of each query over its own selected keys (sparse attentions: Doge's dynamic mask).
 
-``selected_attention(q, k, v, sel, ok, scale)``: query ``i`` of query head ``h`` attends only to
+``selected_attention(q, k, v, select, width, scale)``: query ``i`` of query head ``h`` attends only to
 the keys ``sel[b, g, i, :]`` of KV head ``g = h // (Hq // Hk)`` that ``ok`` marks, in the order
-``sel`` lists them. Keys are gathered per query block (``[B, Hk, Lb, k, D]`` at a time, sized to a
-budget of elements) and each block runs under activation checkpointing, so at most one block's
-gathered rows are alive in forward and backward and no ``[L, S]`` score tensor exists. Per query
-the result depends only on that query's row, its selected rows of ``k`` / ``v`` and their order
-(not on how many queries or keys the call holds), so the same selection gives the same numbers at
+``sel`` lists them, where ``(sel, ok) = select(l0, l1)`` is made per query block. Keys are gathered
+per query block (``[B, Hk, Lb, width, D]`` at a time, sized to a budget of elements) and each block
+(its selection included) runs under activation checkpointing, so at most one block's selection and
+gathered rows are alive in forward and backward and no ``[L, S]`` tensor exists. Per query the result
+depends only on that query's row, its selected rows of ``k`` / ``v`` and their order, so the same
+selection gives the same numbers at
 every CP size. Local, no collective; differentiable in ``q``, ``k``, ``v``.
 """
 from __future__ import annotations
