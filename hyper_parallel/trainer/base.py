@@ -39,7 +39,7 @@ from .config_warnings import config_warnings
 from .device_setup import bind_local_device, local_rank as _local_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel, head_probe_model, is_meta_model, materialize
+from .model import HyperAutoModel, check_fsdp_dtypes, head_probe_model, is_meta_model, materialize
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
@@ -158,8 +158,9 @@ class BaseTrainer:
         """Apply the run's plan (built once in :func:`setup_distributed`): TP placement -> declared
         CP wrappers -> activation checkpointing -> FSDP2 (:func:`apply_sharding_plan`).
 
-        A single rank with no parallelism and fp32 keeps the plain HF model (activation
-        checkpointing through HF's non-reentrant gradient checkpointing). ``mixed_precision:
+        A single rank with no parallelism, fp32 and no method installed at cp 1 (``at_cp1``: DSA,
+        Doge) keeps the plain HF model (activation checkpointing through HF's non-reentrant
+        gradient checkpointing). ``mixed_precision:
         bf16`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with fp32
         master weights — on every topology, a 1-rank FSDP mesh included, so CP=1 and CP>1 run
         the same bf16 arithmetic.
@@ -168,7 +169,7 @@ class BaseTrainer:
         ac = self.cfg.schedule.activation_checkpointing
         bf16 = self.cfg.schedule.mixed_precision == "bf16"
         materialize_fn = (lambda m: materialize(m, self.device)) if is_meta_model(model) else None
-        if self.mesh.world_size == 1 and plan.tp_size == 1 and plan.cp_size == 1 and not bf16:
+        if self.mesh.world_size == 1 and plan.tp_size == 1 and plan.cp_size == 1 and not bf16 and not plan.cp_targets:
             if materialize_fn is not None:
                 materialize_fn(model)
             if ac:
@@ -177,6 +178,9 @@ class BaseTrainer:
         if bf16 and self.fsdp is False:
             raise CPConfigError("schedule.mixed_precision", "bf16 is FSDP2's mixed-precision policy, but "
                                 f"{type(self).__name__}.fsdp is False", fix="enable FSDP or drop bf16")
+        shards = bf16 or (self.fsdp if self.fsdp is not None else self.mesh.fsdp_mesh.size() > 1)
+        if shards:                              # FSDP2 needs one parameter dtype: refused at model.dtype
+            check_fsdp_dtypes(model, self.cfg.model.dtype)
         # CP preflight proof (accelerator.cp_preflight_proof): before FSDP, on the probe batch
         # sharded by this trainer's batch contract; a refusal fails every rank before the first step
         proof = ({"pad_token_id": self.cfg.data.pad_token_id, "ignore_index": self.cfg.data.ignore_index}

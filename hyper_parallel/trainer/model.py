@@ -117,6 +117,35 @@ def build_meta_model(hf_cfg, *, dtype, attn_implementation: str):
     return model
 
 
+def check_fsdp_dtypes(model: nn.Module, dtype_name: str) -> None:
+    """Refuse, at ``model.dtype``, a model whose parameters mix dtypes when FSDP2 will shard it.
+
+    FSDP2 shards the parameters of one unit in one dtype; transformers keeps some modules of a
+    model in float32 whatever the requested dtype (``_keep_in_fp32_modules``: e.g. DeepSeek V3.2's
+    MoE gate and indexer ``weights_proj``), so ``model.dtype: bfloat16`` gives such a model mixed
+    parameter dtypes, which FSDP2 rejects only at its first forward — inside the CP preflight proof
+    — with a message that names neither the field nor the fix. The training path to bf16 is
+    ``model.dtype: float32`` + ``schedule.mixed_precision: bf16`` (FSDP2 computes in bf16 and
+    keeps fp32 master weights), which this error names. No-op when the dtypes are uniform."""
+    by_dtype: dict = {}
+    for name, p in model.named_parameters():
+        by_dtype.setdefault(p.dtype, []).append(name)
+    if len(by_dtype) <= 1:
+        return
+    want = _DTYPES.get(dtype_name)
+    odd = {dt: names for dt, names in by_dtype.items() if dt != want} or by_dtype
+    detail = "; ".join(f"{str(dt).replace('torch.', '')}: {', '.join(names[:3])}"
+                       f"{f' (+{len(names) - 3} more)' if len(names) > 3 else ''}" for dt, names in odd.items())
+    keep = sorted(set(getattr(model, "_keep_in_fp32_modules", None) or [])
+                  | set(getattr(model, "_keep_in_fp32_modules_strict", None) or []))
+    why = f" (transformers keeps {', '.join(keep)} in float32)" if keep else ""
+    raise CPConfigError(
+        "model.dtype", f"model.dtype={dtype_name} gives {type(model).__name__} parameters of mixed dtypes{why} — "
+        f"{detail} — and FSDP2 shards the parameters of a unit in one dtype",
+        fix="keep model.dtype: float32 and train in bf16 with schedule.mixed_precision: bf16 (FSDP2 computes in "
+            "bf16 with fp32 master weights)")
+
+
 def is_meta_model(model: nn.Module) -> bool:
     """True while any parameter or buffer of ``model`` is still on the meta device."""
     return any(t.is_meta for t in _tensors(model))

@@ -235,6 +235,10 @@ def run_one(model_type: str) -> dict:
         return {**out, "status": "SKIP", "detail": reason, "time_s": time.perf_counter() - t0}
     ref, _ = build_tiny(model_type)
     ref.load_state_dict(model.state_dict())
+    from tests.cp.test_dsa_cp import tie_rule_reference   # DSA / Doge: CP=1 with the methods' tie rules
+
+    if hasattr(getattr(ref, "model", None), "layers"):
+        tie_rule_reference(ref)
     entries = declarations(model)
     out["declared"] = sorted({f"{e['match']}: {e['inner_wrapper']}" for e in entries})
     mesh = mesh_ctx(2)

@@ -173,3 +173,26 @@ def test_cli_refuses_a_pad_id_past_the_vocabulary(tmp_path, capsys):
                  f"model.config_file={W.MODELS['llama'][1]}", f"logging.out_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and "configuration error: [data.pad_token_id]" in err, err[-2000:]
+
+
+def test_mixed_parameter_dtypes_under_fsdp_name_model_dtype_and_mixed_precision():
+    """model.dtype: bfloat16 on a model transformers keeps partly in float32 (DeepSeek V3.2's MoE gate)
+    is refused at model.dtype, naming the float32 parameters and the fix (schedule.mixed_precision: bf16),
+    not as a CP declaration problem; the float32 build passes."""
+    import torch
+    import transformers
+
+    from hyper_parallel.trainer.model import build_meta_model, check_fsdp_dtypes
+
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+        index_topk=4, index_head_dim=8, index_n_heads=2, mlp_layer_types=["dense", "sparse"])
+    check_fsdp_dtypes(build_meta_model(cfg, dtype=torch.float32, attn_implementation="sdpa"), "float32")
+    with pytest.raises(CPConfigError) as err:
+        check_fsdp_dtypes(build_meta_model(cfg, dtype=torch.bfloat16, attn_implementation="sdpa"), "bfloat16")
+    msg = str(err.value)
+    print(msg)
+    assert msg.startswith("[model.dtype] model.dtype=bfloat16") and "mlp.gate.weight" in msg, msg
+    assert "schedule.mixed_precision: bf16" in msg and "plan_overrides" not in msg, msg

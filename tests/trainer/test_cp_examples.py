@@ -36,6 +36,9 @@ EXAMPLES = {
     "nemotron_h_cp2.yaml": {"model.layers.3.mixer": "sdpa_hf", "model.layers.[02].mixer": "mamba2_state_passing"},
     # tiny DeepSeek V3.2: the DSA indexer's top-k over the gathered global keys
     "deepseek_v32_cp2.yaml": {"*.self_attn": "dsa_all_gather"},
+    # tiny Doge: dynamic-mask attention over 256-token documents with keep_window_size 64 (the dynamic
+    # top-k drops keys; A = 0 at initialization: every dt ties, the lower key index is kept at every CP size)
+    "doge_cp2.yaml": {"*.self_attn": "doge_dynamic_mask"},
 }
 
 #: fp32 tolerance on the per-step loss (global token mean), relative: the CP run computes the same
@@ -74,3 +77,74 @@ def test_cp_example_cp2_same_losses_as_cp1(ranks, tmp_path, example, declared):
     assert l2[-1] < l2[0], "the loss should go down over 3 steps"
     for step, (a, b) in enumerate(zip(cp1, l2)):
         assert abs(a - b) <= LOSS_RTOL * abs(a), (step, cp1, l2)
+
+
+def train_recording_selection(cfg: dict) -> dict:
+    """:func:`tests.trainer._workers.train_losses` with every DSA indexer selection of the run
+    recorded (this rank's queries: ``[B, L_local, k]`` global key indices, in call order)."""
+    from hyper_parallel.models.deepseek_v32 import dsa as D
+
+    plain, seen = D.select_topk, []
+
+    def recording(*args, **kwargs):
+        sel, tied = plain(*args, **kwargs)
+        seen.append(sel.clone())
+        return sel, tied
+
+    D.select_topk = recording
+    try:
+        out = TW.train_losses(cfg)
+    finally:
+        D.select_topk = plain
+    out["selections"] = seen
+    return out
+
+
+#: bf16 (schedule.mixed_precision: bf16, FSDP2 bf16 compute, fp32 master weights and reductions):
+#: per-step loss tolerance, relative — the CP ranks' gradient reduce-scatter sums other partial sums
+#: than CP=1, so the fp32 master weights differ by rounding after step 1 and the bf16 forward with
+#: them; bf16's unit roundoff is 3.9e-3
+BF16_LOSS_RTOL = 1e-3
+
+
+@pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_DSA_LONG") != "1",
+                    reason="long rows (1024 and 4096 tokens) in bf16 and fp32: HYPER_PARALLEL_DSA_LONG=1")
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("seq_len", [1024, 4096])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_dsa_long_rows_same_selection_and_losses(ranks, tmp_path, arch, seq_len, precision):
+    """deepseek_v32_cp2.yaml (and GLM-MoE-DSA on the same tiny config) for 5 steps at CP=2 and CP=1:
+    the indexer's selected key indices of the first step are bitwise identical on every layer (CP=2's
+    two ranks' queries side by side = CP=1's), later steps' differences are printed, the losses are
+    within 1e-6 relative (fp32) or BF16_LOSS_RTOL (bf16)."""
+    import torch
+
+    extra = [f"data.seq_len={seq_len}", "schedule.steps=5", "schedule.warmup_steps=1", f"model.architecture={arch}"]
+    if arch == "glm_moe_dsa":
+        extra.append("model.config.indexer_types=[full,shared]")
+    if precision == "bf16":
+        extra.append("schedule.mixed_precision=bf16")
+    cp2 = ranks(2).run(train_recording_selection, _cfg("deepseek_v32_cp2.yaml", tmp_path / "cp2", *extra),
+                       timeout=600.0)
+    cp1 = ranks(1).run(train_recording_selection, _cfg("deepseek_v32_cp2.yaml", tmp_path / "cp1", *extra,
+                                                       "accelerator.cp_size=1"), timeout=600.0)[0]
+    # CP=2 also ran the preflight proof first (its CP forward and its one-rank reference): the training
+    # steps' calls are the last ones
+    s1, s2a, s2b = cp1["selections"], cp2[0]["selections"], cp2[1]["selections"]
+    assert len(s2a) == len(s2b) >= len(s1) > 0, (len(s1), len(s2a), len(s2b))
+    s2a, s2b = s2a[len(s2a) - len(s1):], s2b[len(s2b) - len(s1):]
+    per_call = [int((a != torch.cat([b0, b1], dim=1)).any(-1).sum()) for a, b0, b1 in zip(s1, s2a, s2b)]
+    differ = sum(per_call)
+    print(f"queries with a different selection per indexer call (step-major): {per_call}")
+    l1, l2 = cp1["losses"], cp2[0]["losses"]
+    rel = [abs(a - b) / abs(a) for a, b in zip(l1, l2)]
+    tol = 1e-6 if precision == "fp32" else BF16_LOSS_RTOL
+    print(f"{arch} {precision} S={seq_len}: {len(s1)} indexer calls, queries with a different selection "
+          f"{differ}; losses cp1 {l1} cp2 {l2}; max rel {max(rel):.3e} (tolerance {tol:g})")
+    # the first step's selections (identical weights at both CP sizes) are bitwise identical on every
+    # layer; later steps start from weights that differ by the gradient reduction's rounding (AdamW's
+    # first steps turn a near-zero gradient's sign into a full +-lr update), so their selections are
+    # measured, not asserted
+    n_layers = len(s1) // 5
+    assert sum(per_call[:n_layers]) == 0, per_call
+    assert max(rel) <= tol, (l1, l2)

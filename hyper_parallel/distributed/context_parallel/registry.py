@@ -46,6 +46,10 @@ class WrapperInfo:
     seq_dims: dict | None = None
     named_params: tuple = ()          # names after the five mesh-family parameters
     required_params: tuple = ()       # named params without a default
+    # installed at cp_size 1 too (its ``when: cp`` entry is not skipped), where it runs its one-rank
+    # computation: a method that fixes a choice transformers leaves unspecified (DSA's indexer top-k,
+    # Doge's dynamic mask: ties) computes the same selection at every CP size, CP=1 included
+    at_cp1: bool = False
 
 
 class WrapperSignatureError(TypeError):
@@ -73,7 +77,8 @@ def _inspect(fn: Callable) -> tuple[tuple, tuple]:
 
 def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: str = "custom",
                   is_async: bool = False, communicates: bool = True, model_adapter: str | None = None,
-                  validate: Callable | None = None, mixer: bool = False, seq_dims: dict | None = None):
+                  validate: Callable | None = None, mixer: bool = False, seq_dims: dict | None = None,
+                  at_cp1: bool = False):
     """Mark ``fn`` as an inner wrapper (usable bare or with keyword metadata)."""
     if seq_dims is not None and (not mixer or not isinstance(seq_dims, dict) or not all(
             isinstance(k, str) and (v is None or type(v) is int and v >= 0) for k, v in seq_dims.items())):
@@ -90,6 +95,7 @@ def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: 
             fn=f, qualname=f"{f.__module__}.{f.__qualname__}", method=method, style=style,
             is_async=is_async, communicates=communicates, model_adapter=model_adapter,
             validate=validate, mixer=mixer, seq_dims=seq_dims, named_params=named, required_params=required,
+            at_cp1=at_cp1 and mixer,
         )
         return f
 

@@ -160,6 +160,14 @@ class PlanOverrideResolver:
         _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, fqn)
         return bool(getattr(info, "mixer", False))
 
+    def _runs_at_cp1(self, spec: ModuleShardingSpec) -> bool:
+        """True when ``spec`` declares a method installed at cp_size 1 too (``@inner_wrapper(at_cp1=True)``:
+        its one-rank computation fixes a selection transformers leaves unspecified)."""
+        if spec.inner_wrapper is None:
+            return False
+        _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
+        return bool(getattr(info, "at_cp1", False))
+
     # -- main -----------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> ResolvedPlan:
         """Bind every ``when: cp`` entry to the attention boundaries of ``model``; return a ResolvedPlan.
@@ -169,8 +177,8 @@ class PlanOverrideResolver:
         and runs the wrapper's ``validate(inner_module, cp_size=..., **params)`` hook with the
         model's global heads (``tp_size`` is left at its default 1; the planner re-runs it with
         the TP degree). Issues no collective and modifies nothing. With ``cp_size == 1`` the
-        ``when: cp`` entries are skipped (``ResolvedPlan.skipped``) and no boundary needs a
-        method. Raises :class:`CPConfigError` (YAML field, module FQN, fix) on the first
+        ``when: cp`` entries are skipped (``ResolvedPlan.skipped``) — except those declaring an
+        ``at_cp1`` method, bound like at cp > 1 — and no boundary needs a method. Raises :class:`CPConfigError` (YAML field, module FQN, fix) on the first
         problem.
         """
         names = dict(model.named_modules())
@@ -182,7 +190,7 @@ class PlanOverrideResolver:
                                     fix="add 'when: cp' to the entry")
             if spec.when != "cp":
                 continue
-            if self.cp_size == 1:
+            if self.cp_size == 1 and not self._runs_at_cp1(spec):
                 log.info("plan_overrides: skipping %s match=%r (when: cp, cp_size=1)", spec.field(), spec.match)
                 skipped.append(spec)
                 continue

@@ -9,39 +9,43 @@ best; the MLA attention then sees only those keys. Under CP (contiguous layout) 
    (no gradient: the indexer is ``@torch.no_grad`` in transformers);
 2. ONE AllGather of ``[K | V | indexer key]`` along the sequence (backward: ReduceScatter of the
    K/V gradients to their owners) -- the one data collective, the same as Colossal's K/V gather;
-3. scores its local queries against the global indexer keys block by block (``[B, L, Hi, block]`` at
-   a time, blocks past the last local query skipped) keeping a running top-k: memory O(L * k),
-   never O(S^2); visibility = causal on global indices, same document, not padding (the batch
-   meta); a tie at the k-th place (k-th and (k+1)-th best visible keys score equally) is refused
-   on every rank (one scalar AllReduce of the count): transformers' ``topk`` keeps an unspecified
-   one of the tied keys, which no CP order can be guaranteed to reproduce;
+3. scores its local queries against the global indexer keys block by block (:func:`index_scores`,
+   ``[B, L, Hi, block]`` at a time over the global key blocks, blocks past the last local query
+   skipped) keeping a running top-k: memory O(L * k), never O(S^2); visibility = causal on global
+   indices, same document, not padding (the batch meta); **ties go to the lower global key index**
+   (stable sorts). The same rule and the same score blocks are bound to the module's indexer
+   (:func:`indexer_forward_ordered`), so its CP=1 forward selects the same keys — transformers'
+   ``topk`` keeps an unspecified one of tied keys, and ties are common (a key whose every indexer
+   head's ReLU is 0 scores exactly 0);
 4. attends each query to its selected visible keys only (gather of the selected K/V rows, query
    blocks under activation checkpointing so at most one block's ``[B, H, Lq, k, D]`` is alive).
 
 GLM-MoE-DSA ``shared`` layers reuse the previous layer's selection, returned as GLOBAL key indices
-(the third output), exactly as at CP=1. Exact w.r.t. CP=1 up to fp32 rounding, or refused (ties,
-see 3). The forward carries ``__hp_ignores_model_mask__``: under CP the base model builds no
+(the third output), exactly as at CP=1. Exact w.r.t. CP=1 (with the tie rule of 3) up to the
+attention's fp32 rounding. The forward carries ``__hp_ignores_model_mask__``: under CP the base model builds no
 ``[B, 1, L, L]`` mask (:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`).
 Training only (no cache). docs/wrappers.md, "DeepSeek sparse attention".
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ... import platform as P
-from ...distributed.context_parallel.collectives import all_gather_seq, resolve_group
+from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 
-__all__ = ["DSA_CLASSES", "dsa_all_gather_cp_wrapper", "select_topk", "refuse_ties", "attend_selected"]
+__all__ = ["DSA_CLASSES", "attend_selected", "dsa_all_gather_cp_wrapper", "index_scores", "indexer_forward_ordered",
+           "select_topk"]
 
 #: DSA attention classes -> the rotary function (in the class's transformers module) of its indexer
 DSA_CLASSES = {"DeepseekV32Attention": "apply_rotary_pos_emb",
@@ -66,28 +70,65 @@ def visible(q_idx: torch.Tensor, k_idx: torch.Tensor, doc_q, doc_k) -> torch.Ten
     return ok
 
 
+def index_scores(iq, weights, kb, scale: float) -> torch.Tensor:
+    """The lightning indexer's score of every query against one block of keys, in float32:
+    ``sum_h w[h] * relu(scale * q[h].k)`` for ``iq [B, L, Hi, Di]``, ``weights [B, L, Hi]``,
+    ``kb [B, n, Di]`` -> ``[B, L, n]``, transformers' arithmetic (two batched matmuls, one per query).
+    Every caller (CP and the module's own CP=1 forward, :func:`indexer_forward_ordered`) passes the
+    same global key blocks (``[j * KEY_BLOCK, (j + 1) * KEY_BLOCK)``), so a (query, key) score is one
+    query's ``[Hi, Di] x [Di, n]`` product of the same shape whatever the CP size."""
+    kb = kb.float().transpose(-1, -2).unsqueeze(1)                           # [B, 1, Di, n]
+    sc = F.relu(torch.matmul(iq.float(), kb) * scale)                        # [B, L, Hi, n]
+    return torch.matmul(weights.float().unsqueeze(-2), sc).squeeze(-2)       # [B, L, n]
+
+
 @torch.no_grad()
-def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, block: int = KEY_BLOCK):
+def indexer_forward_ordered(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                            position_ids=None, cache=None, *, rope=None):
+    """transformers' indexer forward (DeepSeek V3.2 / GLM-MoE-DSA, 5.24) with its one unspecified
+    choice fixed: the ``index_topk`` keys of a query are the highest scores with **ties to the lower
+    key index** (a stable descending sort instead of ``torch.topk``, whose choice among equal scores is
+    unspecified; equal scores are common: a key whose every indexer head's ReLU is 0 scores exactly 0),
+    scores from :func:`index_scores` over the global key blocks. Bound to the indexer by
+    :func:`dsa_all_gather_cp_wrapper` (``rope`` = the module's indexer RoPE), so the module's CP=1
+    forward — the preflight proof's reference — selects what CP selects."""
+    del position_ids
+    cos, sin = position_embeddings
+    iq, ik, iw = _indexer_inputs(self, rope, hidden_states, q_resid, cos, sin)
+    if cache is not None:                       # as transformers does (CP itself runs without a cache)
+        ik = cache.update_indexer(ik, self.layer_idx)
+    S = ik.shape[1]
+    sc = torch.cat([index_scores(iq, iw, ik[:, s0:s0 + KEY_BLOCK], self.softmax_scale)
+                    for s0 in range(0, S, KEY_BLOCK)], dim=-1)
+    if attention_mask.dtype == torch.bool:
+        sc = sc.masked_fill(~attention_mask, float("-inf"))
+    else:
+        sc = sc + attention_mask
+    k = min(self.index_topk, S)
+    return torch.sort(sc, dim=-1, descending=True, stable=True).indices[..., :k].to(torch.int32)
+
+
+@torch.no_grad()
+def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, block: int = KEY_BLOCK,
+                vis=None):
     """Global top-k keys per local query: ``iq [B, L, Hi, Di]``, ``weights [B, L, Hi]``, ``ik [B, S, Di]``
     (global keys) -> (``[B, L, min(topk, S)]`` int64 global key indices, ``[B, L]`` bool: the k-th and
     the (k+1)-th best visible keys score equally, a tie at the k-th place). The transformers indexer's
     score ``sum_h w[h] * relu(scale * q[h].k)`` with invisible keys at ``-inf``, a running top-(k+1)
-    over key blocks (stable sort: among equal scores the earlier key wins). Local, no collective."""
+    over key blocks (stable sort: among equal scores the earlier key wins). ``vis(s0, s1)`` ->
+    ``[B|1, L, s1 - s0]`` bool replaces the visibility from positions and documents when given (the
+    one-rank forward: from the module's mask). Local, no collective."""
     B, L = iq.shape[:2]
     S = ik.shape[1]
     k = min(topk, S)
     last = int(q_idx.max()) + 1                     # no key after the last local query is visible
     best_v = iq.new_empty(B, L, 0, dtype=torch.float32)
     best_i = torch.empty(B, L, 0, dtype=torch.int64, device=iq.device)
-    q = iq.float()
-    w = weights.float().unsqueeze(-2)                                        # [B, L, 1, Hi]
     for s0 in range(0, min(last, S), block):
         s1 = min(s0 + block, S)
-        kb = ik[:, s0:s1].float().transpose(-1, -2).unsqueeze(1)             # [B, 1, Di, n]
-        sc = F.relu(torch.matmul(q, kb) * scale)                              # [B, L, Hi, n]
-        sc = torch.matmul(w, sc).squeeze(-2)                                  # [B, L, n]
+        sc = index_scores(iq, weights, ik[:, s0:s1], scale)                   # [B, L, n]
         idx = torch.arange(s0, s1, device=iq.device)
-        sc = sc.masked_fill(~visible(q_idx, idx, doc_q, doc_k), float("-inf"))
+        sc = sc.masked_fill(~(visible(q_idx, idx, doc_q, doc_k) if vis is None else vis(s0, s1)), float("-inf"))
         v = torch.cat([best_v, sc], dim=-1)
         i = torch.cat([best_i, idx.expand(B, L, -1)], dim=-1)
         order = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k + 1]
@@ -101,23 +142,6 @@ def select_topk(iq, weights, ik, scale: float, topk: int, q_idx, doc_q, doc_k, b
         pad = torch.full((B, L, k - best_i.shape[-1]), S - 1, dtype=torch.int64, device=iq.device)
         best_i = torch.cat([best_i, pad], dim=-1)
     return best_i, tied
-
-
-def refuse_ties(what: str, fqn: str, tied: torch.Tensor, topk: int, cp_mesh) -> None:
-    """Every rank of the CP group raises together when any rank's indexer scores tie at the k-th
-    place (one scalar AllReduce of the count): CP=1's ``torch.topk`` keeps an unspecified one of the
-    tied keys, so no CP selection is guaranteed to equal it."""
-    n = P.all_reduce(tied.sum().reshape(1).to(torch.float32), resolve_group(cp_mesh), tag="cp.dsa_ties")
-    n = int(n.item())
-    if n:
-        raise CPMixerError(
-            f"{what} on '{fqn}': refused input — indexer scores with ties at the k-th place (index_topk={topk}): "
-            f"for {n} {'query' if n == 1 else 'queries'} of this batch the k-th and the (k+1)-th best visible keys score exactly equally "
-            "(typically 0: every indexer head's ReLU is 0 for both, e.g. a zero indexer key from a token whose "
-            "embedding row is zero such as pad_token_id, or few index_n_heads). Without CP, torch.topk keeps an "
-            "unspecified one of the tied keys (its order on ties is not guaranteed), so no CP selection is "
-            "guaranteed to equal it. Fix: avoid tied index scores (no zero-embedding token as a real token, more "
-            "indexer heads / a trained indexer), or accelerator.cp_size: 1")
 
 
 def _attend_block(q, kg, vg, sel, ok, scale):
@@ -176,12 +200,12 @@ def _indexer_inputs(ix: nn.Module, rope, hs, q_resid, cos, sin):
     return q, k, w
 
 
-@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_dsa)
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_dsa, at_cp1=True)
 def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """DSA under CP on a :data:`DSA_CLASSES` attention (module docstring): local MLA + indexer
     projections, one AllGather of ``[K | V | indexer key]``, global top-k per local query, attention
-    over the selected keys. Forward: 1 AllGather (+ 1 scalar AllReduce: the tie check, per indexer
-    layer); backward: 1 ReduceScatter (K/V gradients)."""
+    over the selected keys, ties to the lower key index (also bound to the module's own indexer).
+    Forward: 1 AllGather; backward: 1 ReduceScatter (K/V gradients)."""
     del mesh, tp_mesh, ep_mesh
     what = "dsa_all_gather_cp_wrapper"
     m = target_module
@@ -191,12 +215,12 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     rope_main = hf.apply_rotary_pos_emb_interleave
     rope_ix = getattr(hf, DSA_CLASSES[type(m).__name__])
     sig = inspect.signature(type(m).forward)
+    if getattr(m, "indexer", None) is not None:     # the stated tie rule at CP=1 too (the proof's reference)
+        m.indexer.forward = functools.partial(types.MethodType(indexer_forward_ordered, m.indexer), rope=rope_ix)
 
-    def forward(*args, **kwargs):
-        entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
-        if entry is None:
-            return original(*args, **kwargs)
-        meta, a, hs = entry
+    def compute(a, hs, gather, q_idx, vis_block, vis_sel):
+        """The method on ``hs [B, L, hidden]``: ``gather`` makes the global ``[B, S, ...]`` rows from
+        the local ones, ``vis_block(s0, s1)`` / ``vis_sel(sel)`` give which keys each local query sees."""
         B, L, _ = hs.shape
         cos, sin = a["position_embeddings"]
         # -- the module's lines on the local tokens (transformers 5.24)
@@ -216,17 +240,13 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
                 iq, ik, iw = _indexer_inputs(ix, rope_ix, hs, q_resid, cos, sin)
             parts.append(ik.to(key.dtype))
         # -- the one collective: K, V and the indexer key of every rank
-        g = all_gather_seq(torch.cat(parts, dim=-1).contiguous(), cp_mesh, dim=1, tag="cp.dsa_kv")
+        g = gather(torch.cat(parts, dim=-1).contiguous())
         S = g.shape[1]
         kg = g[..., :H * Dq].view(B, S, H, Dq).transpose(1, 2)
         vg = g[..., H * Dq:H * (Dq + Dv)].view(B, S, H, Dv).transpose(1, 2)
-        q_idx = meta.q_index.to(hs.device)
-        doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
-        doc_q = None if doc_k is None else doc_k[:, q_idx]
         if ix is not None:
-            sel, tied = select_topk(iq, iw, g[..., H * (Dq + Dv):].detach(), ix.softmax_scale, ix.index_topk,
-                                    q_idx, doc_q, doc_k)
-            refuse_ties(what, fqn, tied, ix.index_topk, cp_mesh)
+            sel, _ = select_topk(iq, iw, g[..., H * (Dq + Dv):].detach(), ix.softmax_scale, ix.index_topk,
+                                 q_idx, None, None, vis=vis_block)
         else:
             sel = a.get("prev_topk_indices")
             if sel is None or tuple(sel.shape[:2]) != (B, L):
@@ -234,16 +254,47 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
                                    f"indices [B, L_local, k] (got {None if sel is None else tuple(sel.shape)}): "
                                    "declare dsa_all_gather on every DSA attention of the model")
             sel = sel.long()
-        ok = visible(q_idx, sel, doc_q, doc_k.expand(B, -1) if doc_k is not None else None)
-        if doc_q is None:
-            ok = ok.expand(B, -1, -1)
-        out = attend_selected(query, kg, vg, sel, ok, m.scaling)               # [B, H, L, Dv]
+        out = attend_selected(query, kg, vg, sel, vis_sel(sel).expand(B, -1, -1), m.scaling)   # [B, H, L, Dv]
         out = m.o_proj(out.transpose(1, 2).reshape(B, L, -1).contiguous())
         if "prev_topk_indices" in sig.parameters:                             # GLM-MoE-DSA: pass the selection on
             return out, None, sel.to(torch.int32)
         return out, None
 
+    def one_rank(*args, **kwargs):
+        """The same computation on one rank (no CP forward in progress: the preflight proof's
+        reference, or a module called outside CP): visibility from the module's own
+        ``attention_mask`` (``[B, 1, S, S]``, bool or additive; None = causal), no collective."""
+        a = dict(sig.bind(m, *args, **kwargs).arguments)
+        hs = a["hidden_states"]
+        if a.get("cache") is not None or a.get("past_key_values") is not None:
+            return original(*args, **kwargs)
+        S = hs.shape[1]
+        mask = a.get("attention_mask")
+        if mask is None:
+            vis_all = torch.ones(S, S, dtype=torch.bool, device=hs.device).tril()[None]
+        else:
+            mask = mask[:, 0, :, :S]
+            vis_all = mask if mask.dtype == torch.bool else mask == 0
+        return compute(a, hs, lambda t: t, torch.arange(S, device=hs.device),
+                       lambda s0, s1: vis_all[..., s0:s1], lambda sel: vis_all.expand(sel.shape[0], -1, -1).gather(-1, sel))
+
+    def forward(*args, **kwargs):
+        if cp_mesh is None:                       # installed at cp_size 1: the one-rank computation
+            return one_rank(*args, **kwargs)
+        entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
+        if entry is None:
+            return one_rank(*args, **kwargs)
+        meta, a, hs = entry
+        q_idx = meta.q_index.to(hs.device)
+        doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        doc_q = None if doc_k is None else doc_k[:, q_idx]
+        return compute(a, hs, lambda t: all_gather_seq(t, cp_mesh, dim=1, tag="cp.dsa_kv"), q_idx,
+                       lambda s0, s1: visible(q_idx, torch.arange(s0, s1, device=hs.device), doc_q, doc_k),
+                       lambda sel: visible(q_idx, sel, doc_q, doc_k.expand(sel.shape[0], -1) if doc_k is not None
+                                           else None))
+
     forward.__wrapped__ = original
+    forward.__hp_one_rank__ = one_rank     # the same computation at one rank: the preflight proof's reference
     forward.__hp_mixer__ = what
     setattr(forward, IGNORES_MODEL_MASK, True)      # causal, documents, padding: from the batch meta only
     return forward

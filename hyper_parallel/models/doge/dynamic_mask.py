@@ -14,9 +14,16 @@ wrappers do not use), so this method re-runs the module's lines (transformers 5.
    ``config.sliding_window`` when set (the model then builds a sliding-window mask); no mask is built;
 4. ``o_proj``.
 
-The top-``keep_window_size`` selection is a no-op while no query sees more than
-``keep_window_size`` keys (no document, or sliding window, longer: every visible key is kept); a batch with a longer document is refused at the
-call, before any collective and on every rank alike (the meta is global). The forward carries
+The top-``keep_window_size`` selection keeps every visible key while no query sees more than
+``keep_window_size`` keys (no document, or sliding window, longer): step 3 as written. Otherwise
+each query keeps, per KV head, the ``keep_window_size`` visible global keys with the largest ``dt``,
+**ties to the lower global key index** (:func:`key_ranks`, one stable sort of the gathered ``dt``;
+:func:`keep_window_selector` per query block), and attends over those keys only
+(:func:`~hyper_parallel.ops.selected.selected_attention`). The same rule is bound to the module's
+own dense mask (:func:`prepare_dynamic_mask_ordered`), so its CP=1 forward — the preflight proof's
+reference — selects the same keys; transformers' ``torch.topk`` keeps an unspecified one of tied
+keys, and ties are common (repeated tokens at the first layer, ``A = 0`` at initialization).
+The forward carries
 ``__hp_ignores_model_mask__``: under CP the base model builds no ``[B, 1, L, L]`` mask
 (:mod:`~hyper_parallel.distributed.context_parallel.interception.model_mask`). Training only (no cache).
 docs/wrappers.md, "Doge".
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 
 import torch
 import torch.nn as nn
@@ -33,11 +41,13 @@ import torch.nn.functional as F
 from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel.mixers import register_catalogue_names
-from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
+from ...distributed.context_parallel.mixers.rows import bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 from ...distributed.context_parallel.strategies import engine_attention
+from ...ops.selected import selected_attention
 
-__all__ = ["DOGE_CLASSES", "doge_dynamic_mask_cp_wrapper", "longest_document"]
+__all__ = ["DOGE_CLASSES", "doge_dynamic_mask_cp_wrapper", "keep_window_selector", "key_ranks", "longest_document",
+           "prepare_dynamic_mask_ordered"]
 
 DOGE_CLASSES = ("DogeAttention",)
 
@@ -55,6 +65,85 @@ def longest_document(meta) -> int:
     return int(length.max()) if length.numel() else 0
 
 
+SELECT_BUDGET = 1 << 24    # elements of one query block's [B, Hk, Lb, keys] rank tensor
+
+
+def key_ranks(bias: torch.Tensor) -> torch.Tensor:
+    """``bias [B, Hk, S]`` -> int64 ``[B, Hk, S]``: each key's place in the order *larger bias first,
+    among equal biases the lower global key index first* (a stable descending sort). Distinct per
+    (row, head), so every selection made from them is unique: the tie rule."""
+    order = torch.sort(bias, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(bias.shape[-1], device=bias.device).expand_as(order))
+    return ranks
+
+
+def _visible(q_idx, k_idx, doc_q, doc_k, window):
+    """``[B|1, Lq, Lk]`` bool: key ``k_idx [Lk]`` (global) visible to query ``q_idx [Lq]``: causal,
+    inside ``window`` when set, same document and not padding (``doc_* None``: one valid document)."""
+    ok = (k_idx[None, :] <= q_idx[:, None])
+    if window:
+        ok = ok & (k_idx[None, :] > q_idx[:, None] - window)
+    ok = ok[None]
+    if doc_q is not None:
+        dk = doc_k[:, k_idx]
+        ok = ok & (dk[:, None, :] == doc_q[:, :, None]) & (dk[:, None, :] >= 0)
+    return ok
+
+
+def keep_window_selector(ranks: torch.Tensor, keep: int, q_idx, doc_q, doc_k, window=None):
+    """Doge's dynamic mask as a selection: a function ``select(l0, l1)`` -> ``(sel, ok)`` for the
+    local queries ``l0:l1`` (global indices ``q_idx``) — per KV head, the ``keep`` visible keys of
+    smallest :func:`key_ranks` rank (largest bias, ties to the lower key index), every visible key
+    when a query sees at most ``keep``; ``sel [B, Hk, Lb, width]`` global key indices in rank order,
+    ``ok`` which of them are real (visible) picks. ``width = min(keep, S)``. Memory per call: one
+    ``[B, Hk, Lb, keys]`` rank tensor over the keys the block's queries can see, never ``[L, S]``."""
+    B, Hk, S = ranks.shape
+    width = min(keep, S)
+
+    def select(l0: int, l1: int):
+        qi = q_idx[l0:l1]
+        hi = int(qi.max()) + 1
+        lo = max(0, int(qi.min()) - window + 1) if window else 0
+        kidx = torch.arange(lo, hi, device=ranks.device)
+        vis = _visible(qi, kidx, None if doc_q is None else doc_q[:, l0:l1], doc_k, window)
+        r = ranks[:, :, None, lo:hi].masked_fill(~vis[:, None], S)               # [B, Hk, Lb, n]
+        n = min(width, hi - lo)
+        val, pos = torch.topk(r, n, dim=-1, largest=False, sorted=True)
+        sel, ok = pos + lo, val < S
+        if n < width:
+            pad = (0, width - n)
+            sel, ok = F.pad(sel, pad, value=lo), F.pad(ok, pad, value=False)
+        return sel, ok
+
+    return select, width
+
+
+def prepare_dynamic_mask_ordered(self, hidden_states, dt_states, keep_window_size: int = 2048, attention_mask=None):
+    """transformers' ``DogeAttention.prepare_dynamic_mask`` (5.24) with its one unspecified choice
+    fixed: the ``keep_window_size`` kept keys of a query are the largest ``dt`` among its visible keys
+    with ties going to the **lower key index** (a stable descending sort instead of ``torch.topk``,
+    whose choice among equal values is unspecified — and equal values are common: a token repeated
+    in a document has the same value states, hence the same ``dt``, at the first layer; ``A = 0``, the
+    initialization, makes every ``dt`` 1). Bound to the module by :func:`doge_dynamic_mask_cp_wrapper`,
+    so its CP=1 forward (the preflight proof's reference) computes the selection CP computes."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    min_dtype = torch.finfo(hidden_states.dtype).min
+    dtype = hidden_states.dtype
+    attn_mask = dt_states[:, :, None, :].expand(-1, -1, hidden_states.shape[1], -1)
+    if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, torch.full((), 0.0, device=attention_mask.device,
+                                                                    dtype=dtype), min_dtype)
+        attn_mask = attn_mask.masked_fill(attention_mask[:, :, :, : attn_mask.shape[-1]] != 0, min_dtype)
+    if attn_mask.shape[-1] > keep_window_size:
+        order = torch.sort(attn_mask, dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
+        active = torch.zeros_like(attn_mask, dtype=torch.bool).scatter(-1, order, True)
+        attn_mask = attn_mask.masked_fill(~active, min_dtype)
+    return attn_mask
+
+
 def validate_doge(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
     what = "doge_dynamic_mask_cp_wrapper"
@@ -65,12 +154,12 @@ def validate_doge(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -
                          "dropout — set attention_dropout: 0.0")
 
 
-@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_doge)
+@inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_doge, at_cp1=True)
 def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     """Doge's attention with its dynamic mask under CP (module docstring): the per-key bias as an
     extra key channel, one AllGather of ``[k' | v]``, the engine on global positions and documents.
-    Forward: 1 AllGather; backward: 1 ReduceScatter. Refused (before any collective) when a
-    document is longer than ``keep_window_size`` (the dynamic top-k would then drop keys)."""
+    Forward: 1 AllGather; backward: 1 ReduceScatter. Documents longer than ``keep_window_size``:
+    the dynamic top-k over the global keys with the lower-index tie rule (module docstring)."""
     del mesh, tp_mesh, ep_mesh
     what = "doge_dynamic_mask_cp_wrapper"
     m = target_module
@@ -78,20 +167,19 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     fqn = current_fqn()
     hf = sys.modules[type(m).__module__]
     sig = inspect.signature(type(m).forward)
+    # the stated tie rule at CP=1 too (the module's own forward: the proof's reference, cp 1 calls)
+    m.prepare_dynamic_mask = types.MethodType(prepare_dynamic_mask_ordered, m)
 
     def forward(*args, **kwargs):
+        if cp_mesh is None:                       # installed at cp_size 1: the module's forward, tie rule bound
+            return original(*args, **kwargs)
         entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
         if entry is None:
             return original(*args, **kwargs)
         meta, a, hs = entry
         window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
-        if min(longest, window or longest) > m.keep_window_size:
-            raise CPMixerError(
-                f"{what} on '{fqn}': Doge's dynamic mask keeps only the keep_window_size={m.keep_window_size} keys "
-                f"with the largest bias per query, and this batch has a document of {longest} tokens, so the "
-                "selection would drop keys; CP does not carry that selection — use documents of at most "
-                "keep_window_size tokens (seq_len / packing), or accelerator.cp_size: 1")
+        selects = min(longest, window or longest) > m.keep_window_size    # some query sees more keys than kept
         B, L, _ = hs.shape
         shape = (B, L, -1, m.head_dim)
         q = m.q_norm(m.q_proj(hs).view(shape)).transpose(1, 2)
@@ -105,8 +193,16 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         k1 = torch.cat([k, dt.unsqueeze(-1).to(k.dtype)], dim=-1)                 # [B, Hk, L, D + 1]
         D1 = k1.shape[-1]
         g = all_gather_seq(torch.cat([k1, v], dim=-1).contiguous(), cp_mesh, dim=2, tag="cp.doge_kv")
-        out = engine_attention(q1, g[..., :D1], g[..., D1:], q_pos=meta.q_index, k_pos=meta.k_index, meta=meta,
-                               scale=m.scaling, window=window)                    # [B, Hq, L, D]
+        if selects:     # the dynamic top-keep_window_size over the global keys, per query block
+            q_idx = meta.q_index.to(hs.device)
+            doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+            doc_q = None if doc_k is None else doc_k[:, q_idx]
+            select, width = keep_window_selector(key_ranks(g[..., D1 - 1].detach()), m.keep_window_size, q_idx,
+                                                 doc_q, doc_k, window)
+            out = selected_attention(q1, g[..., :D1], g[..., D1:], select, width, m.scaling)
+        else:           # every visible key is kept: the engine on global positions and documents
+            out = engine_attention(q1, g[..., :D1], g[..., D1:], q_pos=meta.q_index, k_pos=meta.k_index,
+                                   meta=meta, scale=m.scaling, window=window)     # [B, Hq, L, D]
         out = m.o_proj(out.transpose(1, 2).reshape(B, L, -1).contiguous())
         return out, None
 

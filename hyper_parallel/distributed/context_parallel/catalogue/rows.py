@@ -256,7 +256,8 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="doge_dynamic_mask", title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
         "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
-        head_doc="none (all heads on the local queries; K, V gathered); documents <= keep_window_size",
+        head_doc="none (all heads on the local queries; K, V gathered); the top-keep_window_size over the global "
+        "keys, ties to the lower key index",
         offers=(Offer("hf", "doge_dynamic_mask_cp_wrapper", "doge_dynamic_mask", module=DOGE_MODULE),)),
 )}
 

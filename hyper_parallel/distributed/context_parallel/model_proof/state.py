@@ -14,8 +14,10 @@ from .report import _NOTSET, NO_INSTANCE_FORWARD
 def cp_disabled(model: nn.Module):
     """Every CP-wrapped module runs its original forward (and original config) in the body.
 
-    The original is what the applier replaced (``__hp_cp_prev_forward__``), else the wrapper's
-    ``__wrapped__``, else the class forward; a wrapper's undo steps (``__hp_undo__``, e.g. the
+    The original is the method's declared one-rank computation (``__hp_one_rank__`` on the CP
+    forward: a method that defines a selection transformers leaves unspecified — DSA's and Doge's
+    tie rules — runs the same code at a CP group of one), else what the applier replaced
+    (``__hp_cp_prev_forward__``), else the wrapper's ``__wrapped__``, else the class forward; a wrapper's undo steps (``__hp_undo__``, e.g. the
     ``flex_hf*`` private config) are run. On exit every module's attributes are put back as
     they were, so the CP path is exactly restored.
     """
@@ -30,7 +32,9 @@ def cp_disabled(model: nn.Module):
             fwd = d.get("forward")
             for undo in reversed(list(getattr(fwd, "__hp_undo__", []) or [])):
                 undo()
-            if "__hp_cp_prev_forward__" in d:
+            if getattr(fwd, "__hp_one_rank__", None) is not None:
+                orig = fwd.__hp_one_rank__          # the method's own computation at a CP group of one
+            elif "__hp_cp_prev_forward__" in d:
                 orig = d["__hp_cp_prev_forward__"]
             elif fwd is not None and hasattr(fwd, "__wrapped__"):
                 orig = fwd.__wrapped__
