@@ -3,8 +3,11 @@
 :func:`wrap_forward` replaces ``model.forward`` (instance attribute, the outermost module the
 Trainer calls: a PEFT model, or the causal LM carrying TRL's fused head). It takes the
 :class:`~.batch.CPMetaHolder` out of the inputs, makes its meta current (:mod:`.context`) and calls
-the model with the local ``input_ids`` / global ``position_ids`` / local ``labels`` +
-``shift_labels``; ``attention_mask`` is not passed (padding and documents are in the meta; HF's
+the model with the local ``input_ids`` / global ``position_ids``. With TRL's fused head
+(``fused_lm_head=True``) the local ``labels`` + ``shift_labels`` go to it (it scores
+``shift_labels`` unshifted); otherwise the loss is the model's own ``loss_function`` on the local
+logits with ``shift_labels`` (transformers passes a forward's extra kwargs down to every attention
+call, where the CP attention refuses unknown ones). ``attention_mask`` is not passed (padding and documents are in the meta; HF's
 local mask is never trusted under CP). Output: the model's own, on this rank's tokens
 (logits ``[B, S_local, V]``; a loss over the local targets).
 
@@ -44,14 +47,30 @@ def wrap_forward(model) -> None:
         return
     inner = model.forward
 
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         holder = kwargs.pop(META_KEY, None)
-        if isinstance(holder, CPMetaHolder):
-            activate(holder.meta)
-            for key in _NOT_TO_MODEL:
-                kwargs.pop(key, None)
-        return inner(*args, **kwargs)
+        if not isinstance(holder, CPMetaHolder):
+            return inner(*args, **kwargs)
+        activate(holder.meta)
+        for key in _NOT_TO_MODEL:
+            kwargs.pop(key, None)
+        if kwargs.get("fused_lm_head"):     # TRL's fused head scores shift_labels itself, unshifted
+            return inner(*args, **kwargs)
+        # transformers hands the forward's **kwargs down to every attention call, where the CP
+        # attention refuses what it does not know: the loss is computed here, by the model's own
+        # loss function, on the local logits and the globally shifted local targets
+        labels = kwargs.pop("labels", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        out = inner(*args, **kwargs)
+        if labels is not None and shift_labels is not None:
+            vocab = base.config.get_text_config().vocab_size
+            out.loss = base.loss_function(out.logits, labels, vocab, num_items_in_batch=num_items,
+                                          shift_labels=shift_labels)
+        return out
 
     model.forward = forward
     model._hyper_parallel_cp_forward = True
