@@ -63,8 +63,12 @@ def build_model(arch: str):
 
     torch.manual_seed(0)
     cfg = model_config(arch)
-    cfg._attn_implementation = "sdpa"
-    return T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    cfg._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"   # transformers refuses SDPA with sinks
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    for m in model.modules():          # gpt-oss: default init leaves the sinks at 0; make them matter per head
+        if hasattr(m, "sinks"):
+            m.sinks.data.copy_(torch.linspace(-1.0, 1.5, m.sinks.numel()))
+    return model
 
 
 def examples(n: int, seed: int, *, completion_mask: bool = True, labels: bool = False):
@@ -108,10 +112,12 @@ class _Losses:
 
 
 def _common_args(out: str, steps: int, **extra) -> dict:
-    return dict(output_dir=out, max_steps=steps, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+    args = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                 gradient_accumulation_steps=2, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
                 logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, use_cpu=True,
-                dataloader_num_workers=0, disable_tqdm=True, eval_strategy="no", bf16=False, fp16=False, **extra)
+                dataloader_num_workers=0, disable_tqdm=True, eval_strategy="no", bf16=False, fp16=False)
+    args.update(extra)
+    return args
 
 
 def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
@@ -154,14 +160,16 @@ def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
 
 
 def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = True, evaluate: bool = True,
-               **extra) -> dict:
-    """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc)."""
+               plan: str | None = None, **extra) -> dict:
+    """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc).
+    ``plan``: a key of PLANS (default: ``arch``)."""
     from hyper_parallel.integrations.hf import context_parallel
 
     _dist_env()
     with tempfile.TemporaryDirectory() as out:
         trainer, rec = build_trainer(entry, arch, out, steps, **extra)
-        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[arch])
+        init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan or arch])
         trainer.train()
         eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
         model = trainer.model
@@ -169,18 +177,42 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
                   "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
         if params and trainer.args.process_index == 0:
             result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["init"] = init
     return result
 
 
-def refusal_case(entry: str, arch: str, cp: int, **extra) -> str:
-    """Build the script with ``extra`` TrainingArguments and return the refusal's message."""
+class _UnknownCollator:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, features):
+        return self.inner(features)
+
+
+def refusal_cases(cases) -> list[str]:
+    """For each ``(entry, extra)``: build the script (cp = the pool's size) with ``extra``
+    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` to swap the collator, the model's
+    attention implementation or the declaration — call ``context_parallel`` and return the
+    refusal's message ("no refusal" if none)."""
+    import torch.distributed as dist
+
     from hyper_parallel.integrations.hf import context_parallel
 
     _dist_env()
-    with tempfile.TemporaryDirectory() as out:
-        trainer, _ = build_trainer(entry, arch, out, 1, **extra)
-        try:
-            context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[arch])
-        except Exception as exc:  # noqa: BLE001 - the message is the result
-            return f"{type(exc).__name__}: {exc}"
-    return "no refusal"
+    cp = dist.get_world_size()
+    out_msgs = []
+    for entry, extra in cases:
+        extra = dict(extra)
+        collator, attn, plan = extra.pop("_collator", None), extra.pop("_attn", None), extra.pop("_plan", None)
+        with tempfile.TemporaryDirectory() as out:
+            trainer, _ = build_trainer(entry, "llama", out, 1, **extra)
+            if collator:
+                trainer.data_collator = _UnknownCollator(trainer.data_collator)
+            if attn:
+                trainer.model.config._attn_implementation = attn
+            try:
+                context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"] if plan is None else plan)
+                out_msgs.append("no refusal")
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                out_msgs.append(f"{type(exc).__name__}: {exc}")
+    return out_msgs

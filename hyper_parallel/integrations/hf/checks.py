@@ -41,6 +41,10 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> No
         ("group_by_length", getattr(args, "group_by_length", False),
          "groups rows by length across the dataset: under CP the ranks of one group must read the same rows",
          "set group_by_length=False"),
+        ("train_sampling_strategy", getattr(args, "train_sampling_strategy", "random") in ("group_by_length",
+                                                                                         "batch_rebalance"),
+         f"'{getattr(args, 'train_sampling_strategy', '')}' regroups rows by length across ranks: under CP the "
+         "ranks of one group must read the same rows", "set train_sampling_strategy='random' or 'sequential'"),
         ("neftune_noise_alpha", getattr(args, "neftune_noise_alpha", None) is not None,
          "NEFTune scales its embedding noise by the sequence length and draws it per rank; on a CP shard it "
          "is not the noise of the row", "set neftune_noise_alpha=None"),

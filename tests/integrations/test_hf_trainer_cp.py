@@ -1,0 +1,106 @@
+"""Exact CP inside the HF Trainer / TRL SFTTrainer (hyper_parallel.integrations.hf).
+
+Each case runs the same script (tests/integrations/_hf_workers.py::build_trainer) twice on warm gloo
+pools: at cp 1 on one rank (the plain script: ``context_parallel`` returns the trainer untouched)
+and at cp 2 on two ranks; 5 optimizer steps, gradient accumulation 2, fp32, AdamW lr 1e-2 with a
+linear schedule, then ``trainer.evaluate()``. Asserted: every logged training loss within relative
+1e-5, the learning rates equal, the eval loss within relative 1e-5, and every parameter after the
+steps within 1e-5 of the largest |parameter|; which parameters train (LoRA: the adapters only).
+
+The default suite runs one case per entry (SFTTrainer packing + completion-only, Trainer +
+DataCollatorWithFlattening, SFTTrainer + LoRA) and the refusals; ``HYPER_PARALLEL_HF=all`` adds
+the rest of the matrix.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from tests.integrations import _hf_workers as W  # noqa: E402
+
+TOL = 1e-5
+FULL = os.environ.get("HYPER_PARALLEL_HF", "") == "all"
+full_only = pytest.mark.skipif(not FULL, reason="full HF matrix: set HYPER_PARALLEL_HF=all")
+
+
+def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, **extra) -> dict:
+    ref = ranks(1).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
+    got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, timeout=300, **extra)[0]
+    assert len(ref["loss"]) == len(got["loss"]) == 5, (ref["loss"], got["loss"])
+    loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
+    eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
+    pmax = max(p.abs().max().item() for p in ref["params"].values())
+    p_abs = max((ref["params"][n] - got["params"][n]).abs().max().item() for n in ref["params"])
+    moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
+    print(f"{entry}/{arch}: losses cp1 {ref['loss']}\n  cp2 {got['loss']}\n"
+          f"  loss max rel {loss_rel:.2e}, eval {ref['eval_loss']:.6f} vs {got['eval_loss']:.6f} (rel {eval_rel:.2e}), "
+          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {TOL:g}); largest update {moved:.2e}")
+    assert ref["lr"] == got["lr"]
+    assert ref["trainable"] == got["trainable"]
+    assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= TOL * pmax
+    assert moved > 100 * TOL * pmax, "the parameters did not move: the comparison would prove nothing"
+    return {"ref": ref, "got": got}
+
+
+def test_sft_packing_completion_only_llama(ranks):
+    """TRL SFTTrainer, packing=True (BFD, padding-free rows: position_ids restarting per document, no
+    mask), completion-only loss, gradient checkpointing (SFTConfig's default): CP=2 == CP=1."""
+    _compare(ranks, "sft_packing")
+
+
+def test_trainer_flattening_llama(ranks):
+    """transformers Trainer + DataCollatorWithFlattening (labels -100 on prompts), the model's own loss."""
+    _compare(ranks, "trainer_flatten")
+
+
+def test_sft_lora_llama(ranks):
+    """SFTTrainer + peft LoRA on q/k/v/o and gate/up/down of the CP model: only adapters train, exact."""
+    out = _compare(ranks, "sft_lora")
+    trainable = out["ref"]["trainable"]
+    assert trainable and all("lora_" in n for n in trainable), trainable
+
+
+@full_only
+def test_sft_padded_rows_llama(ranks):
+    """No packing: right-padded rows with an attention mask, completion-only."""
+    _compare(ranks, "sft_padded")
+
+
+@full_only
+def test_sft_packing_ulysses_llama(ranks):
+    """The same packed script with Ulysses declared instead of Colossal."""
+    _compare(ranks, "sft_packing", plan="llama_ulysses")
+
+
+@full_only
+@pytest.mark.parametrize("average", [True, False])
+def test_average_tokens_across_devices(ranks, average):
+    """num_items_in_batch over GA and ranks, on and off (off: the count is summed over the CP group)."""
+    _compare(ranks, "trainer_flatten", average_tokens_across_devices=average)
+
+
+REFUSALS = [
+    ("group_by_length", {"train_sampling_strategy": "group_by_length"}, "TrainingArguments.train_sampling_strategy"),
+    ("neftune", {"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha"),
+    ("liger", {"use_liger_kernel": True}, "TrainingArguments.use_liger_kernel"),
+    ("label_smoothing", {"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor"),
+]
+
+
+def test_refusals_before_the_first_step(ranks):
+    """Each undeliverable declaration is one CPConfigError naming the field and the fix, raised on
+    every rank by context_parallel (before trainer.train())."""
+    cases = [(entry, extra) for _, extra, _ in REFUSALS for entry in ("trainer_flatten",)]
+    cases += [("trainer_flatten", {"_collator": "unknown"}), ("trainer_flatten", {"_attn": "flash_attention_2"}),
+              ("trainer_flatten", {"_plan": []})]
+    expected = [field for _, _, field in REFUSALS] + ["Trainer.data_collator", "model.config.attn_implementation",
+                                                       "plan_overrides"]
+    results = ranks(2).run(W.refusal_cases, cases, timeout=300)
+    for rank, messages in enumerate(results):
+        for msg, field in zip(messages, expected):
+            print(f"rank {rank}: {msg}")
+            assert f"[{field}]" in msg and "Fix:" in msg, (field, msg)
