@@ -42,9 +42,14 @@ def _release_callback():
     from transformers import TrainerCallback
 
     class ReleaseCPContext(TrainerCallback):
-        """Leaves the CP batch context (module :mod:`.context`) at the end of training."""
+        """Leaves the CP batch context (module :mod:`.context`) at the end of training and of each
+        evaluation, so no later forward of the process (another model, a plain forward) runs
+        under a stale CP batch."""
 
         def on_train_end(self, args, state, control, **kwargs):
+            release()
+
+        def on_evaluate(self, args, state, control, **kwargs):
             release()
 
     return ReleaseCPContext()
@@ -62,6 +67,7 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
         check_trainer(trainer, cp_size, accept_collator=accept_collator)
         return specs
 
+    release()   # nothing of an earlier trainer in this process stays current
     specs = agree_or_raise(check, what="hyper_parallel HF context_parallel", same_error=True)
     if cp_size == 1:
         return trainer
