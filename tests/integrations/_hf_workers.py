@@ -160,9 +160,11 @@ def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
 
 
 def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = True, evaluate: bool = True,
-               plan: str | None = None, **extra) -> dict:
+               plan: str | None = None, save_dir: str | None = None, **extra) -> dict:
     """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc).
-    ``plan``: a key of PLANS (default: ``arch``)."""
+    ``plan``: a key of PLANS (default: ``arch``). ``save_dir``: after training, the Trainer's
+    ``save_model`` writes the model (LoRA: the adapter) to ``save_dir/model`` and rank 0 writes the
+    merged LoRA model to ``save_dir/merged``."""
     from hyper_parallel.integrations.hf import context_parallel
 
     _dist_env()
@@ -178,7 +180,34 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
         if params and trainer.args.process_index == 0:
             result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
             result["init"] = init
+        if save_dir is not None:
+            trainer.save_model(os.path.join(save_dir, "model"))
+            if entry == "sft_lora" and trainer.args.process_index == 0:
+                merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+                merged.save_pretrained(os.path.join(save_dir, "merged"))
     return result
+
+
+def eval_batches(entry: str):
+    """The eval rows of ``entry`` collated as the CP=1 Trainer's eval loop sees them (batch 2, in order)."""
+    if entry != "trainer_flatten" and entry != "sft_lora_padded":
+        raise ValueError(entry)
+    from transformers import DataCollatorWithFlattening
+
+    rows = examples(8, 2, completion_mask=False, labels=True)
+    collate = DataCollatorWithFlattening()
+    return [collate(rows[i:i + 2]) for i in range(0, len(rows), 2)]
+
+
+def plain_eval_loss(model, entry: str) -> float:
+    """Mean over the eval batches of the model's own loss (what Trainer.evaluate logs at CP=1, equal batches)."""
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for b in eval_batches(entry):
+            losses.append(float(model(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                                      use_cache=False).loss))
+    return sum(losses) / len(losses)
 
 
 class _UnknownCollator:

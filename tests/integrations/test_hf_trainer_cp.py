@@ -28,8 +28,9 @@ full_only = pytest.mark.skipif(not FULL, reason="full HF matrix: set HYPER_PARAL
 
 
 def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, **extra) -> dict:
+    save_dir = extra.pop("save_dir", None)
     ref = ranks(1).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
-    got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, timeout=300, **extra)[0]
+    got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, save_dir=save_dir, timeout=300, **extra)[0]
     assert len(ref["loss"]) == len(got["loss"]) == 5, (ref["loss"], got["loss"])
     loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
     eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
@@ -52,16 +53,48 @@ def test_sft_packing_completion_only_llama(ranks):
     _compare(ranks, "sft_packing")
 
 
-def test_trainer_flattening_llama(ranks):
-    """transformers Trainer + DataCollatorWithFlattening (labels -100 on prompts), the model's own loss."""
-    _compare(ranks, "trainer_flatten")
+def test_trainer_flattening_llama(ranks, tmp_path):
+    """transformers Trainer + DataCollatorWithFlattening (labels -100 on prompts), the model's own loss;
+    the model the Trainer saves under CP is a plain HF directory: transformers reloads it and its
+    eval loss is the one logged under CP."""
+    import transformers as T
+
+    out = _compare(ranks, "trainer_flatten", save_dir=str(tmp_path))
+    model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype="float32", attn_implementation="sdpa")
+    got = W.plain_eval_loss(model, "trainer_flatten")
+    rel = abs(got - out["got"]["eval_loss"]) / abs(got)
+    print(f"reloaded with plain transformers: eval loss {got:.6f} vs logged under CP {out['got']['eval_loss']:.6f} "
+          f"(rel {rel:.2e}, tol {TOL:g})")
+    assert rel <= TOL
 
 
-def test_sft_lora_llama(ranks):
-    """SFTTrainer + peft LoRA on q/k/v/o and gate/up/down of the CP model: only adapters train, exact."""
-    out = _compare(ranks, "sft_lora")
+def test_sft_lora_llama(ranks, tmp_path):
+    """SFTTrainer + peft LoRA on q/k/v/o and gate/up/down of the CP model: only adapters train, exact;
+    the adapter saved under CP (peft's save_pretrained through the Trainer) and the merged model
+    reload with plain peft / transformers and give the same logits (no CP in the test process)."""
+    import torch
+    import transformers as T
+    from peft import PeftModel
+
+    out = _compare(ranks, "sft_lora", save_dir=str(tmp_path))
     trainable = out["ref"]["trainable"]
     assert trainable and all("lora_" in n for n in trainable), trainable
+    base = W.build_model("llama")
+    adapted = PeftModel.from_pretrained(base, tmp_path / "model").eval()
+    merged = T.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="float32",
+                                                    attn_implementation="sdpa").eval()
+    params = out["got"]["params"]
+    lora = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    assert lora and all(torch.equal(p, params[n.replace(".default.", ".default.")]) for n, p in lora.items()
+                        if n in params)
+    ids = torch.randint(3, W.VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
+        plain = W.build_model("llama").eval()(input_ids=ids, use_cache=False).logits
+    err = (a - m).abs().max().item()
+    print(f"adapter vs merged reload: logits max abs {err:.2e} (tol 1e-5); adapter changed the logits by "
+          f"{(a - plain).abs().max().item():.2e}")
+    assert err <= 1e-5 and (a - plain).abs().max().item() > 1e-4
 
 
 @full_only
