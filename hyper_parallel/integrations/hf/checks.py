@@ -58,6 +58,10 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> No
          bool((getattr(args, "fsdp_config", None) or {}).get("fsdp_version")),
          "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients would be averaged over "
          "the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for FSDP2 x CP"),
+        ("parallelism_config", getattr(trainer.accelerator, "parallelism_config", None) is not None,
+         "accelerate's ParallelismConfig is set; it would install its own context parallelism / mesh next "
+         "to hyper_parallel's", "leave parallelism_config unset: the CP degree and methods come from "
+                                "context_parallel(trainer, cp_size, plan_overrides)"),
         ("deepspeed", getattr(args, "deepspeed", None) is not None,
          "DeepSpeed engines are not wired to the CP mesh", "drop deepspeed, or use hyper-train"),
         ("compute_metrics", getattr(trainer, "compute_metrics", None) is not None,

@@ -12,16 +12,7 @@ saving are gated on that config), so the model is still prepared as plain DDP ov
 """
 from __future__ import annotations
 
-from ...distributed.errors import CPConfigError
-
 
 def shard_data_by_dp(trainer, mesh) -> None:
     """Make every dataloader ``trainer`` builds give one batch per CP group (module doc)."""
-    state = trainer.accelerator.state
-    if getattr(trainer.accelerator, "parallelism_config", None) is not None:
-        raise CPConfigError("TrainingArguments.parallelism_config",
-                            "accelerate's ParallelismConfig is set; it would install its own context "
-                            "parallelism / mesh next to hyper_parallel's",
-                            fix="leave parallelism_config unset: the CP degree and methods come from "
-                                "hyper_parallel.integrations.hf.context_parallel(...)")
-    state.device_mesh = mesh.root
+    trainer.accelerator.state.device_mesh = mesh.root   # a ParallelismConfig is refused in .checks
