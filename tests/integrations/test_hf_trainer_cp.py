@@ -27,7 +27,8 @@ FULL = os.environ.get("HYPER_PARALLEL_HF", "") == "all"
 full_only = pytest.mark.skipif(not FULL, reason="full HF matrix: set HYPER_PARALLEL_HF=all")
 
 
-def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, **extra) -> dict:
+def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, param_tol: float = TOL,
+             **extra) -> dict:
     save_dir = extra.pop("save_dir", None)
     ref = ranks(1).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
     got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, save_dir=save_dir, timeout=300, **extra)[0]
@@ -39,10 +40,10 @@ def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, **
     moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
     print(f"{entry}/{arch}: losses cp1 {ref['loss']}\n  cp2 {got['loss']}\n"
           f"  loss max rel {loss_rel:.2e}, eval {ref['eval_loss']:.6f} vs {got['eval_loss']:.6f} (rel {eval_rel:.2e}), "
-          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {TOL:g}); largest update {moved:.2e}")
+          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {param_tol:g}); largest update {moved:.2e}")
     assert ref["lr"] == got["lr"]
     assert ref["trainable"] == got["trainable"]
-    assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= TOL * pmax
+    assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= param_tol * pmax
     assert moved > 100 * TOL * pmax, "the parameters did not move: the comparison would prove nothing"
     return {"ref": ref, "got": got}
 
@@ -105,8 +106,11 @@ def test_sft_padded_rows_llama(ranks):
 
 @full_only
 def test_sft_packing_ulysses_llama(ranks):
-    """The same packed script with Ulysses declared instead of Colossal."""
-    _compare(ranks, "sft_packing", plan="llama_ulysses")
+    """The same packed script with Ulysses declared instead of Colossal. Parameters: 5e-5 of the
+    largest — measured 1.72e-5 in one element of one embedding row (its gradient nearly cancels, so
+    AdamW's g / sqrt(v) turns Ulysses' different summation order into a 1.8e-3 relative update
+    difference); every other parameter within 5.7e-7, losses 8.6e-8, eval loss 1.7e-7."""
+    _compare(ranks, "sft_packing", plan="llama_ulysses", param_tol=5e-5)
 
 
 @full_only
