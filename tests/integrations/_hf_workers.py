@@ -145,6 +145,8 @@ def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
     train = Dataset.from_list(examples(96, 1))
     evald = Dataset.from_list(examples(8, 2))
     packing = entry in ("sft_packing", "sft_lora")
+    if arch in ("gpt_oss", "qwen3_next"):   # MoE: TRL turns the router aux loss on, refused under CP
+        extra.setdefault("router_aux_loss_coef", 0.0)
     args = SFTConfig(**_common_args(out, steps, packing=packing, max_length=64, completion_only_loss=True,
                                     dataset_num_proc=None, **extra))
     peft_config = None

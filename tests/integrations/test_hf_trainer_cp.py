@@ -114,6 +114,22 @@ def test_sft_packing_ulysses_llama(ranks):
 
 
 @full_only
+def test_sft_padded_rows_gpt_oss(ranks):
+    """gpt-oss (eager through the attention interface: sinks, a sliding-window layer, MoE) on padded
+    rows; TRL's router aux loss off (refused under CP). Packed gpt-oss rows are not a parity case:
+    transformers' gpt-oss mask ignores position_ids, so at CP=1 packed documents see each other."""
+    _compare(ranks, "sft_padded", "gpt_oss")
+
+
+@full_only
+def test_sft_padded_rows_qwen3_next(ranks):
+    """Hybrid Qwen3-Next (3 Gated DeltaNet + 1 attention layer, MoE) on padded rows: attention
+    sdpa_hf_ulysses + GDN gated_deltanet_ulysses declared. Packed rows fail at CP=1 on CPU already
+    (transformers needs causal_conv1d to keep packed sequences apart in the short convolution)."""
+    _compare(ranks, "sft_padded", "qwen3_next")
+
+
+@full_only
 @pytest.mark.parametrize("average", [True, False])
 def test_average_tokens_across_devices(ranks, average):
     """num_items_in_batch over GA and ranks, on and off (off: the count is summed over the CP group)."""

@@ -80,6 +80,13 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> No
         raise CPConfigError("model.config.attn_implementation",
                             f"'{impl}' cannot run on CPU and is not what the CP wrappers intercept",
                             module=type(base).__name__, fix="load the model with attn_implementation='sdpa'")
+    text_cfg = base.config.get_text_config() if hasattr(getattr(base, "config", None), "get_text_config") else None
+    if getattr(text_cfg, "output_router_logits", False):
+        raise CPConfigError("model.config.output_router_logits",
+                            "the MoE load-balancing loss is a nonlinear function of the expert frequencies of the "
+                            "tokens it sees; on a CP shard it is not the row's", module=type(base).__name__,
+                            fix="turn the router aux loss off at cp > 1: TRL SFTConfig(router_aux_loss_coef=0.0) (TRL "
+                                "enables it for every MoE model), or model.config.output_router_logits=False")
     name = collator_name(trainer.data_collator)
     if not accept_collator and name not in KNOWN_COLLATORS:
         raise CPConfigError("Trainer.data_collator",
