@@ -54,8 +54,7 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> No
         ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) not in (0, 0.0),
          "the label smoother shifts the labels of the local shard itself (a CP shard is not a row)",
          "set label_smoothing_factor=0"),
-        ("fsdp", bool(getattr(args, "fsdp", None)) or getattr(args, "fsdp_config", None) not in (None, {}) and
-         bool((getattr(args, "fsdp_config", None) or {}).get("fsdp_version")),
+        ("fsdp", bool(getattr(args, "fsdp", None)) or bool(getattr(trainer, "is_fsdp_enabled", False)),
          "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients would be averaged over "
          "the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for FSDP2 x CP"),
         ("parallelism_config", getattr(trainer.accelerator, "parallelism_config", None) is not None,
