@@ -1,0 +1,1 @@
+"""Integrations of hyper_parallel's context parallelism into other training stacks."""

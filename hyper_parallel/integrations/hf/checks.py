@@ -1,0 +1,106 @@
+"""Refusals of a CP Trainer: every option whose data flow or randomness CP would change.
+
+:func:`check_trainer` runs locally on every rank (no collective; the entry agrees the outcome
+across ranks with :func:`~hyper_parallel.distributed.preflight.agree_or_raise` before the first
+step). Each refusal is one :class:`~hyper_parallel.distributed.errors.CPConfigError` naming the
+field, the module where one applies, and the fix.
+"""
+from __future__ import annotations
+
+import types
+
+from ...distributed.errors import CPConfigError
+
+# collators whose output is the batch contract of .batch (class names; module-qualified below)
+KNOWN_COLLATORS = {
+    "trl.trainer.sft_trainer.DataCollatorForLanguageModeling",
+    "transformers.data.data_collator.DataCollatorWithFlattening",
+    "transformers.data.data_collator.DataCollatorWithPadding",
+    "transformers.data.data_collator.DataCollatorForSeq2Seq",
+    "transformers.data.data_collator.DataCollatorForLanguageModeling",
+    "transformers.data.data_collator.default_data_collator",
+}
+
+
+def collator_name(collator) -> str:
+    """``module.qualname`` of a collator function or of a collator object's class."""
+    target = collator if isinstance(collator, (types.FunctionType, types.BuiltinFunctionType)) else type(collator)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
+
+
+def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> None:
+    """Raise the first refusal that applies to ``trainer`` at CP degree ``cp_size`` (module doc)."""
+    args = trainer.args
+    world = args.world_size
+    if cp_size < 1 or world % cp_size:
+        raise CPConfigError("cp_size", f"cp_size {cp_size} does not divide the {world} launched ranks",
+                            fix="launch a multiple of cp_size ranks (torchrun --nproc-per-node), the rest is DP")
+    if cp_size == 1:
+        return
+    refusals = (
+        ("group_by_length", getattr(args, "group_by_length", False),
+         "groups rows by length across the dataset: under CP the ranks of one group must read the same rows",
+         "set group_by_length=False"),
+        ("train_sampling_strategy", getattr(args, "train_sampling_strategy", "random") in ("group_by_length",
+                                                                                         "batch_rebalance"),
+         f"'{getattr(args, 'train_sampling_strategy', '')}' regroups rows by length across ranks: under CP the "
+         "ranks of one group must read the same rows", "set train_sampling_strategy='random' or 'sequential'"),
+        ("neftune_noise_alpha", getattr(args, "neftune_noise_alpha", None) is not None,
+         "NEFTune scales its embedding noise by the sequence length and draws it per rank; on a CP shard it "
+         "is not the noise of the row", "set neftune_noise_alpha=None"),
+        ("use_liger_kernel", getattr(args, "use_liger_kernel", False),
+         "Liger kernels replace the model's attention/loss forwards, bypassing the CP wrappers and the "
+         "shifted-label contract", "set use_liger_kernel=False"),
+        ("label_smoothing_factor", getattr(args, "label_smoothing_factor", 0) not in (0, 0.0),
+         "the label smoother shifts the labels of the local shard itself (a CP shard is not a row)",
+         "set label_smoothing_factor=0"),
+        ("fsdp", bool(getattr(args, "fsdp", None)) or bool(getattr(trainer, "is_fsdp_enabled", False)),
+         "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients would be averaged over "
+         "the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for FSDP2 x CP"),
+        ("parallelism_config", getattr(trainer.accelerator, "parallelism_config", None) is not None,
+         "accelerate's ParallelismConfig is set; it would install its own context parallelism / mesh next "
+         "to hyper_parallel's", "leave parallelism_config unset: the CP degree and methods come from "
+                                "context_parallel(trainer, cp_size, plan_overrides)"),
+        ("deepspeed", getattr(args, "deepspeed", None) is not None,
+         "DeepSpeed engines are not wired to the CP mesh", "drop deepspeed, or use hyper-train"),
+        ("compute_metrics", getattr(trainer, "compute_metrics", None) is not None,
+         "compute_metrics receives logits; under CP each rank holds only its slice of the row",
+         "drop compute_metrics (the eval loss is exact), or evaluate at cp 1"),
+        ("preprocess_logits_for_metrics", getattr(trainer, "preprocess_logits_for_metrics", None) is not None,
+         "it receives the logits of a CP shard, not of the row", "drop preprocess_logits_for_metrics"),
+    )
+    for field, bad, problem, fix in refusals:
+        if bad:
+            raise CPConfigError(f"TrainingArguments.{field}", problem + f" (cp_size={cp_size})", fix=fix)
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None) or ""
+    if impl.startswith("flash_attention") and args.device.type == "cpu":
+        raise CPConfigError("model.config.attn_implementation",
+                            f"'{impl}' cannot run on CPU and is not what the CP wrappers intercept",
+                            module=type(base).__name__, fix="load the model with attn_implementation='sdpa'")
+    text_cfg = base.config.get_text_config() if hasattr(getattr(base, "config", None), "get_text_config") else None
+    if getattr(text_cfg, "output_router_logits", False):
+        raise CPConfigError("model.config.output_router_logits",
+                            "the MoE load-balancing loss is a nonlinear function of the expert frequencies of the "
+                            "tokens it sees; on a CP shard it is not the row's", module=type(base).__name__,
+                            fix="turn the router aux loss off at cp > 1: TRL SFTConfig(router_aux_loss_coef=0.0) (TRL "
+                                "enables it for every MoE model), or model.config.output_router_logits=False")
+    name = collator_name(trainer.data_collator)
+    if not accept_collator and name not in KNOWN_COLLATORS:
+        raise CPConfigError("Trainer.data_collator",
+                            f"collator '{name}' is not one whose output the CP batch contract is known to "
+                            f"read (known: {', '.join(sorted(KNOWN_COLLATORS))})",
+                            fix="use one of those, or pass accept_collator=True after checking it returns "
+                                "input_ids/labels/attention_mask/position_ids [B, S] (docs/hf_integration.md)")
+    uses_hf_loss = type(trainer).compute_loss is _base_compute_loss()
+    if uses_hf_loss and not trainer.model_accepts_loss_kwargs and trainer.compute_loss_func is None:
+        raise CPConfigError("model.forward", "the model's forward takes no num_items_in_batch, so its loss "
+                            "would be the mean over one CP shard", module=type(base).__name__,
+                            fix="use a causal LM whose forward accepts **kwargs, or pass compute_loss_func")
+
+
+def _base_compute_loss():
+    from transformers import Trainer
+
+    return Trainer.compute_loss

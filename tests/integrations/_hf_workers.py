@@ -1,0 +1,249 @@
+"""Rank functions of the HF / TRL integration tests (module-level: the warm gloo pool runs them).
+
+:func:`train_case` runs one unchanged HF script — a tiny random fp32 model built from its config,
+a pre-tokenized in-memory dataset, ``Trainer`` or TRL ``SFTTrainer`` — for a few optimizer steps
+with gradient accumulation, with ``context_parallel(trainer, cp, PLAN)`` added, and returns the
+logged per-step losses, the eval loss, the learning rates and (rank 0) every parameter after the
+steps. Run on a pool of ``cp`` ranks; ``cp = 1`` is the plain script (the reference).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "examples", "data", "stdlib_tokenizer")
+VOCAB = 256
+
+ATTN = {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self"}
+PLANS = {
+    "llama": [{**ATTN, "inner_wrapper": "sdpa_hf"}],
+    "llama_ulysses": [{**ATTN, "inner_wrapper": "sdpa_hf_ulysses"}],
+    "gpt_oss": [{**ATTN, "inner_wrapper": "sdpa_hf"}],
+    "qwen3_next": [{**ATTN, "inner_wrapper": "sdpa_hf_ulysses"},
+                   {**ATTN, "match": "*.linear_attn", "inner_wrapper": "gated_deltanet_ulysses"}],
+}
+
+
+def _dist_env() -> None:
+    """What torchrun would export, for accelerate's PartialState (the pool's group is already up)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29555"))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def model_config(arch: str):
+    import transformers as T
+
+    c = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+    if arch.startswith("llama"):
+        return T.LlamaConfig(**c)
+    if arch == "gpt_oss":
+        return T.GptOssConfig(**dict(c, sliding_window=12, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"]))
+    if arch == "qwen3_next":
+        return T.Qwen3NextConfig(**dict(c, num_hidden_layers=4, head_dim=16, linear_num_value_heads=4,
+                                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                                        layer_types=["linear_attention"] * 3 + ["full_attention"]))
+    raise ValueError(arch)
+
+
+def build_model(arch: str):
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = model_config(arch)
+    cfg._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"   # transformers refuses SDPA with sinks
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+    for m in model.modules():          # gpt-oss: default init leaves the sinks at 0; make them matter per head
+        if hasattr(m, "sinks"):
+            m.sinks.data.copy_(torch.linspace(-1.0, 1.5, m.sinks.numel()))
+    return model
+
+
+def examples(n: int, seed: int, *, completion_mask: bool = True, labels: bool = False):
+    """``n`` prompt+completion rows of 6..40 random ids; ``completion_mask`` (TRL) or ``labels``
+    with -100 on the prompt (transformers)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(6, 41, (1,), generator=g))
+        prompt = int(torch.randint(2, length - 2, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        row = {"input_ids": ids}
+        if completion_mask:
+            row["completion_mask"] = [0] * prompt + [1] * (length - prompt)
+        if labels:
+            row["labels"] = [-100] * prompt + ids[prompt:]
+        rows.append(row)
+    return rows
+
+
+class _Losses:
+    """A TrainerCallback recording every logged training loss, eval loss and learning rate."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Rec(TrainerCallback):
+            def __init__(self):
+                self.loss, self.eval_loss, self.lr, self.grad_norm = [], [], [], []
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                logs = logs or {}
+                if "loss" in logs:
+                    self.loss.append(float(logs["loss"]))
+                    self.lr.append(float(logs.get("learning_rate", float("nan"))))
+                    self.grad_norm.append(float(logs.get("grad_norm", float("nan"))))
+                if "eval_loss" in logs:
+                    self.eval_loss.append(float(logs["eval_loss"]))
+
+        return Rec()
+
+
+def _common_args(out: str, steps: int, **extra) -> dict:
+    args = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                gradient_accumulation_steps=2, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
+                logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, use_cpu=True,
+                dataloader_num_workers=0, disable_tqdm=True, eval_strategy="no", bf16=False, fp16=False)
+    args.update(extra)
+    return args
+
+
+def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
+    """The user's script, before ``context_parallel``: one of 'sft_packing' (TRL SFTTrainer,
+    packing + padding-free, completion-only), 'sft_padded' (no packing: padded rows with a mask),
+    'sft_lora' (packing + LoRA on attention and MLP), 'trainer_flatten' (transformers Trainer +
+    DataCollatorWithFlattening, labels -100 on prompts)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    model = build_model(arch)
+    rec = _Losses()
+    if entry == "trainer_flatten":
+        from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+        train = Dataset.from_list(examples(48, 1, completion_mask=False, labels=True))
+        evald = Dataset.from_list(examples(8, 2, completion_mask=False, labels=True))
+        args = TrainingArguments(**_common_args(out, steps, **extra))
+        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evald,
+                          data_collator=DataCollatorWithFlattening(), callbacks=[rec])
+        return trainer, rec
+    from trl import SFTConfig, SFTTrainer
+
+    train = Dataset.from_list(examples(96, 1))
+    evald = Dataset.from_list(examples(8, 2))
+    packing = entry in ("sft_packing", "sft_lora")
+    if arch in ("gpt_oss", "qwen3_next"):   # MoE: TRL turns the router aux loss on, refused under CP
+        extra.setdefault("router_aux_loss_coef", 0.0)
+    args = SFTConfig(**_common_args(out, steps, packing=packing, max_length=64, completion_only_loss=True,
+                                    dataset_num_proc=None, **extra))
+    peft_config = None
+    if entry == "sft_lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evald, processing_class=tok,
+                         peft_config=peft_config, callbacks=[rec])
+    return trainer, rec
+
+
+def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = True, evaluate: bool = True,
+               plan: str | None = None, save_dir: str | None = None, **extra) -> dict:
+    """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc).
+    ``plan``: a key of PLANS (default: ``arch``). ``save_dir``: after training, the Trainer's
+    ``save_model`` writes the model (LoRA: the adapter) to ``save_dir/model`` and rank 0 writes the
+    merged LoRA model to ``save_dir/merged``."""
+    from hyper_parallel.integrations.hf import context_parallel
+
+    _dist_env()
+    with tempfile.TemporaryDirectory() as out:
+        trainer, rec = build_trainer(entry, arch, out, steps, **extra)
+        init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan or arch])
+        trainer.train()
+        eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
+        model = trainer.model
+        result = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "eval_loss": eval_loss,
+                  "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+        if params and trainer.args.process_index == 0:
+            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["init"] = init
+        if save_dir is not None:
+            trainer.save_model(os.path.join(save_dir, "model"))
+            if entry == "sft_lora" and trainer.args.process_index == 0:
+                merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+                merged.save_pretrained(os.path.join(save_dir, "merged"))
+    return result
+
+
+def eval_batches(entry: str):
+    """The eval rows of ``entry`` collated as the CP=1 Trainer's eval loop sees them (batch 2, in order)."""
+    if entry != "trainer_flatten" and entry != "sft_lora_padded":
+        raise ValueError(entry)
+    from transformers import DataCollatorWithFlattening
+
+    rows = examples(8, 2, completion_mask=False, labels=True)
+    collate = DataCollatorWithFlattening()
+    return [collate(rows[i:i + 2]) for i in range(0, len(rows), 2)]
+
+
+def plain_eval_loss(model, entry: str) -> float:
+    """Mean over the eval batches of the model's own loss (what Trainer.evaluate logs at CP=1, equal batches)."""
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for b in eval_batches(entry):
+            losses.append(float(model(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
+                                      use_cache=False).loss))
+    return sum(losses) / len(losses)
+
+
+class _UnknownCollator:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, features):
+        return self.inner(features)
+
+
+def refusal_cases(cases) -> list[str]:
+    """For each ``(entry, extra)``: build the script (cp = the pool's size) with ``extra``
+    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` to swap the collator, the model's
+    attention implementation or the declaration — call ``context_parallel`` and return the
+    refusal's message ("no refusal" if none)."""
+    import torch.distributed as dist
+
+    from hyper_parallel.integrations.hf import context_parallel
+
+    _dist_env()
+    cp = dist.get_world_size()
+    out_msgs = []
+    for entry, extra in cases:
+        extra = dict(extra)
+        collator, attn, plan = extra.pop("_collator", None), extra.pop("_attn", None), extra.pop("_plan", None)
+        with tempfile.TemporaryDirectory() as out:
+            trainer, _ = build_trainer(entry, "llama", out, 1, **extra)
+            if collator:
+                trainer.data_collator = _UnknownCollator(trainer.data_collator)
+            if attn:
+                trainer.model.config._attn_implementation = attn
+            try:
+                context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"] if plan is None else plan)
+                out_msgs.append("no refusal")
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                out_msgs.append(f"{type(exc).__name__}: {exc}")
+    return out_msgs

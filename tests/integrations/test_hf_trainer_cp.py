@@ -1,0 +1,159 @@
+"""Exact CP inside the HF Trainer / TRL SFTTrainer (hyper_parallel.integrations.hf).
+
+Each case runs the same script (tests/integrations/_hf_workers.py::build_trainer) twice on warm gloo
+pools: at cp 1 on one rank (the plain script: ``context_parallel`` returns the trainer untouched)
+and at cp 2 on two ranks; 5 optimizer steps, gradient accumulation 2, fp32, AdamW lr 1e-2 with a
+linear schedule, then ``trainer.evaluate()``. Asserted: every logged training loss within relative
+1e-5, the learning rates equal, the eval loss within relative 1e-5, and every parameter after the
+steps within 1e-5 of the largest |parameter|; which parameters train (LoRA: the adapters only).
+
+The default suite runs one case per entry (SFTTrainer packing + completion-only, Trainer +
+DataCollatorWithFlattening, SFTTrainer + LoRA) and the refusals; ``HYPER_PARALLEL_HF=all`` adds
+the rest of the matrix.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from tests.integrations import _hf_workers as W  # noqa: E402
+
+TOL = 1e-5
+FULL = os.environ.get("HYPER_PARALLEL_HF", "") == "all"
+full_only = pytest.mark.skipif(not FULL, reason="full HF matrix: set HYPER_PARALLEL_HF=all")
+
+
+def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, param_tol: float = TOL,
+             **extra) -> dict:
+    save_dir = extra.pop("save_dir", None)
+    ref = ranks(1).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
+    got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, save_dir=save_dir, timeout=300, **extra)[0]
+    assert len(ref["loss"]) == len(got["loss"]) == 5, (ref["loss"], got["loss"])
+    loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
+    eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
+    pmax = max(p.abs().max().item() for p in ref["params"].values())
+    p_abs = max((ref["params"][n] - got["params"][n]).abs().max().item() for n in ref["params"])
+    moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
+    print(f"{entry}/{arch}: losses cp1 {ref['loss']}\n  cp2 {got['loss']}\n"
+          f"  loss max rel {loss_rel:.2e}, eval {ref['eval_loss']:.6f} vs {got['eval_loss']:.6f} (rel {eval_rel:.2e}), "
+          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {param_tol:g}); largest update {moved:.2e}")
+    assert ref["lr"] == got["lr"]
+    assert ref["trainable"] == got["trainable"]
+    assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= param_tol * pmax
+    assert moved > 100 * TOL * pmax, "the parameters did not move: the comparison would prove nothing"
+    return {"ref": ref, "got": got}
+
+
+def test_sft_packing_completion_only_llama(ranks):
+    """TRL SFTTrainer, packing=True (BFD, padding-free rows: position_ids restarting per document, no
+    mask), completion-only loss, gradient checkpointing (SFTConfig's default): CP=2 == CP=1."""
+    _compare(ranks, "sft_packing")
+
+
+def test_trainer_flattening_llama(ranks, tmp_path):
+    """transformers Trainer + DataCollatorWithFlattening (labels -100 on prompts), the model's own loss;
+    the model the Trainer saves under CP is a plain HF directory: transformers reloads it and its
+    eval loss is the one logged under CP."""
+    import transformers as T
+
+    out = _compare(ranks, "trainer_flatten", save_dir=str(tmp_path))
+    model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype="float32", attn_implementation="sdpa")
+    got = W.plain_eval_loss(model, "trainer_flatten")
+    rel = abs(got - out["got"]["eval_loss"]) / abs(got)
+    print(f"reloaded with plain transformers: eval loss {got:.6f} vs logged under CP {out['got']['eval_loss']:.6f} "
+          f"(rel {rel:.2e}, tol {TOL:g})")
+    assert rel <= TOL
+
+
+def test_sft_lora_llama(ranks, tmp_path):
+    """SFTTrainer + peft LoRA on q/k/v/o and gate/up/down of the CP model: only adapters train, exact;
+    the adapter saved under CP (peft's save_pretrained through the Trainer) and the merged model
+    reload with plain peft / transformers and give the same logits (no CP in the test process)."""
+    import torch
+    import transformers as T
+    from peft import PeftModel
+
+    out = _compare(ranks, "sft_lora", save_dir=str(tmp_path))
+    trainable = out["ref"]["trainable"]
+    assert trainable and all("lora_" in n for n in trainable), trainable
+    base = W.build_model("llama")
+    adapted = PeftModel.from_pretrained(base, tmp_path / "model").eval()
+    merged = T.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="float32",
+                                                    attn_implementation="sdpa").eval()
+    params = out["got"]["params"]
+    lora = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    assert lora and all(torch.equal(p, params[n.replace(".default.", ".default.")]) for n, p in lora.items()
+                        if n in params)
+    ids = torch.randint(3, W.VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids, use_cache=False).logits, merged(input_ids=ids, use_cache=False).logits
+        plain = W.build_model("llama").eval()(input_ids=ids, use_cache=False).logits
+    err = (a - m).abs().max().item()
+    print(f"adapter vs merged reload: logits max abs {err:.2e} (tol 1e-5); adapter changed the logits by "
+          f"{(a - plain).abs().max().item():.2e}")
+    assert err <= 1e-5 and (a - plain).abs().max().item() > 1e-4
+
+
+@full_only
+def test_sft_padded_rows_llama(ranks):
+    """No packing: right-padded rows with an attention mask, completion-only."""
+    _compare(ranks, "sft_padded")
+
+
+@full_only
+def test_sft_packing_ulysses_llama(ranks):
+    """The same packed script with Ulysses declared instead of Colossal. Parameters: 5e-5 of the
+    largest — measured 1.72e-5 in one element of one embedding row (its gradient nearly cancels, so
+    AdamW's g / sqrt(v) turns Ulysses' different summation order into a 1.8e-3 relative update
+    difference); every other parameter within 5.7e-7, losses 8.6e-8, eval loss 1.7e-7."""
+    _compare(ranks, "sft_packing", plan="llama_ulysses", param_tol=5e-5)
+
+
+@full_only
+def test_sft_padded_rows_gpt_oss(ranks):
+    """gpt-oss (eager through the attention interface: sinks, a sliding-window layer, MoE) on padded
+    rows; TRL's router aux loss off (refused under CP). Packed gpt-oss rows are not a parity case:
+    transformers' gpt-oss mask ignores position_ids, so at CP=1 packed documents see each other."""
+    _compare(ranks, "sft_padded", "gpt_oss")
+
+
+@full_only
+def test_sft_padded_rows_qwen3_next(ranks):
+    """Hybrid Qwen3-Next (3 Gated DeltaNet + 1 attention layer, MoE) on padded rows: attention
+    sdpa_hf_ulysses + GDN gated_deltanet_ulysses declared. Packed rows fail at CP=1 on CPU already
+    (transformers needs causal_conv1d to keep packed sequences apart in the short convolution)."""
+    _compare(ranks, "sft_padded", "qwen3_next")
+
+
+@full_only
+@pytest.mark.parametrize("average", [True, False])
+def test_average_tokens_across_devices(ranks, average):
+    """num_items_in_batch over GA and ranks, on and off (off: the count is summed over the CP group)."""
+    _compare(ranks, "trainer_flatten", average_tokens_across_devices=average)
+
+
+REFUSALS = [
+    ("group_by_length", {"train_sampling_strategy": "group_by_length"}, "TrainingArguments.train_sampling_strategy"),
+    ("neftune", {"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha"),
+    ("liger", {"use_liger_kernel": True}, "TrainingArguments.use_liger_kernel"),
+    ("label_smoothing", {"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor"),
+]
+
+
+def test_refusals_before_the_first_step(ranks):
+    """Each undeliverable declaration is one CPConfigError naming the field and the fix, raised on
+    every rank by context_parallel (before trainer.train())."""
+    cases = [(entry, extra) for _, extra, _ in REFUSALS for entry in ("trainer_flatten",)]
+    cases += [("trainer_flatten", {"_collator": "unknown"}), ("trainer_flatten", {"_attn": "flash_attention_2"}),
+              ("trainer_flatten", {"_plan": []})]
+    expected = [field for _, _, field in REFUSALS] + ["Trainer.data_collator", "model.config.attn_implementation",
+                                                       "plan_overrides"]
+    results = ranks(2).run(W.refusal_cases, cases, timeout=300)
+    for rank, messages in enumerate(results):
+        for msg, field in zip(messages, expected):
+            print(f"rank {rank}: {msg}")
+            assert f"[{field}]" in msg and "Fix:" in msg, (field, msg)
