@@ -24,7 +24,7 @@ from typing import Iterable
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..platform import Platform, default_timeout, get_platform
+from ..platform import Platform, default_timeout, get_platform, on_release
 
 ROOT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -76,6 +76,7 @@ def check_ulysses_degree(cp_size: int, degree: int, field: str = "ulysses_degree
 
 
 _SHARED: dict = {}
+on_release(_SHARED.clear)       # platform.release_subgroups destroyed the groups: drop the meshes
 
 
 class MeshContext:

@@ -9,7 +9,8 @@ from .comm import (CommHandle, CommRecord, CommTimeoutError, all_gather, all_gat
 from .peer import (CollectiveError, PeerFailure, PeerLostError, PeerTimeoutError, classify_failure,
                    diagnose)
 from .device import Platform, PlatformError, detect_device_type, get_platform
-from .process_group import destroy_distributed, free_port, init_distributed, release_subgroups, subgroup_count
+from .process_group import (destroy_distributed, free_port, init_distributed, on_release,
+                            release_subgroups, subgroup_count)
 from .streams import comm_stream, new_event, record_stream, stream_context
 
 __all__ = [n for n in dir() if not n.startswith("_")]

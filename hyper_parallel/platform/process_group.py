@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 
@@ -77,6 +78,17 @@ def subgroup_count() -> int:
     return sum(1 for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD)
 
 
+_ON_RELEASE: list = []
+
+
+def on_release(fn) -> None:
+    """Register ``fn()`` to run when :func:`release_subgroups` frees the groups: a cache holding
+    meshes or groups drops them there (a destroyed group's threads stop only once nothing refers
+    to it)."""
+    if fn not in _ON_RELEASE:
+        _ON_RELEASE.append(fn)
+
+
 def release_subgroups(limit: int = 0) -> int:
     """Destroy every process group but the default one once more than ``limit`` exist; returns how
     many were destroyed. Every rank of the world must call it at the same point, with no collective
@@ -88,12 +100,17 @@ def release_subgroups(limit: int = 0) -> int:
         return 0
     world = dist.group.WORLD
     groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
+    subgroup_count_before = len(groups)
     for g in groups:
         dist.destroy_process_group(g)
     _TIMED_GROUPS.clear()
+    for fn in _ON_RELEASE:
+        fn()
     # DTensor caches sharding decisions per DeviceMesh, and a mesh rebuilt with the same shape and
     # names compares equal to the destroyed one: a cached decision would name a destroyed group
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
-    return len(groups)
+    del groups
+    gc.collect()          # models and meshes in reference cycles still hold the groups' threads
+    return subgroup_count_before

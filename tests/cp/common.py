@@ -13,7 +13,10 @@ from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
 
 ATOL, RTOL = 2e-5, 1e-4            # fp32 parity tolerance: |cp - ref| <= ATOL + RTOL * |ref|
 
+from hyper_parallel.platform import on_release  # noqa: E402
+
 _CTX: dict = {}
+on_release(_CTX.clear)     # the harness frees idle groups between tests (platform.release_subgroups)
 
 
 def mesh_ctx(cp: int, hybrid=()) -> MeshContext:

@@ -19,7 +19,10 @@ import torch
 import torch.nn as nn
 
 ATTN = {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self"}
+from hyper_parallel.platform import on_release  # noqa: E402
+
 _MESH: dict = {}
+on_release(_MESH.clear)     # the harness frees idle groups between tests (platform.release_subgroups)
 
 
 # ============================================================================ rank functions

@@ -186,4 +186,7 @@ def _untied(model) -> bool:
     return head is not None and head.weight is not model.get_input_embeddings().weight
 
 
+from hyper_parallel.platform import on_release  # noqa: E402
+
 _DP_MESH: dict = {}
+on_release(_DP_MESH.clear)     # the harness frees idle groups between tests (platform.release_subgroups)

@@ -17,7 +17,10 @@ from hyper_parallel.distributed.plan.planner import ShardingPlanner
 
 from . import _models
 
+from hyper_parallel.platform import on_release  # noqa: E402
+
 _MESH: dict = {}
+on_release(_MESH.clear)     # the harness frees idle groups between tests (platform.release_subgroups)
 
 
 def mesh_ctx(cp: int, tp: int = 1, hybrid=(), dp_replicate: int = 1) -> MeshContext:
