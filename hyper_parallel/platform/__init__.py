@@ -10,7 +10,7 @@ from .peer import (CollectiveError, PeerFailure, PeerLostError, PeerTimeoutError
                    diagnose)
 from .device import Platform, PlatformError, detect_device_type, get_platform
 from .process_group import (destroy_distributed, free_port, init_distributed, on_release,
-                            release_subgroups, subgroup_count)
+                            release_subgroups)
 from .streams import comm_stream, new_event, record_stream, stream_context
 
 __all__ = [n for n in dir() if not n.startswith("_")]

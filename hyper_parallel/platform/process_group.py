@@ -71,13 +71,6 @@ def timed_world_group():
     return group
 
 
-def subgroup_count() -> int:
-    """Process groups of this process other than the default one (0 when not distributed)."""
-    if not dist.is_initialized():
-        return 0
-    return sum(1 for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD)
-
-
 _ON_RELEASE: list = []
 
 
@@ -96,11 +89,13 @@ def release_subgroups(limit: int = 0) -> int:
     0.1 % of a core per idle group), so a long-lived process that keeps building meshes (a warm test
     worker, a notebook) must free them. Groups this package caches (the meshes of
     ``MeshContext.shared``, :func:`timed_world_group`) are rebuilt on their next use."""
-    if subgroup_count() <= limit:
+    if not dist.is_initialized():
         return 0
     world = dist.group.WORLD
     groups = [g for g in list(dist.distributed_c10d._world.pg_map) if g is not world]
-    subgroup_count_before = len(groups)
+    count = len(groups)
+    if count <= limit:
+        return 0
     for g in groups:
         dist.destroy_process_group(g)
     _TIMED_GROUPS.clear()
@@ -113,4 +108,4 @@ def release_subgroups(limit: int = 0) -> int:
     _clear_sharding_prop_cache()
     del groups
     gc.collect()          # models and meshes in reference cycles still hold the groups' threads
-    return subgroup_count_before
+    return count

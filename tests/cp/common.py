@@ -22,15 +22,15 @@ on_release(_CTX.clear)     # the harness frees idle groups between tests (platfo
 def mesh_ctx(cp: int, hybrid=()) -> MeshContext:
     """One MeshContext per (cp, hybrid degrees) per worker process (groups built once)."""
     key = (cp, tuple(sorted(hybrid)))
-    if key not in _CTX or not _CTX[key].alive:     # the harness frees idle groups between tests
+    if key not in _CTX:
         _CTX[key] = MeshContext(MeshSizes(cp=cp), hybrid_degrees=hybrid)
     return _CTX[key]
 
 
 def sub_group3():
     """A cached 3-rank group {0, 1, 2} of the 4-rank world (odd cp for Head-Tail); None on rank 3."""
-    if _CTX.get("sub3") not in dist.distributed_c10d._world.pg_map:
-        _CTX["sub3"] = dist.new_group([0, 1, 2])          # collective on all 4 ranks, once per group life
+    if "sub3" not in _CTX:
+        _CTX["sub3"] = dist.new_group([0, 1, 2])          # collective on all 4 ranks, once
     return None if dist.get_rank() == 3 else _CTX["sub3"]
 
 

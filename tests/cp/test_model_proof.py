@@ -29,7 +29,7 @@ on_release(_MESH.clear)     # the harness frees idle groups between tests (platf
 def _mesh(cp: int):
     from hyper_parallel.distributed.mesh import MeshContext, MeshSizes
 
-    if cp not in _MESH or not _MESH[cp].alive:     # the harness frees idle groups between tests
+    if cp not in _MESH:
         _MESH[cp] = MeshContext(MeshSizes(cp=cp))
     return _MESH[cp]
 

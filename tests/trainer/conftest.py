@@ -13,6 +13,17 @@ from hyper_parallel.testing import scaled
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def cli_shell(monkeypatch):
+    """``cli.main`` called in-process as from a shell in the repository root that is no launcher's
+    worker (relative config paths resolve; no torchrun / hyper-train rank variables)."""
+    from hyper_parallel.trainer import failures
+
+    monkeypatch.chdir(ROOT)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", failures.LAUNCHED_ENV):
+        monkeypatch.delenv(key, raising=False)
+
+
 @pytest.fixture(scope="session")
 def cli_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The main job's command, shortened, run once for every CLI test that needs a real run:

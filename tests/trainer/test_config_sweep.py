@@ -122,15 +122,12 @@ def test_a_directory_as_the_config_path(tmp_path):
     (["examples/train_long_cp2.yaml", "model.config.vocab_size=4095", "data.files=[examples/data/stdlib_small.jsonl]"],
      "model.config.vocab_size"),
 ], ids=["bound", "cuda", "directory", "vocab-bytes", "vocab-files"])
-def test_cli_exit_2_one_line_no_traceback(tmp_path, monkeypatch, capsys, args, field):
+def test_cli_exit_2_one_line_no_traceback(tmp_path, cli_shell, capsys, args, field):
     """``hyper-train ARGS`` refused by the parent's check: exit 2, one line, nothing run. In-process
     (``cli.main`` from the repository root): every one of these is refused before a rank could start; a
     real console-script process is tests/trainer/test_launcher.py's refusal test."""
     from hyper_parallel.trainer import cli
 
-    monkeypatch.chdir(ROOT)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "HYPER_TRAIN_LAUNCHED"):
-        monkeypatch.delenv(key, raising=False)
     code = cli.main([*args, f"logging.out_dir={tmp_path / 'run'}"])
     out, err = capsys.readouterr()
     assert code == 2, out[-2000:] + err[-3000:]

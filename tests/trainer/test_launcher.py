@@ -65,15 +65,12 @@ REFUSED_IN_THE_PARENT = [
 
 @pytest.mark.parametrize("args,field", REFUSED_IN_THE_PARENT, ids=["bound", "pad-id", "data-file", "nproc",
                                                                   "model-tiled-mlp"])
-def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, monkeypatch, capsys, args, field):
+def test_bad_config_is_refused_in_the_parent_exit_2_one_line(tmp_path, cli_shell, capsys, args, field):
     """Refused before any rank starts: exit 2, no mesh line, no output folder, <= 2 lines, no traceback.
     In-process (``cli.main``, the console script's function, from the repository root); the console
     script as its own process is :func:`test_a_refusal_from_the_console_script_is_exit_2_one_line`."""
     from hyper_parallel.trainer import cli
 
-    monkeypatch.chdir(ROOT)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", failures.LAUNCHED_ENV):
-        monkeypatch.delenv(key, raising=False)
     t0 = time.time()
     code = cli.main(["examples/train_cp2.yaml", *args, f"logging.out_dir={tmp_path / 'run'}"])
     took = time.time() - t0

@@ -25,7 +25,7 @@ on_release(_MESH.clear)     # the harness frees idle groups between tests (platf
 
 def mesh_ctx(cp: int, tp: int = 1, hybrid=(), dp_replicate: int = 1) -> MeshContext:
     key = (cp, tp, dp_replicate)
-    if key not in _MESH or not _MESH[key].alive:     # the harness frees idle groups between tests
+    if key not in _MESH:
         _MESH[key] = MeshContext(MeshSizes(cp=cp, tp=tp, dp_replicate=dp_replicate), hybrid_degrees=hybrid)
     mesh = _MESH[key]
     mesh.ensure_hybrid(hybrid)
