@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 
 from . import simlink as _simlink
+from .release import release_temporaries
 from .peer import TIMEOUT, CollectiveError, CommTimeoutError, PeerLostError, classify_failure, group_ranks_of
 
 
@@ -118,8 +119,9 @@ class CommHandle:
     """
 
     def __init__(self, op: str, work, finalize: Callable[[], torch.Tensor], timeout=None, group=None,
-                 ready_at: Optional[float] = None):
+                 ready_at: Optional[float] = None, temps: tuple = ()):
         self.op = op
+        self._temps = temps              # buffers created for the backend, freed once finalized (release.py)
         self._ready_at = ready_at        # simulated link (platform/simlink.py): wait() blocks until then
         self.group = group
         self._t0 = time.monotonic()
@@ -149,6 +151,9 @@ class CommHandle:
             _simlink.settle(self._ready_at)     # on the thread that waits: the comm thread for async CP
             _simlink.note_wait(time.monotonic() - t_wait)
             self._result = self._finalize()
+            release_temporaries(self._temps, keep=self._result)
+            self._work = self._finalize = None      # nothing here keeps the backend's buffers alive
+            self._temps = ()
             self._done = True
         return self._result
 
@@ -235,7 +240,7 @@ def all_gather(x: torch.Tensor, group, dim: int = 0, async_op: bool = False, tag
     d = dim % x.dim()
     handle = CommHandle("all_gather", work,
                         lambda: torch.cat(flat.view((world,) + tuple(xc.shape)).unbind(0), dim=d), group=group,
-                        ready_at=ready)
+                        ready_at=ready, temps=(flat,) + ((xc,) if xc is not x else ()))
     return handle if async_op else handle.wait()
 
 
@@ -254,7 +259,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0, op=dist.ReduceOp.SUM,
                    lambda: _REDUCE_SCATTER(out.view(-1), stacked.view(-1), op=op, group=group, async_op=True))
     n = _nbytes(stacked)
     ready = _record("reduce_scatter", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("reduce_scatter", work, lambda: out, group=group, ready_at=ready)
+    handle = CommHandle("reduce_scatter", work, lambda: out, group=group, ready_at=ready, temps=(stacked,))
     return handle if async_op else handle.wait()
 
 
@@ -275,7 +280,8 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
     work = _launch("all_to_all", group, lambda: dist.all_to_all_single(out, stacked, group=group, async_op=True))
     n = _nbytes(stacked)
     ready = _record("all_to_all", world, n * (world - 1) / world, n * (world - 1) / world, tag)
-    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd), group=group, ready_at=ready)
+    handle = CommHandle("all_to_all", work, lambda: torch.cat(out.unbind(0), dim=gd), group=group, ready_at=ready,
+                        temps=(stacked, out))
     return handle if async_op else handle.wait()
 
 
@@ -300,6 +306,8 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
         return _ready(x, "all_to_all_uneven") if async_op else x
     piece = x.shape[d] // n_send
     xt = x.movedim(d, 0).contiguous()
+    if xt.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        xt = xt.clone()     # the backend holds only platform buffers (release.py), never the caller's
     out = xt.new_empty((sum(recv_counts) * piece,) + tuple(xt.shape[1:]))
     work = _launch("all_to_all_uneven", group, lambda: dist.all_to_all_single(
         out, xt, output_split_sizes=[c * piece for c in recv_counts],
@@ -308,7 +316,8 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
     pb = piece * (xt.numel() // max(xt.shape[0], 1)) * xt.element_size()
     ready = _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]),
                     tag)
-    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group, ready_at=ready)
+    handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group, ready_at=ready,
+                        temps=(xt,))
     return handle if async_op else handle.wait()
 
 

@@ -148,9 +148,9 @@ def colossal_regathers_kv(cp, method="colossal"):
     live tensor bytes after forward fall by exactly their size less the local shards, backward issues the regather
     exchange, and every value is bitwise the one of the run that keeps the gathered K/V.
 
-    Live bytes count every CPU tensor of the process; gloo may release a finished collective's
-    buffer a moment after wait() returns, so each reading waits for the count to settle, and
-    each mode is measured 3 times and the least taken."""
+    Live bytes count every CPU tensor of the process, read after a synchronisation point (the
+    backend has dropped every finished collective: testing/memory.py); each mode is measured 3
+    times after a warm-up pair and every measurement must give the same figure."""
     import gc
     import weakref
 
@@ -187,13 +187,13 @@ def colossal_regathers_kv(cp, method="colossal"):
             gc.collect()       # earlier tests' cyclic garbage must not be freed inside the measurement
             gc.disable()
             try:
-                # settled too: a buffer of the previous iteration's backward that gloo frees late would
-                # otherwise count in `before` and be subtracted from this forward's held bytes
+                # after the sync point too: a buffer of the previous iteration's backward still held by
+                # the backend would otherwise count in `before` and be subtracted from this forward's
                 before = settled_tensor_bytes()
                 kl, vl = kl0 * 1, vl0 * 1     # as in a model: the post-RoPE K/V, saved by nothing else
                 o = strategy.attention(ql, kl, vl, meta=meta)
                 del kl, vl
-                held = settled_tensor_bytes() - before     # a buffer gloo frees late is not held
+                held = settled_tensor_bytes() - before
             finally:
                 gc.enable()
             alive = [ref() is not None for ref in seen]
@@ -254,7 +254,7 @@ def colossal_regathers_kv(cp, method="colossal"):
     inplace_k = backward_error(o)
     return {"dropped": dropped, "twice": twice, "regathers_second": regathers, "inplace": inplace,
             "inplace_k": inplace_k,
-            "saved_bytes": min(out[True]["held"][1:]) - min(out[False]["held"][1:]),
+            "saved_bytes": sorted({a - b for a, b in zip(out[True]["held"][1:], out[False]["held"][1:])}),
             # the gathered K and V, less the local shards the regather keeps instead
             "expect_bytes": 2 * B * Hk * (S - L) * D * 4,
             "alive_keep": out[True]["alive"], "alive_regather": out[False]["alive"],
@@ -269,7 +269,7 @@ def test_colossal_regathers_kv_in_backward(ranks, cp, method):
         print(f"{method} cp {cp} rank {r}: held {res['saved_bytes']} bytes less after forward (the gathered K/V: "
               f"{res['expect_bytes']}); {res['calls']} engine call(s), regather exchanges per backward "
               f"{res['regathers']}")
-        assert res["saved_bytes"] == res["expect_bytes"], res
+        assert res["saved_bytes"] == [res["expect_bytes"]], res
         assert res["calls"] == (2 if method == "load_balance" else 1), res
         assert all(n == 2 for n in res["regathers"]), res     # one K and one V exchange for all calls
         assert all(a == [True] * (2 * res["calls"]) for a in res["alive_keep"]), res
