@@ -26,11 +26,12 @@ PROBE_ATTENTION = "hp_explain_probe"
 
 
 class _SavedAttention(torch.autograd.Function):
-    """Shape-only attention: output ``[B, S, Hq, D]``, saving q, k, v, out and the LSE."""
+    """Shape-only attention: output ``[B, S, Hq, Dv]`` (``Dv``: the value head dim, which MLA sets
+    apart from the query's), saving q, k, v, out and the LSE."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.transpose(1, 2).contiguous()
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1])
         lse = q.new_empty(q.shape[:3])
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -45,16 +46,25 @@ def _probe_attention(module, query, key, value, attention_mask, **kwargs):
     return _SavedAttention.apply(query, key, value), None
 
 
+def _probe_mask(*args, allow_is_causal_skip: bool = True, **kwargs):
+    import transformers.masking_utils as mu
+
+    return None if allow_is_causal_skip else mu.sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+
+
 @contextlib.contextmanager
 def _probe_mode(model: nn.Module):
     """The model's attention -> the stand-in; transformers' packed-sequence detection (a
     data-dependent ``.item()``) off: the probe feeds no position ids; MoE experts through
-    transformers' grouped-mm fallback (torch's meta ``grouped_mm`` takes bf16 only)."""
+    transformers' grouped-mm fallback (torch's meta ``grouped_mm`` takes bf16 only); no mask for
+    the probe unless the model forces one for a module that reads it itself (DeepSeek sparse
+    attention's indexer: ``allow_is_causal_skip=False``), then SDPA's."""
     import transformers.integrations.moe as moe
     import transformers.masking_utils as mu
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
+    mu.AttentionMaskInterface.register(PROBE_ATTENTION, _probe_mask)
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     before = [c._attn_implementation for c in configs]
     find, grouped = mu.find_packed_sequence_indices, moe._can_use_grouped_mm
@@ -73,15 +83,21 @@ def _probe_mode(model: nn.Module):
 def saved_bytes_per_token(model: nn.Module, tokens: int) -> float:
     """Bytes autograd saves per token in one forward of ``model``'s decoder (``model.model`` when the
     model has one: the LM head and loss are counted separately) over ``tokens`` tokens, on meta.
-    Parameters (and views of them) are not counted; a tensor saved twice counts once."""
+    Parameters (and views of them) are not counted; a storage saved twice counts once; only what the
+    graph still holds when the forward returns counts (a branch the model computed and dropped, and
+    its saves with it, does not)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     decoder = getattr(model, "model", model)
-    params = {id(p) for p in model.parameters()}
-    seen: dict = {}
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: list = []
 
     def pack(t):
-        base = t._base if t._base is not None else t
-        if id(base) not in params and id(t) not in params:
-            seen[id(base)] = max(seen.get(id(base), 0), base.numel() * base.element_size())
+        # by storage, alive or not at the end: never by id() of a Python wrapper (``t._base`` may be a
+        # fresh one whose id a later one reuses) nor by an address a freed storage hands on
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            saved.append((StorageWeakRef(s), s._cdata, s.nbytes()))
         return t
 
     ids = torch.zeros(1, int(tokens), dtype=torch.long, device="meta")
@@ -89,10 +105,12 @@ def saved_bytes_per_token(model: nn.Module, tokens: int) -> float:
     model.train()
     try:
         with _probe_mode(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            decoder(input_ids=ids, use_cache=False)
+            out = decoder(input_ids=ids, use_cache=False)
+        held = {key: n for ref, key, n in saved if not ref.expired()}
+        del out
     finally:
         model.train(was)
-    return sum(seen.values()) / tokens
+    return sum(held.values()) / tokens
 
 
 def comm_bytes(method: str, *, S: int, cp: int, hq: int, hk: int, d: int, elem: int, keep_gathered: bool = False
