@@ -49,15 +49,15 @@ def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_
 
     ``cp_mesh``: the 1-D cp mesh (CP > 1; ignored at ``cp_size == 1``, where the CP group of one
     :data:`CP1_GROUP` is used). ``policy``: the sharding plan's batch policy (None, and always at
-    CP = 1 -> ``all_gather``: no CP padding).
+    CP = 1 -> the contiguous policy, ``batch.CONTIGUOUS_POLICY``: no CP padding).
     ``prepare_fn``: a registered model spec's batch contract (same signature and result as
     ``shard_batch_for_cp``), else ``shard_batch_for_cp``. No collective runs here.
     """
-    from ..distributed.context_parallel.batch import shard_batch_for_cp
+    from ..distributed.context_parallel.batch import CONTIGUOUS_POLICY, shard_batch_for_cp
 
     prepare = prepare_fn or shard_batch_for_cp
     cp1 = cp_size == 1
-    local = prepare(batch, CP1_GROUP if cp1 else cp_mesh, "all_gather" if cp1 else (policy or "all_gather"),
+    local = prepare(batch, CP1_GROUP if cp1 else cp_mesh, CONTIGUOUS_POLICY if cp1 else (policy or CONTIGUOUS_POLICY),
                     ignore_index=ignore_index, pad_token_id=pad_token_id)
     if cp1:
         check_cp1_masking(local)

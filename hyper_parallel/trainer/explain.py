@@ -5,9 +5,11 @@ downloaded). Prints, per rank: the meshes (every group of every dimension), the 
 plan (the planner's own summary), parameter / gradient / optimizer bytes (FSDP2 shards over
 ``dp_shard x cp``, TP splits the decoder layers), activation and loss-buffer bytes at the
 configured length (:func:`~.explain_estimates.saved_bytes_per_token`), communication bytes per
-step per CP method and for FSDP2 (:func:`~.explain_estimates.comm_bytes`), the attention work
-spread of the first batch (visible (q, k) pairs per CP rank, max / mean), and the peak it adds up
-to; the tiled MLP, activation offload, Hybrid and the token-mixer methods through
+step per declared layer and for FSDP2, the attention work spread of the first batch (visible
+(q, k) pairs per CP rank, max / mean), and the peak it adds up to. Every CP method's figures come
+from the cost model its catalogue row names (``catalogue.cost_model``: exchanges, what a layer
+keeps for backward, holds while it runs, saves beyond its module); the padding and the work spread
+from the batch layer; no method is named here. The tiled MLP and activation offload through
 :mod:`.explain_features`. docs/trainer.md "--explain" compares the estimate with measured peaks.
 """
 from __future__ import annotations
@@ -17,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .explain_estimates import comm_bytes, fsdp_bytes, saved_bytes_per_token, work_spread
-from .explain_features import (hybrid_gathered_bytes, method_name, offload_split, relayout_bytes,
-                               state_passing_extra, target_comm_bytes, tiled_mlp_transient)
+from .explain_estimates import fsdp_bytes, saved_bytes_per_token
+from .explain_features import method_name, offload_split, tiled_mlp_transient
 
 GB = 1e9
 
@@ -71,7 +72,10 @@ def _first_batch(cfg, vocab: int, dp: int):
 def explain(cfg, echo=print) -> dict:
     """Print the explanation of the checked config ``cfg`` (see the module doc); returns its
     numbers (bytes per rank) for tests and benchmarks."""
-    from ..distributed.context_parallel.catalogue import METHODS, gathers_kv_only, has_ulysses_degree
+    from ..distributed.context_parallel.balance.layout_spread import work_spread
+    from ..distributed.context_parallel.batch import policy_multiple
+    from ..distributed.context_parallel.catalogue import METHODS, attention_methods, cost_model, uses_balanced_permutation
+    from ..distributed.context_parallel.cost_model import LayerShape
     from ..distributed.plan import ShardingPlanner
     from .model import HyperAutoModel
     from .vocab_rule import build_vocab
@@ -109,8 +113,7 @@ def explain(cfg, echo=print) -> dict:
          f"unsharded layers in flight {_gb(2 * unit * (n_fsdp > 1))} (one decoder layer + the prefetched next)")
 
     S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
-    policy = getattr(plan.batch_policy, "name", plan.batch_policy)   # a BalancedSplit carries its name
-    S += (-S) % (2 * cp if policy == "load_balance" else plan.batch_policy.block * cp if policy == "balanced" else cp)
+    S += (-S) % (cp if plan.batch_policy is None else policy_multiple(plan.batch_policy, cp)[1])
     s_local, B = S // cp, d.micro_batch_size
     mlps = []
     if s.tiled_mlp:   # the MLPs tiled as a run tiles them: autograd then saves only their inputs
@@ -121,14 +124,18 @@ def explain(cfg, echo=print) -> dict:
     act = per_token * s_local * B
     names = {id(t): method_name(t) for t in plan.cp_targets}
     methods = sorted(set(names.values()))
-    passing = sum(state_passing_extra(names[id(t)], t.inner_module, s_local, B) for t in plan.cp_targets)
+    permuted = any(uses_balanced_permutation(METHODS[m]) for m in methods if m in METHODS)
+
+    def shape(t, full: bool = False) -> LayerShape:
+        """Target ``t``'s layer at this config; ``full``: all heads (memory), else one TP shard's."""
+        return LayerShape(S=S, cp=cp, hq=hq if full else hq // tp, hk=hk if full else max(1, hk // tp), d=hd, H=H,
+                          elem=elem, B=B, module=t.inner_module, params=t.params,
+                          recomputed=bool(s.activation_checkpointing), permuted=permuted)
+
+    costs = {id(t): cost_model(names[id(t)]) for t in plan.cp_targets}   # each row's own cost model
+    passing = sum(costs[id(t)].extra_saved(shape(t)) for t in plan.cp_targets)
     act += passing
-    gathered = 0.0
-    rows = {m: METHODS.get(m) for m in methods}   # None: a custom wrapper
-    kv_only = {m for m, r in rows.items() if r is not None and gathers_kv_only(r)}
-    if kv_only:   # the gathered K/V each layer keeps for backward
-        gathered = sum(1 for t in plan.cp_targets if names[id(t)] in kv_only) * \
-            2 * (S - s_local) * hk * hd * elem * B
+    gathered = float(sum(costs[id(t)].kept_for_backward(shape(t, full=True)) for t in plan.cp_targets))
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
         gathered = gathered / max(L, 1)
@@ -137,9 +144,7 @@ def explain(cfg, echo=print) -> dict:
         kept, host = offload_split(L, s_local, B, H, elem)
         act += kept - host
     if plan.batch_policy is not None and cp > 1:   # one layer's gathered K/V while it runs
-        full = 2 * S * hk * hd * elem * B
-        gathered += hybrid_gathered_bytes(plan, S, hk, hd, elem, B) if all(
-            r is not None and has_ulysses_degree(r) for r in rows.values()) else full
+        gathered += max((costs[id(t)].in_flight(shape(t, full=True)) for t in plan.cp_targets), default=0.0)
     transient = tiled_mlp_transient(model, mlps, s.tiled_mlp_chunk_size, s_local, B, elem)
     if cfg.loss.tiled:
         loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)
@@ -168,14 +173,8 @@ def explain(cfg, echo=print) -> dict:
         targets = [t for t in plan.cp_targets if names[id(t)] == m]
         n, per = len(targets), {}
         for t in targets:
-            one = (comm_bytes(m, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp), d=hd, elem=elem)
-                   or target_comm_bytes(m, t.inner_module, t.params, S=S, cp=cp, hq=hq // tp, hk=max(1, hk // tp),
-                                        d=hd, H=H, elem=elem))
-            if policy == "balanced" and METHODS.get(m) is not None and METHODS[m].kind == "mixer":
-                one = {**one, **relayout_bytes(S, cp, H, elem)}   # to the contiguous layout and back
-            for k, v in one.items():
-                if not (k == "bwd K/V regather" and s.activation_checkpointing):   # the recompute gathers
-                    per[k] = per.get(k, 0.0) + v / n
+            for k, v in (costs[id(t)].comm(shape(t)) if cp > 1 else {}).items():
+                per[k] = per.get(k, 0.0) + v / n
         title = METHODS[m].title if m in METHODS else m
         if not per:
             echo(f"{title} ({n} layers): not modelled here")
@@ -199,7 +198,7 @@ def explain(cfg, echo=print) -> dict:
         except Exception as exc:  # noqa: BLE001 - the explanation goes on without the data
             echo(f"first batch not read ({type(exc).__name__}: {exc})")
         else:
-            row = METHODS[(attention or ["colossal"])[-1]]   # token mixers: the contiguous layout
+            row = METHODS[attention[-1]] if attention else attention_methods()[0]   # mixers: contiguous
             spread = work_spread(batch, row.layout, cp, heads_split=row.head_rule == "split")
             mean = sum(spread) / cp
             echo(f"{row.title}, layout {row.layout}: visible (q, k) pairs per CP rank {spread}; "

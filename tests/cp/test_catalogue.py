@@ -68,32 +68,38 @@ def test_method_families_are_read_off_the_rows():
     assert set(async_protocol.ASYNC_METHODS) == {m.name for m in catalogue.async_methods()}
 
 
-def _explain_comm(name, cp=4):
-    from hyper_parallel.trainer.explain_estimates import comm_bytes
-    from hyper_parallel.trainer.explain_features import target_comm_bytes
+def _explain_comm(name, cp=4, **extra):
+    from hyper_parallel.distributed.context_parallel.cost_model import LayerShape
 
-    kw = dict(S=64, cp=cp, hq=4, hk=2, d=8, elem=4)
-    return comm_bytes(name, **kw) or target_comm_bytes(name, None, {"ulysses_degree": 2}, H=32, **kw)
+    x = LayerShape(S=64, cp=cp, hq=4, hk=2, d=8, H=32, elem=4, params={"ulysses_degree": 2}, **extra)
+    return catalogue.cost_model(name).comm(x)
 
 
-def test_explain_models_every_attention_row(monkeypatch):
-    """--explain's comm model covers every attention row, and a new row of an existing family is
-    modelled as its family without touching the trainer (a copy of each row under a new name)."""
-    from hyper_parallel.trainer.explain_features import MIXER_COMM
+def test_every_row_names_its_cost_model_and_the_trainer_names_no_method():
+    """Each row's ``cost`` resolves to a CostModel, which every attention row fills in (a row of an
+    existing family copied under a new name is modelled the same without touching the trainer);
+    --explain reads them: no row name or alias is a string literal anywhere under trainer/."""
+    import ast
+    import pathlib
 
-    assert set(MIXER_COMM) == set(catalogue.method_names("mixer")), "a mixer row without a comm model entry"
-    rows = dict(catalogue.METHODS)
+    from hyper_parallel.distributed.context_parallel.cost_model import CostModel
+
+    for m in catalogue.METHODS.values():
+        assert m.cost, f"{m.name}: the row names no cost model"
+        assert isinstance(catalogue.cost_model(m.name), CostModel), m.name
+        for alias in m.aliases:
+            assert catalogue.cost_model(alias) is catalogue.cost_model(m.name), alias
     for m in catalogue.attention_methods():
-        assert _explain_comm(m.name), f"{m.name}: --explain has no comm model"
-        rows[m.name + "_copy"] = dataclasses.replace(m, name=m.name + "_copy")
-    monkeypatch.setattr(catalogue.rows, "METHODS", rows)
-    monkeypatch.setattr(catalogue, "METHODS", rows)
-    monkeypatch.setattr(catalogue.rules, "METHODS", rows)
-    import hyper_parallel.trainer.explain_estimates as est
-    monkeypatch.setattr(est, "METHODS", rows)
-    for m in list(rows.values()):
-        if m.kind == "attention" and not m.name.endswith("_copy"):
-            assert _explain_comm(m.name + "_copy") == _explain_comm(m.name), m.name
+        got = _explain_comm(m.name)
+        assert got and all(v > 0 for v in got.values()), f"{m.name}: no comm model ({got})"
+        assert "bwd K/V regather" not in _explain_comm(m.name, recomputed=True), m.name   # the recompute gathers
+    assert type(catalogue.cost_model("custom")) is CostModel and _explain_comm("custom") == {}
+    names = {n for m in catalogue.METHODS.values() for n in (m.name,) + m.aliases}
+    trainer = pathlib.Path(catalogue.__file__).parents[3] / "trainer"
+    found = [(p.name, node.lineno, node.value) for p in sorted(trainer.rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    assert not found, f"method names in trainer/: {found}"
 
 
 def test_registry_reads_the_catalogue():

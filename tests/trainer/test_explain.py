@@ -212,7 +212,7 @@ def test_work_spread_of_the_first_batch_under_each_layout():
     tokens; positions restart per document): every layout counts all pairs once, and the balanced
     split's own permutation (which balances engine tiles, 64-token blocks) spreads the pairs less
     than the contiguous split and Head-Tail."""
-    from hyper_parallel.trainer.explain_estimates import work_spread
+    from hyper_parallel.distributed.context_parallel.balance.layout_spread import work_spread
 
     lens = [900, 100, 40, 1008]
     pos = torch.cat([torch.arange(n) for n in lens])[None]

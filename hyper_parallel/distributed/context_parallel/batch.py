@@ -55,6 +55,8 @@ CU_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k")          # transformers' flatteni
 CU_SCALARS = ("max_length_q", "max_length_k")
 # policy / method name or alias -> (policy, S multiple factor of cp_size), from the method catalogue
 _POLICIES = catalogue.batch_policies()
+#: the policy of a batch no method reorders or pads beyond ``cp``: contiguous chunks (also CP = 1)
+CONTIGUOUS_POLICY = catalogue.attention_methods()[0].batch_policy
 _SCALARS = (bool, int, float, str, type(None))
 
 

@@ -112,6 +112,7 @@ class CPMethod:
     async_param: Optional[str] = None  # the async Targets' pipeline-depth parameter (default None)
     async_doc: str = ""              # one line: what the async variant launches and where it waits
     offers: tuple = ()               # Offer per style
+    cost: Optional[str] = None       # "module:ATTR" under context_parallel/: its CostModel (cost_model.py)
 
 
 _NO_FLEX = ("not offered: no flex entry point has been written and parity-tested for {m} yet (the strategy "
@@ -121,7 +122,7 @@ _NO_FLEX = ("not offered: no flex entry point has been written and parity-tested
 METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
-        strategy_module="colossal", batch_policy="all_gather", head_rule="gqa",
+        strategy_module="colossal", batch_policy="all_gather", head_rule="gqa", cost="methods.colossal.cost:COST",
         head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
         async_targets=_async_targets("colossal"),
@@ -133,6 +134,7 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
     CPMethod(
         name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", strategy_module="ulysses",
+        cost="methods.ulysses.cost:COST",
         batch_policy="ulysses",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
@@ -148,6 +150,7 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_ulysses_cp_wrapper", "flex_qkv_ulysses"))),
     CPMethod(
         name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", strategy_module="hybrid",
+        cost="methods.hybrid.cost:COST",
         batch_policy="hybrid",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
@@ -164,6 +167,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="load_balance", title="Head-Tail load balance", aliases=("head_tail",), strategy="HeadTailStrategy",
         strategy_module="head_tail", batch_policy="load_balance", layout="head_tail", length_factor=2,
+        cost="methods.head_tail.cost:COST",
         head_rule="gqa",        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("load_balance"),
         async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
@@ -175,6 +179,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="balanced", title="balanced split (Colossal on a work-balanced permutation)",
         aliases=("balanced_split",), strategy="BalancedStrategy", strategy_module="balanced",
+        cost="methods.balanced.cost:COST",
         batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("balanced"),
@@ -190,6 +195,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="hybrid_balanced", title="Hybrid on the balanced split (Ulysses x Colossal, work-balanced permutation)",
         strategy="BalancedHybridStrategy", strategy_module="balanced", batch_policy="balanced", layout="balanced",
+        cost="methods.balanced.cost:HYBRID_COST",
         length_factor=64, head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
                  "replicated) accepted",
@@ -208,53 +214,64 @@ METHODS: dict = {m.name: m for m in (
     # mixers.layout.on_contiguous_layout); WrapperInfo.method is "custom" and mixer=True
     CPMethod(
         name="sequence_gather", title="sequence gather (any mixer)", kind="mixer", batch_policy="all_gather",
+        cost="mixers.cost:SEQUENCE_GATHER",
         head_rule="module", head_doc="none (the whole module runs on the gathered sequence)",
         offers=(Offer("hf", "sequence_gather_cp_wrapper", "sequence_gather", module=MIXERS_MODULE),)),
     CPMethod(
         name="short_conv_halo", title="short-conv halo exchange (LFM2)", kind="mixer", batch_policy="all_gather",
+        cost="mixers.cost:HALO",
         head_rule="module", head_doc="none (kernel - 1 halo tokens from the previous rank)",
         offers=(Offer("hf", "short_conv_halo_cp_wrapper", "short_conv_halo", module=MIXERS_MODULE),)),
     CPMethod(
         name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next, Qwen3.5)", kind="mixer",
+        cost="mixers.cost:HEAD_ALL_TO_ALL",
         batch_policy="all_gather", head_rule="module",
         head_doc="linear key and value heads divisible by cp_size",
         offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses", module=GDN_MODULE),)),
     CPMethod(
         name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next, Qwen3.5)", kind="mixer",
+        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
         offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
                       module=GDN_MODULE),)),
     CPMethod(
         name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1, Bamba, NemotronH, Granite 4, Zamba2)",
+        cost="mixers.cost:MAMBA2_STATE_PASSING",
         kind="mixer",
         batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "mamba2_state_passing_cp_wrapper", "mamba2_state_passing", module=MAMBA2_MODULE),)),
     CPMethod(
         name="mamba1_state_passing", title="Mamba1 state passing (Jamba, Falcon-Mamba)", kind="mixer",
+        cost="mixers.cost:STATE_PASSING",
         batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
         offers=(Offer("hf", "mamba1_state_passing_cp_wrapper", "mamba1_state_passing", module=MAMBA1_MODULE),)),
     CPMethod(
         name="rglru_state_passing", title="RG-LRU state passing (RecurrentGemma)", kind="mixer",
+        cost="mixers.cost:STATE_PASSING",
         batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
         offers=(Offer("hf", "rglru_state_passing_cp_wrapper", "rglru_state_passing", module=RGLRU_MODULE),)),
     CPMethod(
         name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
+        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
         head_rule="module", head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "kda_state_passing_cp_wrapper", "kda_state_passing", module=KDA_MODULE),)),
     CPMethod(
         name="lightning_state_passing", title="lightning attention state passing (MiniMax)", kind="mixer",
+        cost="mixers.cost:STATE_PASSING",
         batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
         offers=(Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
                       module=LIGHTNING_MODULE),)),
     CPMethod(
-        name="dsa_all_gather", title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
+        name="dsa_all_gather", cost="mixers.cost:NOT_MODELLED",
+        title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
         "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
         offers=(Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=DSA_MODULE),)),
     CPMethod(
-        name="doge_dynamic_mask", title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
+        name="doge_dynamic_mask", cost="mixers.cost:NOT_MODELLED",
+        title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
         "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
         head_doc="none (all heads on the local queries; K, V gathered); the top-keep_window_size over the global "
         "keys, ties to the lower key index",

@@ -190,3 +190,21 @@ def builtin_modules() -> tuple:
 def builtin_names(kind: Optional[str] = None) -> dict:
     """YAML short name -> ``_target_`` path of every built-in entry point that has one."""
     return {o.registry_name: o.target for _m, o in offers(kind) if o.registry_name}
+
+
+COST_PACKAGE = "hyper_parallel.distributed.context_parallel"
+
+
+def cost_model(method: Optional[str]):
+    """The :class:`~..cost_model.CostModel` the row of ``method`` (a name or alias) names; a custom
+    wrapper's (nothing known but the full K/V in flight) for None, ``"custom"`` or an unknown name."""
+    import importlib
+
+    key = _ALIASES.get(method) if isinstance(method, str) else None
+    path = METHODS[key].cost if key else None
+    if path is None:
+        from ..cost_model import CostModel
+
+        return CostModel()
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(f"{COST_PACKAGE}.{module}"), attr)
