@@ -84,31 +84,19 @@ def saved_bytes_per_token(model: nn.Module, tokens: int) -> float:
     Parameters (and views of them) are not counted; a storage saved twice counts once; only what the
     graph still holds when the forward returns counts (a branch the model computed and dropped, and
     its saves with it, does not)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from ..distributed.context_parallel.cost_model import saved_bytes
 
     decoder = getattr(model, "model", model)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: list = []
-
-    def pack(t):
-        # by storage, alive or not at the end: never by id() of a Python wrapper (``t._base`` may be a
-        # fresh one whose id a later one reuses) nor by an address a freed storage hands on
-        s = t.untyped_storage()
-        if s._cdata not in params:
-            saved.append((StorageWeakRef(s), s._cdata, s.nbytes()))
-        return t
-
+    params = frozenset(p.untyped_storage()._cdata for p in model.parameters())
     ids = torch.zeros(1, int(tokens), dtype=torch.long, device="meta")
     was = model.training
     model.train()
     try:
-        with _probe_mode(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = decoder(input_ids=ids, use_cache=False)
-        held = {key: n for ref, key, n in saved if not ref.expired()}
-        del out
+        with _probe_mode(model):
+            held = saved_bytes(lambda: decoder(input_ids=ids, use_cache=False), exclude=params)
     finally:
         model.train(was)
-    return sum(held.values()) / tokens
+    return held / tokens
 
 
 def fsdp_bytes(param_bytes: float, n: int, reshard_after_forward: bool = True) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-__all__ = ["LayerShape", "CostModel", "relayout_bytes"]
+__all__ = ["LayerShape", "CostModel", "relayout_bytes", "saved_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +71,27 @@ def relayout_bytes(x: LayerShape) -> dict:
     its ``S/cp`` on average), and the same two exchanges in backward."""
     one = (x.cp - 1) / x.cp * x.local * x.H * x.elem
     return {"fwd relayout All-to-All": 2 * one, "bwd relayout All-to-All": 2 * one}
+
+
+def saved_bytes(run, exclude: frozenset = frozenset()) -> int:
+    """Bytes of the storages autograd saves in ``run()`` (usually on meta tensors) that its graph still
+    holds when it returns, each storage once; ``exclude``: storage ids (``untyped_storage()._cdata``) not
+    to count (the parameters). Keyed by storage and read while ``run``'s result is alive: never by the
+    id of a Python wrapper (``t._base`` may be a fresh one whose id a later one reuses), and a branch
+    ``run`` computed and dropped (its saves freed with it) does not count."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: list = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in exclude:
+            saved.append((StorageWeakRef(st), st._cdata, st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    held = {key: n for ref, key, n in saved if not ref.expired()}
+    del out
+    return sum(held.values())

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from ..cost_model import CostModel, LayerShape, relayout_bytes
+from ..cost_model import CostModel, LayerShape, relayout_bytes, saved_bytes
 
 
 def _conv(m: nn.Module) -> tuple[int, int]:
@@ -107,18 +107,10 @@ def _rule_saved_bytes(module: nn.Module, L: int) -> float:
     if rule is None:
         return 0.0
     hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    seen: dict = {}
-
-    def pack(t):
-        base = t._base if t._base is not None else t
-        seen[id(base)] = base.numel() * base.element_size()
-        return t
-
     mk = lambda *shape: torch.zeros(*shape, device="meta", requires_grad=True)   # noqa: E731
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rule(mk(1, L, hk, dk), mk(1, L, hk, dk), mk(1, L, hv, dv), g=mk(1, L, hv), beta=mk(1, L, hv),
-             initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return float(sum(seen.values()))
+    return float(saved_bytes(lambda: rule(mk(1, L, hk, dk), mk(1, L, hk, dk), mk(1, L, hv, dv), g=mk(1, L, hv),
+                                          beta=mk(1, L, hv), initial_state=None, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)))
 
 
 NOT_MODELLED = MixerCost()
