@@ -102,6 +102,22 @@ def test_every_row_names_its_cost_model_and_the_trainer_names_no_method():
     assert not found, f"method names in trainer/: {found}"
 
 
+def test_every_async_row_names_its_own_async_plan():
+    """A row with async Targets names the builder of its async plan in its method folder
+    (``methods/<m>/async_.py::async_plan``); a row without has none. wrappers/ only resolves it."""
+    import inspect
+
+    from hyper_parallel.distributed.context_parallel.wrappers import async_pipeline
+
+    for m in catalogue.METHODS.values():
+        build = catalogue.async_plan_builder(m)
+        assert (build is not None) == bool(m.async_targets), m.name
+        if build is not None:
+            assert ".methods." in build.__module__ and build.__name__ == "async_plan", (m.name, build)
+    src = inspect.getsource(async_pipeline.make_plan)
+    assert not any(f'"{n}"' in src for n in catalogue.METHODS), "make_plan names a method"
+
+
 def test_registry_reads_the_catalogue():
     assert METHODS == tuple(m.name for m in catalogue.attention_methods()) + ("custom",)
     assert {s.registry_style for s in catalogue.STYLES.values()} <= set(STYLES)

@@ -113,6 +113,7 @@ class CPMethod:
     async_doc: str = ""              # one line: what the async variant launches and where it waits
     offers: tuple = ()               # Offer per style
     cost: Optional[str] = None       # "module:ATTR" under context_parallel/: its CostModel (cost_model.py)
+    async_plan: Optional[str] = None  # "module:ATTR" under context_parallel/: its async plan builder (async_plan.py)
 
 
 _NO_FLEX = ("not offered: no flex entry point has been written and parity-tested for {m} yet (the strategy "
@@ -123,6 +124,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="colossal", title="colossal (AllGather)", aliases=("all_gather",), strategy="AllGatherStrategy",
         strategy_module="colossal", batch_policy="all_gather", head_rule="gqa", cost="methods.colossal.cost:COST",
+        async_plan="methods.colossal.async_:async_plan",
         head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
         async_targets=_async_targets("colossal"),
@@ -134,7 +136,7 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_cp_wrapper", "flex_qkv"))),
     CPMethod(
         name="ulysses", title="pure Ulysses", strategy="UlyssesStrategy", strategy_module="ulysses",
-        cost="methods.ulysses.cost:COST",
+        cost="methods.ulysses.cost:COST", async_plan="methods.ulysses.async_:async_plan",
         batch_policy="ulysses",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= cp_size: uneven splits and Hk < cp_size (KV heads replicated) "
@@ -150,7 +152,7 @@ METHODS: dict = {m.name: m for m in (
                 Offer("flex_qkv", "flex_qkv_ulysses_cp_wrapper", "flex_qkv_ulysses"))),
     CPMethod(
         name="hybrid", title="Hybrid (Ulysses x Colossal)", strategy="HybridStrategy", strategy_module="hybrid",
-        cost="methods.hybrid.cost:COST",
+        cost="methods.hybrid.cost:COST", async_plan="methods.hybrid.async_:async_plan",
         batch_policy="hybrid",
         head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
@@ -167,7 +169,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="load_balance", title="Head-Tail load balance", aliases=("head_tail",), strategy="HeadTailStrategy",
         strategy_module="head_tail", batch_policy="load_balance", layout="head_tail", length_factor=2,
-        cost="methods.head_tail.cost:COST",
+        cost="methods.head_tail.cost:COST", async_plan="methods.head_tail.async_:async_plan",
         head_rule="gqa",        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("load_balance"),
         async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
@@ -179,7 +181,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="balanced", title="balanced split (Colossal on a work-balanced permutation)",
         aliases=("balanced_split",), strategy="BalancedStrategy", strategy_module="balanced",
-        cost="methods.balanced.cost:COST",
+        cost="methods.balanced.cost:COST", async_plan="methods.colossal.async_:async_plan",
         batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("balanced"),
@@ -195,7 +197,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="hybrid_balanced", title="Hybrid on the balanced split (Ulysses x Colossal, work-balanced permutation)",
         strategy="BalancedHybridStrategy", strategy_module="balanced", batch_policy="balanced", layout="balanced",
-        cost="methods.balanced.cost:HYBRID_COST",
+        cost="methods.balanced.cost:HYBRID_COST", async_plan="methods.hybrid.async_:async_plan",
         length_factor=64, head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
                  "replicated) accepted",

@@ -195,16 +195,27 @@ def builtin_names(kind: Optional[str] = None) -> dict:
 COST_PACKAGE = "hyper_parallel.distributed.context_parallel"
 
 
+def _resolve(path: str):
+    """The object at ``"module:ATTR"`` (module relative to the context_parallel package)."""
+    import importlib
+
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(f"{COST_PACKAGE}.{module}"), attr)
+
+
 def cost_model(method: Optional[str]):
     """The :class:`~..cost_model.CostModel` the row of ``method`` (a name or alias) names; a custom
     wrapper's (nothing known but the full K/V in flight) for None, ``"custom"`` or an unknown name."""
-    import importlib
-
     key = _ALIASES.get(method) if isinstance(method, str) else None
     path = METHODS[key].cost if key else None
     if path is None:
         from ..cost_model import CostModel
 
         return CostModel()
-    module, attr = path.split(":")
-    return getattr(importlib.import_module(f"{COST_PACKAGE}.{module}"), attr)
+    return _resolve(path)
+
+
+def async_plan_builder(row: CPMethod):
+    """The row's ``async_plan(method, strategy_cls, mesh, cp_mesh, ulysses_degree) -> AsyncPlan``
+    (``methods/<method>/async_.py``), or None for a row without async variants."""
+    return _resolve(row.async_plan) if row.async_plan else None

@@ -27,7 +27,8 @@ from ..interception import (AttentionCall, CPInterceptionError, current_apply_co
                             install_private_config, intercept_hf_interface)
 from ..meta import current_cp_batch_meta
 from ..methods.base import engine_attention
-from .async_pipeline import (_Call, _chunk_name, _launch_kv_chunk, _Plan, _split_q, _trace_chunk, _trace_kv_chunk,
+from ..async_plan import AsyncPlan
+from .async_pipeline import (_Call, _chunk_name, _launch_kv_chunk, _split_q, _trace_chunk, _trace_kv_chunk,
                              make_plan, q_chunk_count)
 from .async_protocol import (ASYNC_METHODS, HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs,
                              probe_handoffs, validate_async)
@@ -75,7 +76,7 @@ def check_kv_chunks(kv_chunks, who: str) -> int:
                          "with an LSE merge", who)
 
 
-def _consumer(plan: _Plan, module: nn.Module, owner: str,
+def _consumer(plan: AsyncPlan, module: nn.Module, owner: str,
               current: Callable[[], "_Call"]) -> Callable[[AttentionCall], torch.Tensor]:
     """The attention call after the wait: engine attention on the communicated tensors.
     ``current()`` is the :class:`_Call` of the forward in progress (its query chunks, head layout).
@@ -163,7 +164,7 @@ def _consumer(plan: _Plan, module: nn.Module, owner: str,
     return handler
 
 
-def _colossal_pipelined(c: _Call, plan: _Plan, q: torch.Tensor, meta, sinks, kw: dict) -> torch.Tensor:
+def _colossal_pipelined(c: _Call, plan: AsyncPlan, q: torch.Tensor, meta, sinks, kw: dict) -> torch.Tensor:
     """Colossal consumer over the G gathered K/V chunks: per chunk c, wait K_c and V_c, the engine
     with ``return_lse`` (local queries at ``meta.q_index``; keys at chunk c's global positions
     ``k_index[j*L + c*L/G + t]``, i.e. ``j*L + c*L/G + t`` or, balanced split, ``perm`` of those slots; sinks in chunk 0 only, so they count once) and the LSE merge into the running

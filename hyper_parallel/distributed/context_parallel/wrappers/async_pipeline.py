@@ -1,23 +1,19 @@
 """Per-forward state of an async attention: the method's collectives on the cached groups
-(:func:`make_plan`), the launched collectives and their K/V regather (:class:`_Call`), and the
+(:func:`make_plan`: the row's own ``async_plan``), the launched collectives and their K/V regather (:class:`_Call`), and the
 query / K/V pipeline chunking (:func:`q_chunk_count`). Used by :mod:`.async_handoff`."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .. import catalogue
 from ..async_collectives import AsyncCollective, trace_event, tracing
 from ..comm import regather_saved_kv
-from ..methods.colossal.async_ import colossal_kv_plan
+from ..async_plan import AsyncPlan
 from ..methods.factory import STRATEGY_CLASSES
-from ..methods.head_tail.async_ import head_tail_out_plan, head_tail_q_plan
-from ..methods.hybrid.async_ import hybrid_kv_plan
-from ..methods.ulysses.async_ import ulysses_out_plan, ulysses_plan
-from ..methods.ulysses.layout import UlyssesHeadLayout, ulysses_head_layout
+from ..methods.ulysses.layout import UlyssesHeadLayout
 
 
 def q_chunk_count(rows: int, q_chunks: int) -> int:
@@ -30,66 +26,14 @@ def q_chunk_count(rows: int, q_chunks: int) -> int:
     return 1
 
 
-@dataclasses.dataclass
-class _Plan:
-    method: str
-    plans: Optional[dict]    # "q"/"k"/"v"/"out" -> (forward_comm, backward_comm); None: per head layout (build)
-    checker: object          # the sync strategy of the method on the same groups (local checks only)
-    out_group: object = None  # ulysses group of the output head->seq A2A (Ulysses/Hybrid)
-    ulysses_degree: Optional[int] = None
-    group: object = None     # cp group (Head-Tail combine)
-    build: Optional[Callable] = None    # Ulysses/Hybrid: UlyssesHeadLayout -> plans
-    by_heads: dict = dataclasses.field(default_factory=dict)
-
-    def at_heads(self, num_q_heads: int, num_kv_heads: int, who: str) -> tuple:
-        """``(plans, layout)`` for a forward with these local (TP-local) heads; ``layout`` is the
-        :class:`UlyssesHeadLayout` of the Ulysses group (None for Colossal / Head-Tail). Cached per
-        head counts; raises ValueError (no collective) when no exact split exists."""
-        if self.build is None:
-            return self.plans, None
-        key = (num_q_heads, num_kv_heads)
-        if key not in self.by_heads:
-            u = self.ulysses_degree or self.checker.cp_size
-            lay = ulysses_head_layout(num_q_heads, num_kv_heads, u, who=who,
-                                      what="ulysses_degree" if self.ulysses_degree else "cp_size (ulysses_degree)")
-            self.by_heads[key] = (self.build(lay), lay)
-        return self.by_heads[key]
-
-
-def _group_of(cp_mesh):
-    if cp_mesh is None:
-        raise ValueError("async CP wrappers need an active cp mesh (accelerator.cp_size > 1)")
-    return cp_mesh if not hasattr(cp_mesh, "get_group") else cp_mesh.get_group()
-
-
-def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> _Plan:
-    """The collectives of ``method`` on the cached groups (never creates one), chosen by its
-    catalogue row's exchange family; the checker is the row's sync strategy."""
+def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> AsyncPlan:
+    """The collectives of ``method`` on the cached groups (never creates one): the async plan its
+    catalogue row names (``methods/<method>/async_.py::async_plan``), checked by the row's sync strategy."""
     row = catalogue.get_method(method)
-    cls = STRATEGY_CLASSES[row.strategy]
-    if catalogue.has_ulysses_degree(row):   # Hybrid (on the balanced split: the same exchanges, permuted row)
-        if mesh is None or not hasattr(mesh, "hybrid_groups"):
-            raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
-        cg, ug = mesh.hybrid_groups(ulysses_degree)
-
-        def hybrid(lay):
-            kv = hybrid_kv_plan(cg, ug, lay)
-            return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
-        return _Plan(method, None, cls(cg, ug), ug, ulysses_degree, build=hybrid)
-    group = _group_of(cp_mesh)
-    if catalogue.gathers_kv_only(row):   # colossal; balanced: the same gathers, of the permuted row's slots
-        kv = colossal_kv_plan(group)
-        return _Plan(method, {"k": kv, "v": kv}, cls(group), group=group)
-    if catalogue.splits_heads_over_cp(row):
-        def ulysses(lay):
-            kv = ulysses_plan(group, lay, "kv")
-            return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
-        return _Plan(method, None, cls(group), group, build=ulysses)
-    if catalogue.gathers_kv(row):        # Head-Tail: the K/V gather plus the query dispatch
-        kv = colossal_kv_plan(group)
-        return _Plan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group), "out": head_tail_out_plan(group)},
-                     cls(group), group=group)
-    raise ValueError(f"no async plan for CP method {method!r}")
+    build = catalogue.async_plan_builder(row)
+    if build is None:
+        raise ValueError(f"no async plan for CP method {method!r}")
+    return build(method, STRATEGY_CLASSES[row.strategy], mesh, cp_mesh, ulysses_degree)
 
 
 class _Call:

@@ -26,3 +26,14 @@ def head_tail_out_plan(group) -> tuple:
 
     return (comm_chain([lambda y: head_tail_combine(*y.chunk(2, dim=2), group)], "async_head_tail_combine"),
             comm_chain([lambda g: torch.cat(head_tail_dispatch(g, group), dim=2)], "async_head_tail_combine_bwd"))
+
+
+def async_plan(method: str, strategy_cls, mesh, cp_mesh, ulysses_degree=None):
+    """Head-Tail: the K/V AllGather plus the query dispatch and the output combine."""
+    from ...async_plan import AsyncPlan, group_of
+    from ..colossal.async_ import colossal_kv_plan
+
+    group = group_of(cp_mesh)
+    kv = colossal_kv_plan(group)
+    return AsyncPlan(method, {"k": kv, "v": kv, "q": head_tail_q_plan(group), "out": head_tail_out_plan(group)},
+                     strategy_cls(group), group=group)

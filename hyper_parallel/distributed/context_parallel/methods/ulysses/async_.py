@@ -48,3 +48,15 @@ def ulysses_out_plan(group, lay=None) -> tuple:
                    "async_out_head_to_seq"),
             comm_chain([lambda g: ulysses_seq_to_head(g, group, tag="async_out_seq_to_head", heads=heads)],
                    "async_out_seq_to_head"))
+
+
+def async_plan(method: str, strategy_cls, mesh, cp_mesh, ulysses_degree=None):
+    """Ulysses: Q/K/V seq->head and the output head->seq All-to-All, per head layout."""
+    from ...async_plan import AsyncPlan, group_of
+
+    group = group_of(cp_mesh)
+
+    def build(lay):
+        kv = ulysses_plan(group, lay, "kv")
+        return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
+    return AsyncPlan(method, None, strategy_cls(group), group, build=build)
