@@ -197,10 +197,11 @@ def custom_adapter_parity(S: int = 16) -> dict:
 
 
 def validate_mode_catches_wrong_attention(arch: str = "llama") -> str:
-    """mode='validate' with the async consumer's engine output scaled by 1.01: the comparison with
-    the module on the gathered sequence must raise (returns the message)."""
+    """mode='validate' with the async consumer's engine output scaled by 1.01 (the methods' async
+    loops call ``methods.base.engine_attention`` at call time): the comparison with the module on the
+    gathered sequence must raise (returns the message)."""
     from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
-    from hyper_parallel.distributed.context_parallel.wrappers import async_handoff as AH
+    from hyper_parallel.distributed.context_parallel.methods import base as AH
     from hyper_parallel.distributed.context_parallel.batch import shard_batch_for_cp
 
     cp, suffix, _sync, params = METHODS["colossal"]

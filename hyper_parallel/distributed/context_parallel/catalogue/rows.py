@@ -181,7 +181,7 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="balanced", title="balanced split (Colossal on a work-balanced permutation)",
         aliases=("balanced_split",), strategy="BalancedStrategy", strategy_module="balanced",
-        cost="methods.balanced.cost:COST", async_plan="methods.colossal.async_:async_plan",
+        cost="methods.balanced.cost:COST", async_plan="methods.balanced.async_:async_plan",
         batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("balanced"),
@@ -197,7 +197,8 @@ METHODS: dict = {m.name: m for m in (
     CPMethod(
         name="hybrid_balanced", title="Hybrid on the balanced split (Ulysses x Colossal, work-balanced permutation)",
         strategy="BalancedHybridStrategy", strategy_module="balanced", batch_policy="balanced", layout="balanced",
-        cost="methods.balanced.cost:HYBRID_COST", async_plan="methods.hybrid.async_:async_plan",
+        cost="methods.balanced.cost:HYBRID_COST",
+        async_plan="methods.balanced.async_:hybrid_async_plan",
         length_factor=64, head_rule="split",
         head_doc="Hq % Hk == 0 and Hq >= ulysses_degree: uneven splits and Hk < ulysses_degree (KV heads "
                  "replicated) accepted",

@@ -11,25 +11,19 @@ and change when they run, never the result; gathered K/V are regathered in backw
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from ....ops.attention import kv_map_in_place
-from ....ops.merge import merge_partial_attention
-from ....platform import group_rank
 from .. import catalogue
 from ..async_collectives import trace_event, tracing
-from ..methods.head_tail.collectives import head_tail_sub_chunks
 from ..interception import (AttentionCall, CPInterceptionError, current_apply_context, ensure_hf_interface_registered,
                             install_private_config, intercept_hf_interface)
 from ..meta import current_cp_batch_meta
-from ..methods.base import engine_attention
 from ..async_plan import AsyncPlan
-from .async_pipeline import (_Call, _chunk_name, _launch_kv_chunk, _split_q, _trace_chunk, _trace_kv_chunk,
-                             make_plan, q_chunk_count)
+from ..async_plan import q_chunk_count
+from .async_pipeline import _Call, _chunk_name, _launch_kv_chunk, make_plan
 from .async_protocol import (ASYNC_METHODS, HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs,
                              probe_handoffs, validate_async)
 from .preflight import check_call
@@ -43,12 +37,6 @@ __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_ha
 DEFAULT_Q_CHUNKS = 4
 # K/V pipeline depth G of async Colossal when the wrapper names none
 DEFAULT_KV_CHUNKS = 4
-# the methods whose K/V AllGather is pipelined in ``kv_chunks`` chunks (the balanced split: the same
-# gathers of the permuted row, keys at ``meta.k_index`` = ``meta.perm``, queries at ``meta.q_index``)
-KV_PIPELINED = catalogue.names_where(catalogue.gathers_kv_only)
-# the methods with a Ulysses group of a named degree (regather re-runs its A2A) / on the balanced permutation
-_HYBRID = catalogue.names_where(catalogue.has_ulysses_degree)
-_PERMUTED = catalogue.names_where(catalogue.uses_balanced_permutation)
 #: True: the attention keeps the gathered K/V for backward (no regather, more memory per rank)
 keep_gathered_kv = False
 
@@ -78,15 +66,17 @@ def check_kv_chunks(kv_chunks, who: str) -> int:
 
 def _consumer(plan: AsyncPlan, module: nn.Module, owner: str,
               current: Callable[[], "_Call"]) -> Callable[[AttentionCall], torch.Tensor]:
-    """The attention call after the wait: engine attention on the communicated tensors.
-    ``current()`` is the :class:`_Call` of the forward in progress (its query chunks, head layout).
+    """The attention call after the wait: the method's own loop (``plan.attend``, in
+    ``methods/<m>/async_.py``) on the communicated tensors. ``current()`` is the :class:`_Call` of the
+    forward in progress (its query / K/V chunks, head layout).
 
-    Ulysses / Hybrid / Head-Tail pipeline the query side over the G chunks launched at the Q
-    handoff: ``wait q_0 -> attention_0 -> launch out_0 -> wait q_1 -> attention_1 -> launch out_1
-    ... -> wait out_0 .. out_{G-1} -> concatenate`` (the later chunks' Q collectives travel while
-    the earlier chunks compute; each output collective travels while the later chunks compute).
-    Every query row sees exactly the keys it sees unpipelined: its global position goes to the
-    engine (``q_pos``), with the batch meta's documents / padding, window, softcap and sinks."""
+    A method that pipelines its query side waits the G chunks launched at the Q handoff one by one:
+    ``wait q_0 -> attention_0 -> launch out_0 -> wait q_1 -> ... -> wait out_0 .. out_{G-1} ->
+    concatenate`` (the later chunks' Q collectives travel while the earlier chunks compute; each
+    output collective travels while the later chunks compute); Colossal's K/V pipeline merges the
+    chunks' attention by LSE. Every query row sees exactly the keys it sees unpipelined: its global
+    position goes to the engine (``q_pos``), with the batch meta's documents / padding, window,
+    softcap and sinks."""
     who = f"module '{owner}'"
 
     def handler(call: AttentionCall) -> torch.Tensor:
@@ -97,97 +87,9 @@ def _consumer(plan: AsyncPlan, module: nn.Module, owner: str,
         sinks = call.sinks
         if sinks is not None and sinks.dtype != q.dtype:
             sinks = sinks.to(q.dtype)
-        m = plan.method
-        c = current()
-        if m in KV_PIPELINED:
-            if not c.kv_parts:         # G = 1: K/V waited whole at cp_attn_wait
-                with c.regather("k", "v", (k, v), keep_gathered_kv):
-                    return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, sinks=sinks, **kw)
-            return _colossal_pipelined(c, plan, q, meta, sinks, kw)
-        outs = []
-        if m == "load_balance":
-            C, r = plan.checker.cp_size, plan.checker.cp_rank
-            sub = meta.global_seq_len // (2 * C)
-            rows = sub // len(c.q_parts)
-            # one regather for all query chunks: the branches save key prefixes, views of k / v
-            with c.regather("k", "v", (k, v), keep_gathered_kv):
-                for ci, (coll, tok) in enumerate(c.q_parts):
-                    q_c = coll.wait(tok)             # [B, Hq, 2*rows, D]: rows of the head, then the tail branch
-                    _trace_chunk(q_c, ci)
-                    res = []
-                    # head branch first, then tail (the docstring of the Head-Tail entry point states this order)
-                    for q_part, chunk in zip(q_c.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
-                        lo = chunk * sub + ci * rows
-                        q_pos = torch.arange(lo, lo + rows, dtype=torch.int64)
-                        n_keys = lo + rows if meta.causal else meta.global_seq_len   # keys past the last query
-                        trace_event("compute", f"attention_chunk{chunk}")
-                        res.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
-                                                    k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks,
-                                                    **kw))
-                    outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], torch.cat(res, dim=2)))
-            got = [oc.wait(t) for oc, t in outs]     # each [B, Hq, 2*rows, D]: rows of sub-chunk 2r, then 2r+1
-            return torch.cat([g[:, :, :rows] for g in got] + [g[:, :, rows:] for g in got], dim=2)
-        # ulysses / hybrid: this rank's head slice over the (group's) whole sequence
-        u = plan.ulysses_degree or plan.checker.cp_size
-        i = group_rank(plan.out_group)
-        lay = c.layout
-        # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas, read in place
-        # through the engine's head map) and the sinks of these query heads, as the sync
-        # ulysses_group_attention
-        kv_map = lay.kv_map_args(i)
-        sinks_h = lay.q_slice(sinks, i)
-        if m == "ulysses":
-            q_pos = meta.k_index
-        else:
-            span = meta.local_seq_len * u
-            start = (meta.cp_rank // u) * span
-            q_pos = meta.k_index[start:start + span]     # the u-group's slots (balanced split: their perm)
-        # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
-        q_pos = q_pos.view(u, len(c.q_parts), -1)
-        # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
-        # the size of the local ones: nothing to save); one exchange serves every query chunk. The
-        # regather re-runs the ulysses A2A too, so every rank of the group must take part: the choice
-        # depends only on values every rank shares. A backend that copies K/V per query head for a
-        # head map (CUDA, NPU: kv_map_in_place False) saves that copy on the mapped ranks, which then
-        # would not regather: there only layouts without a head map on any rank regather
-        regather = m in _HYBRID and u < plan.checker.cp_size and (
-            kv_map_in_place(k.device) or not any(lay.kv_map_args(j) for j in range(u)))
-        with c.regather("k", "v", (k, v), keep_gathered_kv) if regather else contextlib.nullcontext():
-            for ci, (coll, tok) in enumerate(c.q_parts):
-                q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
-                _trace_chunk(q_c, ci)
-                out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index,
-                                       sinks=sinks_h, **kv_map, **kw)
-                outs.append(c.launch(_chunk_name("out", ci), c.plans["out"], out))
-        return torch.cat([oc.wait(t) for oc, t in outs], dim=2)    # [B, Hq, L, D]
+        return plan.attend(plan, current(), q, k, v, meta, sinks, kw, keep_gathered_kv)
 
     return handler
-
-
-def _colossal_pipelined(c: _Call, plan: AsyncPlan, q: torch.Tensor, meta, sinks, kw: dict) -> torch.Tensor:
-    """Colossal consumer over the G gathered K/V chunks: per chunk c, wait K_c and V_c, the engine
-    with ``return_lse`` (local queries at ``meta.q_index``; keys at chunk c's global positions
-    ``k_index[j*L + c*L/G + t]``, i.e. ``j*L + c*L/G + t`` or, balanced split, ``perm`` of those slots; sinks in chunk 0 only, so they count once) and the LSE merge into the running
-    result (kept in fp32 or wider; rows seeing no key of a chunk: out 0, lse -inf). Returns
-    ``[B, Hq, L, Dv]`` in q's dtype. Differentiable: backward runs the chunks' attention backwards
-    last chunk first, each chunk's wait nodes launching its dK/dV ReduceScatter."""
-    ks, vs = c.kv_parts["k"], c.kv_parts["v"]
-    g, C = len(ks), plan.checker.cp_size
-    k_pos = meta.k_index.view(C, g, -1)          # rank-major: rank j's rows of chunk ci
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    out = lse = None
-    for ci, ((ck, tk), (cv, tv)) in enumerate(zip(ks, vs)):
-        k_c, v_c = ck.wait(tk), cv.wait(tv)      # [B, Hk, C*L/G, D]
-        _trace_kv_chunk(k_c, v_c, ci)
-        # backward reads the chunks last first; reading chunk ci's pair starts chunk ci-1's regather
-        with c.regather(_chunk_name("k", ci), _chunk_name("v", ci), (k_c, v_c), keep_gathered_kv):
-            o, l = engine_attention(q, k_c, v_c, q_pos=meta.q_index, k_pos=k_pos[:, ci].reshape(-1),
-                                    sinks=sinks if ci == 0 else None, return_lse=True, **kw)
-        if out is None:
-            out, lse = o.to(acc_dtype), l
-        else:
-            out, lse = merge_partial_attention(out, lse, o, l)
-    return out.to(q.dtype)
 
 
 def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str, ulysses_degree=None,
@@ -236,11 +138,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
         plan.checker.check_shapes(q_shape, kv_shape, kv_shape, meta, cp_size=plan.checker.cp_size,
                                   cp_rank=plan.checker.cp_rank)
         c.plans, c.layout = plan.at_heads(hk * groups, hk, f"module '{owner}'")
-        if plan.method in _PERMUTED:
-            plan.checker.check_permuted(meta)
-        if plan.method == "load_balance" and meta.global_seq_len % (2 * plan.checker.cp_size):
-            raise ValueError(f"module '{owner}': global sequence length {meta.global_seq_len} is not a multiple of "
-                             f"2*cp_size={2 * plan.checker.cp_size}; shard the batch with policy='load_balance'")
+        if plan.check_meta is not None:
+            plan.check_meta(meta, owner)
 
     def launch_hook(key):
         def hook(mod, args, out):
@@ -254,10 +153,10 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
                 # G query chunks, each its own collective (and mirrored backward), all launched now;
                 # the consumer waits them one by one. The handoff output stays the local q (the
                 # consumer reads the chunks' tokens; their gradients reach q through the launches).
-                for ci, part in enumerate(_split_q(plan.method, out, q_chunks)):
+                for ci, part in enumerate(plan.split_q(out, q_chunks)):
                     c.q_parts.append(c.launch(_chunk_name("q", ci), c.plans["q"], part))
                 return None
-            if plan.method in KV_PIPELINED and q_chunk_count(out.shape[2], kv_chunks) > 1:
+            if plan.kv_chunked and q_chunk_count(out.shape[2], kv_chunks) > 1:
                 # G K (V) chunks, each its own gather; waited one by one in the consumer. The handoff
                 # output stays the local tensor (the chunks' gradients reach it through the launches).
                 _launch_kv_chunk(c, c.plans[key], key, out, kv_chunks)

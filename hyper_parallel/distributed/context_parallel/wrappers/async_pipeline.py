@@ -1,6 +1,7 @@
 """Per-forward state of an async attention: the method's collectives on the cached groups
-(:func:`make_plan`: the row's own ``async_plan``), the launched collectives and their K/V regather (:class:`_Call`), and the
-query / K/V pipeline chunking (:func:`q_chunk_count`). Used by :mod:`.async_handoff`."""
+(:func:`make_plan`: the row's own ``async_plan``), the launched collectives and their K/V regather
+(:class:`_Call`), and the K/V pipeline's chunk launch (:func:`_launch_kv_chunk`). Used by
+:mod:`.async_handoff`; the methods' attention loops read a :class:`_Call` (``methods/<m>/async_.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,21 +10,12 @@ from typing import Optional
 import torch
 
 from .. import catalogue
-from ..async_collectives import AsyncCollective, trace_event, tracing
+from ..async_collectives import AsyncCollective, trace_event
 from ..comm import regather_saved_kv
-from ..async_plan import AsyncPlan
+from ..async_plan import AsyncPlan, q_chunk_count
+from ..async_plan import chunk_name as _chunk_name
 from ..methods.factory import STRATEGY_CLASSES
 from ..methods.ulysses.layout import UlyssesHeadLayout
-
-
-def q_chunk_count(rows: int, q_chunks: int) -> int:
-    """The pipeline depth used for ``rows`` local query rows: the largest divisor of ``rows`` not
-    above ``q_chunks`` (Ulysses/Hybrid: ``rows`` = the local length L; Head-Tail: L/2, the rows of
-    one sub-chunk). Every chunk has the same number of rows, so every rank agrees."""
-    for g in range(min(q_chunks, rows), 0, -1):
-        if rows % g == 0:
-            return g
-    return 1
 
 
 def make_plan(method: str, mesh, cp_mesh, ulysses_degree=None) -> AsyncPlan:
@@ -96,24 +88,6 @@ class _PairHandle:
         return k, v
 
 
-def _chunk_name(base: str, i: int) -> str:
-    return base if i == 0 else f"{base}.{i}"
-
-
-def _split_q(method: str, q: torch.Tensor, q_chunks: int) -> list:
-    """The G query chunks launched at the Q handoff (G = :func:`q_chunk_count`), in sequence order.
-
-    Ulysses / Hybrid: rows ``[c*L/G, (c+1)*L/G)`` of the local ``[B, Hq, L, D]``. Head-Tail: the
-    same rows of each of the two local sub-chunks (2r, 2r+1), concatenated ``[B, Hq, 2*L/(2G), D]``,
-    so one dispatch per chunk carries both branches' rows (:func:`..methods.head_tail.async_.head_tail_q_plan`)."""
-    L = q.shape[2]
-    if method == "load_balance":
-        g = q_chunk_count(L // 2, q_chunks)
-        lo, hi = q.chunk(2, dim=2)
-        return [torch.cat([a, b], dim=2) for a, b in zip(lo.chunk(g, dim=2), hi.chunk(g, dim=2))]
-    return list(q.chunk(q_chunk_count(L, q_chunks), dim=2))
-
-
 def _kv_chunk_names(key: str, g: int) -> list:
     return [_chunk_name(key, i) for i in range(g)]
 
@@ -134,27 +108,3 @@ def _launch_kv_chunk(c: "_Call", plan_kv: tuple, key: str, x: torch.Tensor, kv_c
     for ci, (a, b) in enumerate(zip(first_rest, parts[1:]), start=1):
         c.kv_parts[other].append(c.launch(_chunk_name(other, ci), plan_kv, a))
         c.kv_parts[key].append(c.launch(_chunk_name(key, ci), plan_kv, b))
-
-
-def _trace_kv_chunk(k_c: torch.Tensor, v_c: torch.Tensor, ci: int) -> None:
-    """Trace the attention of gathered K/V chunk ``ci`` (forward now; backward once, when the first of
-    its dK / dV is consumed, i.e. right after the chunk's attention backward)."""
-    if tracing():
-        trace_event("compute", f"attention_kv{ci}")
-        seen = []
-
-        def once(g, ci=ci):
-            if not seen:
-                seen.append(True)
-                trace_event("bwd_compute", f"attention_kv{ci}")
-        for t in (k_c, v_c):
-            if t.requires_grad:
-                t.register_hook(once)
-
-
-def _trace_chunk(q_c: torch.Tensor, ci: int) -> None:
-    """Trace the attention of query chunk ``ci`` (forward now; backward when its dQ exists)."""
-    if tracing():
-        trace_event("compute", f"attention_q{ci}")
-        if q_c.requires_grad:
-            q_c.register_hook(lambda g, ci=ci: trace_event("bwd_compute", f"attention_q{ci}"))

@@ -29,7 +29,7 @@ def async_plan(method: str, strategy_cls, mesh, cp_mesh, ulysses_degree=None):
     """Hybrid (on the balanced split too: the same exchanges, permuted row): the K/V ulysses A2A
     chained into the colossal AllGather, Q / output ulysses A2A, per head layout."""
     from ...async_plan import AsyncPlan
-    from ..ulysses.async_ import ulysses_out_plan, ulysses_plan
+    from ..ulysses.async_ import head_split_attend, ulysses_out_plan, ulysses_plan
 
     if mesh is None or not hasattr(mesh, "hybrid_groups"):
         raise ValueError("the async Hybrid wrapper needs the MeshContext (mesh) to find its cached sub-groups")
@@ -38,4 +38,4 @@ def async_plan(method: str, strategy_cls, mesh, cp_mesh, ulysses_degree=None):
     def build(lay):
         kv = hybrid_kv_plan(cg, ug, lay)
         return {"k": kv, "v": kv, "q": ulysses_plan(ug, lay, "q"), "out": ulysses_out_plan(ug, lay)}
-    return AsyncPlan(method, None, strategy_cls(cg, ug), ug, ulysses_degree, build=build)
+    return AsyncPlan(method, None, strategy_cls(cg, ug), ug, ulysses_degree, build=build, attend=head_split_attend)

@@ -59,4 +59,49 @@ def async_plan(method: str, strategy_cls, mesh, cp_mesh, ulysses_degree=None):
     def build(lay):
         kv = ulysses_plan(group, lay, "kv")
         return {"q": ulysses_plan(group, lay, "q"), "k": kv, "v": kv, "out": ulysses_out_plan(group, lay)}
-    return AsyncPlan(method, None, strategy_cls(group), group, build=build)
+    return AsyncPlan(method, None, strategy_cls(group), group, build=build, attend=head_split_attend)
+
+
+def head_split_attend(plan, c, q, k, v, meta, sinks, kw: dict, keep: bool):
+    """Ulysses and Hybrid after the wait: this rank's head slice over its (Ulysses group's) whole
+    sequence, per query chunk (waited one by one), each chunk's output head->seq A2A launched after
+    its attention, all waited last. Hybrid regathers its colossal-gathered K/V in backward."""
+    import contextlib
+
+    import torch
+
+    from .....ops.attention import kv_map_in_place
+    from .....platform import group_rank
+    from ...async_plan import chunk_name, trace_chunk
+    from ..base import engine_attention
+
+    u = plan.ulysses_degree or plan.checker.cp_size
+    i = group_rank(plan.out_group)
+    lay = c.layout
+    # this rank's query heads lay.q_ranges[i] and the KV heads they use (replicas, read in place
+    # through the engine's head map) and the sinks of these query heads, as the sync
+    # ulysses_group_attention
+    kv_map = lay.kv_map_args(i)
+    sinks_h = lay.q_slice(sinks, i)
+    span = meta.local_seq_len * u
+    start = (meta.cp_rank // u) * span
+    q_pos = meta.k_index[start:start + span]     # the u-group's slots (Ulysses: all; balanced split: their perm)
+    # chunk ci of the group: rows [ci*L/G, (ci+1)*L/G) of every group rank's chunk, rank-major
+    q_pos = q_pos.view(u, len(c.q_parts), -1)
+    # Hybrid: the colossal-gathered K/V are regathered in backward (Ulysses' head-exchanged K/V are
+    # the size of the local ones: nothing to save); one exchange serves every query chunk. The
+    # regather re-runs the ulysses A2A too, so every rank of the group must take part: the choice
+    # depends only on values every rank shares. A backend that copies K/V per query head for a
+    # head map (CUDA, NPU: kv_map_in_place False) saves that copy on the mapped ranks, which then
+    # would not regather: there only layouts without a head map on any rank regather
+    regather = u < plan.checker.cp_size and (
+        kv_map_in_place(k.device) or not any(lay.kv_map_args(j) for j in range(u)))
+    outs = []
+    with c.regather("k", "v", (k, v), keep) if regather else contextlib.nullcontext():
+        for ci, (coll, tok) in enumerate(c.q_parts):
+            q_c = coll.wait(tok)                 # [B, n_i, u*L/G, D]
+            trace_chunk(q_c, ci)
+            out = engine_attention(q_c, k, v, q_pos=q_pos[:, ci].reshape(-1), k_pos=meta.k_index,
+                                   sinks=sinks_h, **kv_map, **kw)
+            outs.append(c.launch(chunk_name("out", ci), c.plans["out"], out))
+    return torch.cat([oc.wait(t) for oc, t in outs], dim=2)    # [B, Hq, L, D]
