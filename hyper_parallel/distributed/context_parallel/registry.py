@@ -21,7 +21,14 @@ from typing import Any, Callable
 from . import catalogue
 
 MESH_PARAMS = ("target_module", "mesh", "tp_mesh", "cp_mesh", "ep_mesh")
-METHODS = catalogue.method_names("attention") + ("custom",)   # WrapperInfo.method values
+
+
+def wrapper_methods() -> tuple:
+    """The ``WrapperInfo.method`` values: every attention row of the catalogue (read now: a method
+    registered at run time, ``context_parallel.extension``, counts) and ``"custom"``."""
+    return catalogue.method_names("attention") + ("custom",)
+
+
 STYLES = catalogue.wrapper_styles()                          # WrapperInfo.style values
 
 
@@ -86,8 +93,8 @@ def inner_wrapper(fn: Callable | None = None, *, method: str = "custom", style: 
                          f"dim (int >= 0) or None, got {seq_dims!r} with mixer={mixer}")
 
     def deco(f: Callable) -> Callable:
-        if method not in METHODS:
-            raise ValueError(f"inner_wrapper method must be one of {METHODS}, got {method!r}")
+        if method not in wrapper_methods():
+            raise ValueError(f"inner_wrapper method must be one of {wrapper_methods()}, got {method!r}")
         if style not in STYLES:
             raise ValueError(f"inner_wrapper style must be one of {STYLES}, got {style!r}")
         named, required = _inspect(f)

@@ -25,19 +25,17 @@ from ..errors import CPConfigError
 from ..tensor_parallel import check_tp_plan, get_tp_plan
 from .resolver import ResolvedCPTarget
 
-__all__ = ["METHOD_POLICY", "MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "batch_policy"]
+__all__ = ["MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "batch_policy"]
 
-# wrapper method -> shard_batch_for_cp policy (one policy per batch), read from the catalogue
-METHOD_POLICY = catalogue.method_policies()
 
 
 def _reorders(method: str) -> bool:
     """The method's batch layout is not the contiguous one (Head-Tail): it cannot share a model."""
-    return method in METHOD_POLICY and catalogue.get_method(method).layout != "contiguous"
+    return method in catalogue.method_policies() and catalogue.get_method(method).layout != "contiguous"
 
 
 def _splits_heads(method: str) -> bool:
-    return method in METHOD_POLICY and catalogue.get_method(method).head_rule == "split"
+    return method in catalogue.method_policies() and catalogue.get_method(method).head_rule == "split"
 
 
 def _validate_accepts(fn: Callable, name: str) -> bool:

@@ -196,11 +196,18 @@ COST_PACKAGE = "hyper_parallel.distributed.context_parallel"
 
 
 def _resolve(path: str):
-    """The object at ``"module:ATTR"`` (module relative to the context_parallel package)."""
+    """The object at ``"module:ATTR"``: the module relative to the context_parallel package (the
+    built-in rows), else an absolute module name (a row added by ``context_parallel.extension``)."""
     import importlib
 
     module, attr = path.split(":")
-    return getattr(importlib.import_module(f"{COST_PACKAGE}.{module}"), attr)
+    try:
+        mod = importlib.import_module(f"{COST_PACKAGE}.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{COST_PACKAGE}.{module}" and not f"{COST_PACKAGE}.{module}".startswith(f"{exc.name}."):
+            raise
+        mod = importlib.import_module(module)
+    return getattr(mod, attr)
 
 
 def cost_model(method: Optional[str]):
