@@ -6,7 +6,8 @@ per row, forward and backward, per exchange (:meth:`~CostModel.comm`); the bytes
 backward beyond what autograd's own saves count (:meth:`~CostModel.kept_for_backward`); the bytes
 it holds only while it runs (:meth:`~CostModel.in_flight`); and what it saves beyond the module's
 own forward (:meth:`~CostModel.extra_saved`). The base class is a custom wrapper's: nothing known
-but the full gathered K/V while it runs. Pure arithmetic on shapes; no collective, no tensor.
+but the full gathered K/V while it runs. Pure arithmetic on shapes, no collective; the one probe that
+runs tensors, :func:`saved_bytes`, runs them on whatever device its caller gives (meta for ``--explain``).
 """
 from __future__ import annotations
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 from .markdown import entry_table_markdown, support_matrix_markdown
 from .rows import (ASYNC_ADAPTERS, MAMBA2_FAMILIES, METHODS, MIXERS_MODULE, STYLES, WRAPPERS_MODULE, CPMethod, Offer,
                    Style, adapter_module, async_entry_name)
-from .rules import (async_methods, attention_methods, batch_policies, batch_policy_for, builtin_modules,
-                    builtin_names, check_degree, cost_model, async_plan_builder, entry_meta, entry_params, gathers_kv, gathers_kv_only, get_method,
-                    has_ulysses_degree, head_split, method_names, method_policies, mixer_methods, names_where, offers,
-                    splits_heads_over_cp, uses_balanced_permutation, wrapper_styles)
+from .rules import (async_methods, async_plan_builder, attention_methods, batch_policies, batch_policy_for,
+                    builtin_modules, builtin_names, check_degree, cost_model, entry_meta, entry_params, gathers_kv,
+                    gathers_kv_only, get_method, has_ulysses_degree, head_split, method_names, method_policies,
+                    mixer_methods, offers, splits_heads_over_cp, uses_balanced_permutation, wrapper_styles)
 
 __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE", "MIXERS_MODULE", "MAMBA2_FAMILIES",
            "ASYNC_ADAPTERS",
@@ -38,4 +38,4 @@ __all__ = ["Style", "Offer", "CPMethod", "STYLES", "METHODS", "WRAPPERS_MODULE",
            "entry_meta", "async_methods", "entry_params", "adapter_module", "async_entry_name",
            "builtin_modules", "builtin_names", "entry_table_markdown", "support_matrix_markdown",
            "gathers_kv", "gathers_kv_only", "has_ulysses_degree", "splits_heads_over_cp",
-           "uses_balanced_permutation", "names_where", "cost_model", "async_plan_builder"]
+           "uses_balanced_permutation", "cost_model", "async_plan_builder"]

@@ -49,11 +49,6 @@ def uses_balanced_permutation(row: CPMethod) -> bool:
     return row.layout == "balanced"
 
 
-def names_where(pred, kind: Optional[str] = "attention") -> tuple:
-    """Canonical names of the rows (of ``kind``; None: any) for which ``pred(row)`` holds, in catalogue order."""
-    return tuple(m.name for m in METHODS.values() if (kind is None or m.kind == kind) and pred(m))
-
-
 def get_method(name: str, kind: Optional[str] = "attention") -> CPMethod:
     """The row for a method name or alias (of ``kind``; None: any); ValueError lists the names."""
     key = _ALIASES.get(name) if isinstance(name, str) else None
@@ -192,7 +187,7 @@ def builtin_names(kind: Optional[str] = None) -> dict:
     return {o.registry_name: o.target for _m, o in offers(kind) if o.registry_name}
 
 
-COST_PACKAGE = "hyper_parallel.distributed.context_parallel"
+_ROW_PACKAGE = "hyper_parallel.distributed.context_parallel"   # where a built-in row's "module:ATTR" paths start
 
 
 def _resolve(path: str):
@@ -201,10 +196,11 @@ def _resolve(path: str):
     import importlib
 
     module, attr = path.split(":")
+    relative = f"{_ROW_PACKAGE}.{module}"
     try:
-        mod = importlib.import_module(f"{COST_PACKAGE}.{module}")
+        mod = importlib.import_module(relative)
     except ModuleNotFoundError as exc:
-        if exc.name != f"{COST_PACKAGE}.{module}" and not f"{COST_PACKAGE}.{module}".startswith(f"{exc.name}."):
+        if not f"{relative}.".startswith(f"{exc.name}."):   # a module it imports is missing: a real error
             raise
         mod = importlib.import_module(module)
     return getattr(mod, attr)

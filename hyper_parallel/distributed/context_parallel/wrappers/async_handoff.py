@@ -21,9 +21,8 @@ from ..async_collectives import trace_event, tracing
 from ..interception import (AttentionCall, CPInterceptionError, current_apply_context, ensure_hf_interface_registered,
                             install_private_config, intercept_hf_interface)
 from ..meta import current_cp_batch_meta
-from ..async_plan import AsyncPlan
-from ..async_plan import q_chunk_count
-from .async_pipeline import _Call, _chunk_name, _launch_kv_chunk, make_plan
+from ..async_plan import AsyncPlan, chunk_name, q_chunk_count
+from .async_pipeline import _Call, _launch_kv_chunk, make_plan
 from .async_protocol import (ASYNC_METHODS, HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs,
                              probe_handoffs, validate_async)
 from .preflight import check_call
@@ -154,7 +153,7 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
                 # the consumer waits them one by one. The handoff output stays the local q (the
                 # consumer reads the chunks' tokens; their gradients reach q through the launches).
                 for ci, part in enumerate(plan.split_q(out, q_chunks)):
-                    c.q_parts.append(c.launch(_chunk_name("q", ci), c.plans["q"], part))
+                    c.q_parts.append(c.launch(chunk_name("q", ci), c.plans["q"], part))
                 return None
             if plan.kv_chunked and q_chunk_count(out.shape[2], kv_chunks) > 1:
                 # G K (V) chunks, each its own gather; waited one by one in the consumer. The handoff

@@ -12,8 +12,7 @@ import torch
 from .. import catalogue
 from ..async_collectives import AsyncCollective, trace_event
 from ..comm import regather_saved_kv
-from ..async_plan import AsyncPlan, q_chunk_count
-from ..async_plan import chunk_name as _chunk_name
+from ..async_plan import AsyncPlan, chunk_name, q_chunk_count
 from ..methods.factory import STRATEGY_CLASSES
 from ..methods.ulysses.layout import UlyssesHeadLayout
 
@@ -88,10 +87,6 @@ class _PairHandle:
         return k, v
 
 
-def _kv_chunk_names(key: str, g: int) -> list:
-    return [_chunk_name(key, i) for i in range(g)]
-
-
 def _launch_kv_chunk(c: "_Call", plan_kv: tuple, key: str, x: torch.Tensor, kv_chunks: int) -> None:
     """K/V pipeline (Colossal): split ``x`` ``[B, Hk, L, D]`` into G sequence chunks; launch chunk 0
     now; at the second of the two handoffs, also launch the remaining chunks interleaved
@@ -106,5 +101,5 @@ def _launch_kv_chunk(c: "_Call", plan_kv: tuple, key: str, x: torch.Tensor, kv_c
     if len(first_rest) != len(parts) - 1:
         raise ValueError(f"K and V local lengths give different chunk counts ({len(first_rest) + 1} vs {len(parts)})")
     for ci, (a, b) in enumerate(zip(first_rest, parts[1:]), start=1):
-        c.kv_parts[other].append(c.launch(_chunk_name(other, ci), plan_kv, a))
-        c.kv_parts[key].append(c.launch(_chunk_name(key, ci), plan_kv, b))
+        c.kv_parts[other].append(c.launch(chunk_name(other, ci), plan_kv, a))
+        c.kv_parts[key].append(c.launch(chunk_name(key, ci), plan_kv, b))
