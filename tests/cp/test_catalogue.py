@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -81,9 +80,8 @@ def _explain_comm(name, cp=4, **extra):
 
 
 def test_every_row_names_its_cost_model_and_the_trainer_names_no_method():
-    """Each row's ``cost`` resolves to a CostModel, which every attention row fills in (a row of an
-    existing family copied under a new name is modelled the same without touching the trainer);
-    --explain reads them: no row name or alias is a string literal anywhere under trainer/, nor
+    """Each row's ``cost`` resolves to a CostModel, which every attention row fills in; --explain
+    reads them through the row: no row name or alias is a string literal anywhere under trainer/, nor
     under wrappers/ (which drives the async handoff protocol around each row's own AsyncPlan)."""
     import ast
     import pathlib

@@ -74,6 +74,7 @@ def backend_release_run():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from hyper_parallel.platform.release import wait_backend_released
+    from hyper_parallel.testing import scaled
 
     r, w, g = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     inputs, results, temps = [], [], []
@@ -89,7 +90,7 @@ def backend_release_run():
         results.append(h.wait())
     freed = [all(t.untyped_storage().nbytes() == 0 for t in ts) for ts in temps]
     temps.clear()
-    wait_backend_released(60.0)
+    wait_backend_released(scaled(60))      # a hang bound, not a window
     return {"freed": freed, "inputs_released": [ref.expired() for ref in inputs],
             "results_intact": all(t.untyped_storage().nbytes() > 0 for t in results),
             "uneven_ok": torch.equal(results[3], torch.arange(1, w + 1, dtype=torch.float32).repeat_interleave(6)
