@@ -6,3 +6,5 @@ planner/applier, ``context_parallel``), ``ops`` + ``csrc`` (attention engine),
 ``models/<name>/adapter`` (model-specific wrappers), ``trainer``.
 """
 __version__ = "0.1.0"
+
+from . import models  # noqa: E402,F401  every model family registers its rows, classes and adapters

@@ -41,7 +41,8 @@ from ..distributed.context_parallel import catalogue
 from ..distributed.context_parallel.wrappers.async_handoff import AttnWait, HandoffPoint
 from ..distributed.context_parallel.wrappers.factory import async_entry
 
-__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "target_names"]
+__all__ = ["HFAttentionSpec", "handoff_forward", "install_protocol", "adapter_wrappers", "adapter_module",
+           "target_names", "publish_adapter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,12 @@ def install_protocol(module: nn.Module, spec: HFAttentionSpec) -> Callable:
     return fwd
 
 
+def adapter_module(arch: str) -> str:
+    """The public module path of model ``arch``'s async adapter Targets (a ``_target_`` prefix; the code is
+    in ``models/<arch>/async_cp.py``, made importable there by :func:`publish_adapter`)."""
+    return f"{__package__}.{arch}.adapter.distributed.context_parallel_async"
+
+
 def target_names(arch: str) -> list:
     """``<arch>_async_<method>_cp_wrapper`` for every async method, in catalogue order."""
     return [catalogue.async_entry_name(m.name, arch) for m in catalogue.async_methods()]
@@ -161,12 +168,13 @@ def adapter_wrappers(spec: HFAttentionSpec, module_name: str) -> dict:
 def publish_adapter(spec: HFAttentionSpec, namespace: dict) -> list:
     """Publish a model's async Targets from its ``models/<model_type>/async_cp.py`` (``namespace``:
     that module's ``globals()``): the Targets go into the module, the module becomes importable at
-    the design's public ``_target_`` path (``catalogue.adapter_module``:
+    the design's public ``_target_`` path (:func:`adapter_module`:
     ``hyper_parallel.models.<model_type>.adapter.distributed.context_parallel_async``, also the
     Targets' ``__module__``) and the module's ``__all__`` is returned."""
-    public = catalogue.adapter_module(spec.arch)
+    public = adapter_module(spec.arch)
     namespace.update(adapter_wrappers(spec, public))
     _alias_module(sys.modules[namespace["__name__"]], public)
+    catalogue.add_async_adapter(spec.arch, public)
     return ["SPEC", *target_names(spec.arch)]
 
 

@@ -141,7 +141,7 @@ def test_every_entry_point_is_a_catalogue_cell_and_back():
     # the package's async (handoff-protocol) Targets are the catalogue rows' generic async targets
     generic_async = {n for n in dir(wrappers) if wrapper_info(getattr(wrappers, n)) is not None
                      and wrapper_info(getattr(wrappers, n)).is_async}
-    listed = {t.rsplit(".", 1)[1] for m in catalogue.attention_methods() for t in m.async_targets
+    listed = {t.rsplit(".", 1)[1] for m in catalogue.attention_methods() for t in catalogue.async_targets(m)
               if t.startswith(catalogue.WRAPPERS_MODULE + ".")}
     assert generic_async == listed and generic_async <= set(wrappers.__all__), generic_async ^ listed
     assert offered <= set(wrappers.__all__)
@@ -186,7 +186,7 @@ def test_generated_entry_points_bind_their_signature():
 
 def test_async_variants_resolve():
     for m in catalogue.attention_methods():
-        for target in m.async_targets:
+        for target in catalogue.async_targets(m):
             info = wrapper_info(import_target(target))
             assert info.is_async and info.method == m.name and info.model_adapter, target
         assert m.async_targets or m.async_reason

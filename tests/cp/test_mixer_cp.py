@@ -116,7 +116,7 @@ def make_state_visible(model) -> None:
     """A slow SSM decay (A = -0.5, dt ~ softplus(-2); default init forgets within ~15 tokens) and a
     mixer output not ~1e-4 of the residual stream, so a test can tell whether the state crossed a
     rank edge."""
-    from hyper_parallel.distributed.context_parallel.catalogue import MAMBA2_FAMILIES
+    from hyper_parallel.distributed.context_parallel.mixers.mamba2 import MAMBA2_FAMILIES
 
     with torch.no_grad():
         for mod in model.modules():

@@ -49,13 +49,13 @@ _SPECIAL = {"DeepseekV32Attention": "dsa_all_gather", "GlmMoeDsaAttention": "dsa
 
 def _mixer_classes() -> dict:
     """Token-mixer class name -> its state-passing method, from each method module's class list."""
-    from hyper_parallel.distributed.context_parallel.mixers.mamba1 import MAMBA1_CLASSES
+    from hyper_parallel.distributed.context_parallel.mixers.mamba1 import MAMBA1_FAMILIES
     from hyper_parallel.models.kimi_linear.kda import KDA_CLASSES
     from hyper_parallel.models.minimax.lightning import LIGHTNING_CLASSES
     from hyper_parallel.models.recurrent_gemma.rglru import RGLRU_CLASSES
 
     table = {}
-    for classes, method in ((MAMBA1_CLASSES, "mamba1_state_passing"), (KDA_CLASSES, "kda_state_passing"),
+    for classes, method in ((MAMBA1_FAMILIES.classes(), "mamba1_state_passing"), (KDA_CLASSES, "kda_state_passing"),
                             (LIGHTNING_CLASSES, "lightning_state_passing"), (RGLRU_CLASSES, "rglru_state_passing")):
         table.update(dict.fromkeys(classes, method))
     return table
@@ -174,8 +174,8 @@ def build_tiny(model_type: str):
 def declarations(model: nn.Module) -> list:
     """plan_overrides for ``model``: every softmax attention (by leaf name) with ``sdpa_hf`` (or its
     family's method), known token mixers with their catalogue method; the rest is left to the proof."""
-    from hyper_parallel.distributed.context_parallel import catalogue
-    from hyper_parallel.distributed.context_parallel.mixers import HALO_CLASSES
+    from hyper_parallel.distributed.context_parallel.mixers import HALO_FAMILIES
+    from hyper_parallel.distributed.context_parallel.mixers.mamba2 import MAMBA2_FAMILIES
     from hyper_parallel.models.qwen3_next.gated_deltanet import GDN_CLASSES
 
     mixers = _mixer_classes()
@@ -187,11 +187,11 @@ def declarations(model: nn.Module) -> list:
             method = _SPECIAL[cls]
         elif cls in mixers:
             method = mixers[cls]
-        elif cls in catalogue.MAMBA2_FAMILIES:
+        elif cls in MAMBA2_FAMILIES:
             method = "mamba2_state_passing"
         elif cls in GDN_CLASSES:
             method = "gated_deltanet_state_passing"
-        elif cls in HALO_CLASSES:
+        elif cls in HALO_FAMILIES:
             method = "short_conv_halo"
         elif leaf in ATTN_NAMES and "Attention" in cls and not cls.endswith(("LinearAttention", "DeltaAttention")):
             method = "sdpa_hf"

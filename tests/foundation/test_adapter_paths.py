@@ -9,15 +9,17 @@ import subprocess
 import sys
 
 from hyper_parallel.distributed.context_parallel import catalogue
+from hyper_parallel.models.handoff_attention import adapter_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _PROBE = r"""
 import importlib, json, sys
 from hyper_parallel.distributed.context_parallel import catalogue
+from hyper_parallel.models.handoff_attention import adapter_module
 out = {}
-for arch in catalogue.ASYNC_ADAPTERS:
-    public = catalogue.adapter_module(arch)
+for arch in catalogue.async_adapters():
+    public = adapter_module(arch)
     mod = importlib.import_module(public)
     targets = [catalogue.async_entry_name(m.name, arch) for m in catalogue.async_methods()]
     out[arch] = {"file": mod.__file__, "name": mod.__name__,
@@ -33,9 +35,9 @@ def test_public_adapter_paths_resolve_to_one_module_per_model():
     res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert sorted(got) == sorted(catalogue.ASYNC_ADAPTERS)
+    assert sorted(got) == sorted(catalogue.async_adapters())
     for arch, r in got.items():
-        public = catalogue.adapter_module(arch)
+        public = adapter_module(arch)
         assert os.path.relpath(r["file"], ROOT) == os.path.join("hyper_parallel", "models", arch, "async_cp.py"), r
         assert r["name"] == f"hyper_parallel.models.{arch}.async_cp"
         assert r["modules"] and set(r["modules"]) == {public}, r      # qualnames unchanged by the move

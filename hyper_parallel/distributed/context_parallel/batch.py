@@ -364,7 +364,7 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     L = S_pad // cp_size
     lo, hi = cp_rank * L, (cp_rank + 1) * L
     glob_pos, perm = full["position_ids"], None
-    if policy_name == "balanced":
+    if catalogue.token_layout(policy_name) == catalogue.BALANCED:
         perm = balanced_permutation(key_doc, B, S_pad, cp_size, policy)
         full = {k: v.index_select(1, perm.to(v.device)) for k, v in full.items()}
     count = _local_lengths if perm is None else (lambda st, n, a, z: local_counts(perm, a, z, st, n))

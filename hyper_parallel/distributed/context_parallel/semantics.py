@@ -6,7 +6,8 @@ names the semantic it cannot carry rather than a generic mismatch:
 * :func:`uncarried_attention_semantics` — attention inputs that live only in the model's mask
   or in the module's local sequence that CP cannot recover (chunked attention on a layer whose
   type is unknown, temperature tuning without Llama 4's ``floor_scale`` / ``attn_scale``;
-  DeepSeek sparse attention's indexer and Doge's dynamic mask, which need their own method);
+  what a model family registers (:func:`register_uncarried`: an attention that needs the family's
+  own method, e.g. a sparse-attention indexer or a dynamic mask);
 * :func:`attention_chunk_size` / :func:`query_position_rescale` — the two such semantics CP
   does carry (Llama 4 text): the layer's chunk size, folded into the batch meta's documents, and
   the temperature tuning recomputed on global positions; read by the attention handlers only;
@@ -16,15 +17,15 @@ names the semantic it cannot carry rather than a generic mismatch:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 
 from . import catalogue
 
-__all__ = ["uncarried_attention_semantics", "attention_chunk_size", "query_position_rescale", "mixer_methods_for",
-           "mixer_hint", "is_token_mixer"]
+__all__ = ["uncarried_attention_semantics", "register_uncarried", "attention_chunk_size", "query_position_rescale",
+           "mixer_methods_for", "mixer_hint", "is_token_mixer"]
 
 
 def _layer_type(module: nn.Module, cfg) -> Optional[str]:
@@ -77,10 +78,23 @@ def query_position_rescale(module: nn.Module, local_index: torch.Tensor, global_
     return tune(global_index) / tune(local_index)
 
 
+#: what a model family's attention computes that only its own CP method carries: functions
+#: ``module -> description (naming the method to declare) | None``, registered from
+#: ``models/<model_type>/`` (:func:`register_uncarried`), asked in registration order
+_UNCARRIED: list = []
+
+
+def register_uncarried(detect: Callable[[nn.Module], Optional[str]]) -> Callable:
+    """Add a family's detector to :func:`uncarried_attention_semantics` (idempotent); returns it."""
+    if detect not in _UNCARRIED:
+        _UNCARRIED.append(detect)
+    return detect
+
+
 def uncarried_attention_semantics(module: nn.Module) -> list:
     """Descriptions of what ``module`` (an attention) computes beyond causal + padding + documents +
     window/softcap/sinks/scale + Llama 4 chunks / temperature tuning (what the CP attention
-    carries); empty when nothing is known."""
+    carries), then what each family's registered detector finds; empty when nothing is known."""
     cfg = getattr(module, "config", None)
     found = []
     chunk = _config_chunk(cfg)
@@ -92,15 +106,7 @@ def uncarried_attention_semantics(module: nn.Module) -> list:
         found.append("attention temperature tuning on positions counted from the module's local input "
                      "(attn_temperature_tuning=True on a NoPE layer without Llama 4's floor_scale / attn_scale: "
                      "under CP every rank would restart them at 0)")
-    if hasattr(module, "indexer") and hasattr(module, "expand_kv"):
-        found.append(f"DeepSeek sparse attention (a lightning indexer selecting index_topk="
-                     f"{getattr(cfg, 'index_topk', '?')} keys per query: the selection lives only in the mask / "
-                     "`indices` the module builds from its local keys) — declare inner_wrapper: dsa_all_gather on it")
-    if callable(getattr(module, "prepare_dynamic_mask", None)):
-        found.append(f"Doge's dynamic mask (a per-key additive bias from dt_proj/A over the values and a top-"
-                     f"keep_window_size={getattr(module, 'keep_window_size', '?')} key selection, both only in the "
-                     "mask it passes to the attention call, which CP does not use) — declare inner_wrapper: "
-                     "doge_dynamic_mask on it")
+    found.extend(d for d in (detect(module) for detect in _UNCARRIED) if d)
     return found
 
 

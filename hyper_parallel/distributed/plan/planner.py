@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from ..context_parallel import catalogue
 from ..context_parallel.balance.cost import profile_from_config
 from ..context_parallel.balance.split import BalancedSplit
 from ..context_parallel.model_spec import get_cp_model_spec, model_architecture
@@ -91,7 +92,7 @@ class ShardingPlanner:
         for t in resolved.targets:
             rules.check_target(t, spec, arch, cp_size, tp_size)
         policy = rules.batch_policy(resolved.targets, cp_size)
-        if policy == "balanced":      # the balanced split balances the work of this model's attention layers
+        if catalogue.token_layout(policy) == catalogue.BALANCED:   # balanced on this model's attention layers' work
             policy = BalancedSplit(profile_from_config(getattr(model, "config", None)))
         return ShardingPlan(
             module_specs={t.fqn: t.spec for t in resolved.targets},

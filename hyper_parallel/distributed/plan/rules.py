@@ -31,7 +31,7 @@ __all__ = ["MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "
 
 def _reorders(method: str) -> bool:
     """The method's batch layout is not the contiguous one (Head-Tail): it cannot share a model."""
-    return method in catalogue.method_policies() and catalogue.get_method(method).layout != "contiguous"
+    return method in catalogue.method_policies() and catalogue.reorders(catalogue.get_method(method))
 
 
 def _splits_heads(method: str) -> bool:
@@ -95,7 +95,7 @@ def _batch_policy(targets: list) -> Optional[str]:
 #: batch layouts (catalogue ``layout``) a token-mixer method runs under exactly: "contiguous";
 #: "head_tail" (Head-Tail keeps the contiguous layout at the module boundary); "balanced" (the mixer's
 #: tokens move to the contiguous layout and back, ``mixers.layout.on_contiguous_layout``)
-MIXER_LAYOUTS = ("contiguous", "head_tail", "balanced")
+MIXER_LAYOUTS = (catalogue.CONTIGUOUS, catalogue.HEAD_TAIL, catalogue.BALANCED)
 
 
 def _is_mixer(t: ResolvedCPTarget) -> bool:

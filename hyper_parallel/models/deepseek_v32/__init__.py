@@ -1,1 +1,4 @@
-"""deepseek_v32 model code under CP (DeepSeek sparse attention; GLM-MoE-DSA shares it)."""
+"""DeepSeek V3.2 (transformers ``deepseek_v32``; GLM-MoE-DSA shares it): DeepSeek sparse attention under
+CP, its catalogue row and its refusal words for other methods (:mod:`.dsa`); importing the package
+registers them."""
+from . import dsa  # noqa: F401

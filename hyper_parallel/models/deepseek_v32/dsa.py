@@ -40,9 +40,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
+from ...distributed.context_parallel.semantics import register_uncarried
 
 __all__ = ["DSA_CLASSES", "attend_selected", "dsa_all_gather_cp_wrapper", "index_scores", "indexer_forward_ordered",
            "select_topk"]
@@ -300,4 +302,24 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
     return forward
 
 
+def _uncarried_dsa(module: nn.Module):
+    """What CP's attention would miss on a DeepSeek sparse attention (for the refusal of another method)."""
+    if not (hasattr(module, "indexer") and hasattr(module, "expand_kv")):
+        return None
+    cfg = getattr(module, "config", None)
+    return (f"DeepSeek sparse attention (a lightning indexer selecting index_topk={getattr(cfg, 'index_topk', '?')} "
+            "keys per query: the selection lives only in the mask / `indices` the module builds from its local "
+            "keys) — declare inner_wrapper: dsa_all_gather on it")
+
+
+register_uncarried(_uncarried_dsa)
+
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="dsa_all_gather", cost="mixers.cost:NOT_MODELLED",
+        title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
+        "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
+        offers=(catalogue.Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=__name__),)))
 register_catalogue_names(__name__, globals())

@@ -1,1 +1,3 @@
-"""doge model code under CP (everything specific to this model family)."""
+"""Doge (transformers ``doge``): the dynamic-mask attention under CP, its catalogue row and its refusal
+words for other methods (:mod:`.dynamic_mask`); importing the package registers them."""
+from . import dynamic_mask  # noqa: F401

@@ -40,9 +40,11 @@ import torch.nn.functional as F
 
 from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
+from ...distributed.context_parallel.semantics import register_uncarried
 from ...distributed.context_parallel.strategies import engine_attention
 from ...ops.selected import selected_attention
 
@@ -212,4 +214,25 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     return forward
 
 
+def _uncarried_doge(module: nn.Module):
+    """What CP's attention would miss on a Doge attention (for the refusal of another method)."""
+    if not callable(getattr(module, "prepare_dynamic_mask", None)):
+        return None
+    return (f"Doge's dynamic mask (a per-key additive bias from dt_proj/A over the values and a top-"
+            f"keep_window_size={getattr(module, 'keep_window_size', '?')} key selection, both only in the "
+            "mask it passes to the attention call, which CP does not use) — declare inner_wrapper: "
+            "doge_dynamic_mask on it")
+
+
+register_uncarried(_uncarried_doge)
+
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="doge_dynamic_mask", cost="mixers.cost:NOT_MODELLED",
+        title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
+        "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local queries; K, V gathered); the top-keep_window_size over the global "
+        "keys, ties to the lower key index",
+        offers=(catalogue.Offer("hf", "doge_dynamic_mask_cp_wrapper", "doge_dynamic_mask", module=__name__),)))
 register_catalogue_names(__name__, globals())

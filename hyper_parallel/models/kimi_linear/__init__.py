@@ -1,1 +1,3 @@
-"""Kimi Linear (transformers ``kimi_linear``): the KDA mixer under CP (:mod:`.kda`)."""
+"""Kimi Linear (transformers ``kimi_linear``): the KDA mixer under CP and its catalogue row (:mod:`.kda`);
+importing the package registers them."""
+from . import kda  # noqa: F401

@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
 from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, require_causal_depthwise,
@@ -83,4 +84,11 @@ def kda_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     return forward
 
 
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
+        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
+        head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(catalogue.Offer("hf", "kda_state_passing_cp_wrapper", "kda_state_passing", module=__name__),)))
 register_catalogue_names(__name__, globals())

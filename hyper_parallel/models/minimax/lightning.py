@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
 from ...distributed.context_parallel.mixers.rows import CPMixerError, current_fqn, hidden_param, require_layout
@@ -129,4 +130,12 @@ def lightning_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep
     return forward
 
 
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="lightning_state_passing", title="lightning attention state passing (MiniMax)", kind="mixer",
+        cost="mixers.cost:STATE_PASSING",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
+        offers=(catalogue.Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
+                                module=__name__),)))
 register_catalogue_names(__name__, globals())

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ... import platform as P
 from ...distributed.context_parallel.collectives import resolve_group, ulysses_head_to_seq, ulysses_seq_to_head
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
 from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, mixer_call, require_class,
@@ -197,4 +198,20 @@ def gated_deltanet_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mes
     return forward
 
 
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next, Qwen3.5)", kind="mixer",
+        cost="mixers.cost:HEAD_ALL_TO_ALL",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="linear key and value heads divisible by cp_size",
+        offers=(catalogue.Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses",
+                                module=__name__),)),
+    catalogue.CPMethod(
+        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next, Qwen3.5)", kind="mixer",
+        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
+        batch_policy="all_gather", head_rule="module",
+        head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
+        offers=(catalogue.Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
+                                module=__name__),)))
 register_catalogue_names(__name__, globals())

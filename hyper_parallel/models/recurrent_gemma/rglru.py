@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
 from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, require_causal_depthwise,
@@ -115,4 +116,11 @@ def rglru_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mes
     return forward
 
 
+# this family's rows of the CP method catalogue (their entry points are above)
+catalogue.add_rows(
+    catalogue.CPMethod(
+        name="rglru_state_passing", title="RG-LRU state passing (RecurrentGemma)", kind="mixer",
+        cost="mixers.cost:STATE_PASSING",
+        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
+        offers=(catalogue.Offer("hf", "rglru_state_passing_cp_wrapper", "rglru_state_passing", module=__name__),)))
 register_catalogue_names(__name__, globals())

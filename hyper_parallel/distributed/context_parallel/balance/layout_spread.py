@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import catalogue
+
 
 def layout_chunks(layout: str, S: int, cp: int, rank: int) -> list[tuple[int, int]]:
     """The query positions ``[start, end)`` rank ``rank`` computes attention for."""
-    if layout == "head_tail":
+    if layout == catalogue.HEAD_TAIL:
         w = S // (2 * cp)
         return [(rank * w, (rank + 1) * w), ((2 * cp - 1 - rank) * w, (2 * cp - rank) * w)]
     w = S // cp
@@ -27,7 +29,7 @@ def work_spread(batch: dict, layout: str, cp: int, heads_split: bool = False) ->
     valid = batch.get("attention_mask")
     visible = (pos + 1) * (valid if valid is not None else 1)
     per_token = visible.sum(0)
-    if layout == "balanced":    # the balanced split's own permutation of this batch (blocks of 64)
+    if layout == catalogue.BALANCED:    # the balanced split's own permutation of this batch (blocks of 64)
         return _balanced_spread(pos, valid, per_token, cp)
     pad = (-S) % (2 * cp)
     per_token = torch.cat([per_token, per_token.new_zeros(pad)])

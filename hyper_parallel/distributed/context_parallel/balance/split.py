@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import catalogue
 from .cost import CAUSAL, AttentionProfile, block_work, rank_work, spread
 from .solver import solve, token_permutation
 from .tiles import block_tiles
@@ -37,7 +38,7 @@ class BalancedSplit:
 
     profile: AttentionProfile = CAUSAL
     block: int = DEFAULT_BLOCK
-    name: str = "balanced"
+    name: str = catalogue.BALANCED     # the batch policy of the rows on this layout
     cost: str = "tiles"
 
     def __post_init__(self):
@@ -100,9 +101,9 @@ def split_report(key_doc: Optional[torch.Tensor], batch: int, seq_len: int, cp_s
             "contiguous": spread(rank_work(work, np.arange(n), cp_size)), "seconds": secs}
 
 
-def _whole_blocks(S: int, C: int, policy: str, perm, blk: int) -> bool:
+def _whole_blocks(S: int, C: int, layout: str, perm, blk: int) -> bool:
     """Every rank's tokens are whole ``blk``-token blocks of the row (chunk edges on block edges)."""
-    if S % ((2 * C if policy == "load_balance" else C) * blk):
+    if S % ((2 * C if layout == catalogue.HEAD_TAIL else C) * blk):
         return False
     if perm is None:
         return True
@@ -119,18 +120,19 @@ def step_work_spread(metas: list, profile: Optional[AttentionProfile] = None) ->
     computes the same number from the batch (no collective); O(B*S) per micro-batch."""
     loads = None
     for meta in metas:
-        if meta is None or meta.cp_size < 2 or meta.policy not in ("all_gather", "load_balance", "balanced"):
+        layout = None if meta is None else catalogue.token_layout(meta.policy)
+        if meta is None or meta.cp_size < 2 or layout is None:
             return None
         C, S = meta.cp_size, meta.global_seq_len
         B = 1 if meta.key_doc is None else meta.key_doc.shape[0]
         doc = np.zeros((B, S), np.int64) if meta.key_doc is None else meta.key_doc.detach().cpu().numpy()
         perm = None if meta.perm is None else meta.perm.cpu().numpy()
-        blk = DEFAULT_BLOCK if _whole_blocks(S, C, meta.policy, perm, DEFAULT_BLOCK) else 1
+        blk = DEFAULT_BLOCK if _whole_blocks(S, C, layout, perm, DEFAULT_BLOCK) else 1
         tok = (block_tiles(doc, blk, profile or CAUSAL) if blk > 1    # per-block (else per-token) work
                else block_work(doc, 1, profile or CAUSAL))
         if perm is not None:
             per = tok[perm[::blk] // blk].reshape(C, -1).sum(1)
-        elif meta.policy == "load_balance":
+        elif layout == catalogue.HEAD_TAIL:
             ch = tok.reshape(2 * C, -1).sum(1)
             per = ch[:C] + ch[::-1][:C]
         else:

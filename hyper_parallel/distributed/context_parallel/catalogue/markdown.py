@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from .rows import STYLES, CPMethod
-from .rules import attention_methods, entry_params, mixer_methods, offers
+from .rules import async_targets, attention_methods, entry_params, mixer_methods, offers
 
 def _async_cell(m: CPMethod) -> str:
     """The matrix's async cell: the generic Target, then the adapters' named ones."""
-    names = [t.rsplit(".", 1)[1] for t in m.async_targets]
+    names = [t.rsplit(".", 1)[1] for t in async_targets(m)]
     if not names:
         return m.async_reason
     generic = [n for n in names if n.startswith("async_")]

@@ -8,32 +8,28 @@ from typing import Optional
 
 WRAPPERS_MODULE = "hyper_parallel.distributed.context_parallel.wrappers"
 MIXERS_MODULE = "hyper_parallel.distributed.context_parallel.mixers"
-GDN_MODULE = "hyper_parallel.models.qwen3_next.gated_deltanet"
 MAMBA2_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba2"
 MAMBA1_MODULE = "hyper_parallel.distributed.context_parallel.mixers.mamba1"
-KDA_MODULE = "hyper_parallel.models.kimi_linear.kda"
-RGLRU_MODULE = "hyper_parallel.models.recurrent_gemma.rglru"
-LIGHTNING_MODULE = "hyper_parallel.models.minimax.lightning"
-DSA_MODULE = "hyper_parallel.models.deepseek_v32.dsa"
-DOGE_MODULE = "hyper_parallel.models.doge.dynamic_mask"
-#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their model type (the one list); a family
-#: with its own lines around the scan has ``hyper_parallel.models.<model_type>.mamba2.MAMBA2_SPEC`` (Falcon-H1),
-#: the others share the gated-norm layout (``mixers.mamba2.gated_norm_spec``)
-MAMBA2_FAMILIES = {
-    "FalconH1Mixer": "falcon_h1",
-    "BambaMixer": "bamba",
-    "NemotronHMamba2Mixer": "nemotron_h",
-    "GraniteMoeHybridMambaLayer": "granitemoehybrid",
-    "Zamba2MambaMixer": "zamba2",
-}
-# models whose adapter implements the async handoff protocol (models/<arch>/async_cp.py)
-ASYNC_ADAPTERS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+#: the model families whose adapter implements the async handoff protocol, in registration order:
+#: model type -> the public module path of its async Targets (``models/<model_type>/async_cp.py``
+#: registers itself through :func:`add_async_adapter`); read live (a wrapper's ``model_adapter``
+#: of the generic async Targets is :data:`ADAPTER_ARCHS` itself)
+ASYNC_ADAPTER_MODULES: dict = {}
+ADAPTER_ARCHS: list = []
 
 
-def adapter_module(arch: str) -> str:
-    """The public module path of model ``arch``'s async adapter Targets (a ``_target_`` prefix; the code is
-    in ``models/<arch>/async_cp.py``, made importable here by ``models.handoff_attention.publish_adapter``)."""
-    return f"hyper_parallel.models.{arch}.adapter.distributed.context_parallel_async"
+#: the token layouts a batch policy puts a row in (``CPMethod.layout``): contiguous chunks, Head-Tail's
+#: head r + tail 2C-1-r, the balanced split's work-balanced permutation
+CONTIGUOUS, HEAD_TAIL, BALANCED = "contiguous", "head_tail", "balanced"
+
+
+def add_async_adapter(arch: str, module: str) -> None:
+    """Register model type ``arch``'s async Targets, published at ``module`` (idempotent)."""
+    if ASYNC_ADAPTER_MODULES.get(arch, module) != module:
+        raise ValueError(f"async adapter {arch!r} is already registered at {ASYNC_ADAPTER_MODULES[arch]!r}")
+    if arch not in ASYNC_ADAPTER_MODULES:
+        ASYNC_ADAPTER_MODULES[arch] = module
+        ADAPTER_ARCHS.append(arch)
 
 
 def async_entry_name(method: str, arch: Optional[str] = None) -> str:
@@ -42,10 +38,9 @@ def async_entry_name(method: str, arch: Optional[str] = None) -> str:
 
 
 def _async_targets(method: str) -> tuple:
-    """The generic async Target of ``method`` (any attention with the handoff protocol) and each
-    adapter's named one."""
-    return (f"{WRAPPERS_MODULE}.{async_entry_name(method)}",) + tuple(
-        f"{adapter_module(a)}.{async_entry_name(method, a)}" for a in ASYNC_ADAPTERS)
+    """The generic async Target of ``method`` (any attention with the handoff protocol); the model
+    adapters' named ones are added by :func:`.rules.async_targets` from the registered adapters."""
+    return (f"{WRAPPERS_MODULE}.{async_entry_name(method)}",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +123,7 @@ METHODS: dict = {m.name: m for m in (
         head_doc="any GQA ratio (Hq % Hk == 0)",
         degree="none", degree_doc="no degree",
         async_targets=_async_targets("colossal"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="kv_chunks",
+        async_param="kv_chunks",
         async_doc="K/V AllGather launched at the K/V handoffs in ``kv_chunks`` sequence chunks, pipelined "
                   "through the attention (LSE merge); ReduceScatter per chunk in backward",
         offers=(Offer("hf", "sdpa_hf_cp_wrapper", "sdpa_hf"), Offer("qkv", "sdpa_qkv_cp_wrapper", "sdpa_qkv"),
@@ -143,7 +138,7 @@ METHODS: dict = {m.name: m for m in (
                  "accepted",
         degree="cp", degree_doc="ulysses_degree == cp_size (implicit)",
         async_targets=_async_targets("ulysses"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_param="q_chunks",
         async_doc="K/V seq->head A2A launched at their handoffs, Q in ``q_chunks`` pipelined sequence chunks, "
                   "each chunk's output head->seq A2A launched after its attention; inverse A2As in backward",
         offers=(Offer("hf", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_ulysses"),
@@ -160,7 +155,7 @@ METHODS: dict = {m.name: m for m in (
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
         async_targets=_async_targets("hybrid"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_param="q_chunks",
         async_doc="K/V ulysses A2A chained into the colossal AllGather on the comm thread; Q / output ulysses "
                   "A2A per pipelined ``q_chunks`` chunk; backward mirrors every stage",
         offers=(Offer("hf", "sdpa_hf_hybrid_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_cp_wrapper"),
@@ -172,7 +167,7 @@ METHODS: dict = {m.name: m for m in (
         cost="methods.head_tail.cost:COST", async_plan="methods.head_tail.async_:async_plan",
         head_rule="gqa",        head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("load_balance"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_param="q_chunks",
         async_doc="K/V AllGather launched at their handoffs; Q of both Head-Tail branches dispatched in "
                   "``q_chunks`` pipelined chunks, each chunk's combine launched after its attention",
         offers=(Offer("hf", "sdpa_hf_load_balance_cp_wrapper"), Offer("qkv", "sdpa_qkv_load_balance_cp_wrapper"),
@@ -185,7 +180,7 @@ METHODS: dict = {m.name: m for m in (
         batch_policy="balanced", layout="balanced", length_factor=64, head_rule="gqa",
         head_doc="any GQA ratio (Hq % Hk == 0)", degree="none", degree_doc="no degree",
         async_targets=_async_targets("balanced"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="kv_chunks",
+        async_param="kv_chunks",
         async_doc="the async Colossal pipeline on the permuted row: K/V AllGather launched at the K/V handoffs "
                   "in ``kv_chunks`` slot chunks (keys at ``meta.perm`` of their slots, queries at "
                   "``meta.q_index``), pipelined through the attention (LSE merge); ReduceScatter per chunk in "
@@ -205,14 +200,15 @@ METHODS: dict = {m.name: m for m in (
         degree="param", degree_param="ulysses_degree",
         degree_doc="named parameter ulysses_degree: 1 < u < cp_size, cp_size % u == 0",
         async_targets=_async_targets("hybrid_balanced"),
-        async_reason="handoff-protocol adapters: " + ", ".join(ASYNC_ADAPTERS), async_param="q_chunks",
+        async_param="q_chunks",
         async_doc="async Hybrid on the permuted row: K/V ulysses A2A chained into the colossal AllGather on the "
                   "comm thread; Q / output ulysses A2A per pipelined ``q_chunks`` chunk (queries at ``perm`` of "
                   "the u-group's slots); backward mirrors every stage",
         offers=(Offer("hf", "sdpa_hf_hybrid_balanced_cp_wrapper"), Offer("qkv", "sdpa_qkv_hybrid_balanced_cp_wrapper"),
                 Offer("flex_hf", reason=_NO_FLEX.format(m="Hybrid on the balanced split")),
                 Offer("flex_qkv", reason=_NO_FLEX.format(m="Hybrid on the balanced split")))),
-    # token-mixer methods (context_parallel/mixers/, models/<model_type>/): declared on a non-attention module, run on
+    # token-mixer methods with a generic core (context_parallel/mixers/; the model families add theirs, and the
+    # classes these cores are exact for, from models/<model_type>/): declared on a non-attention module, run on
     # the contiguous layout (next to "balanced" the applier moves their tokens there and back,
     # mixers.layout.on_contiguous_layout); WrapperInfo.method is "custom" and mixer=True
     CPMethod(
@@ -226,19 +222,6 @@ METHODS: dict = {m.name: m for m in (
         head_rule="module", head_doc="none (kernel - 1 halo tokens from the previous rank)",
         offers=(Offer("hf", "short_conv_halo_cp_wrapper", "short_conv_halo", module=MIXERS_MODULE),)),
     CPMethod(
-        name="gated_deltanet_ulysses", title="Gated DeltaNet Ulysses (Qwen3-Next, Qwen3.5)", kind="mixer",
-        cost="mixers.cost:HEAD_ALL_TO_ALL",
-        batch_policy="all_gather", head_rule="module",
-        head_doc="linear key and value heads divisible by cp_size",
-        offers=(Offer("hf", "gated_deltanet_ulysses_cp_wrapper", "gated_deltanet_ulysses", module=GDN_MODULE),)),
-    CPMethod(
-        name="gated_deltanet_state_passing", title="Gated DeltaNet state passing (Qwen3-Next, Qwen3.5)", kind="mixer",
-        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
-        batch_policy="all_gather", head_rule="module",
-        head_doc="none (all heads on the local tokens; cp may exceed the linear head counts)",
-        offers=(Offer("hf", "gated_deltanet_state_passing_cp_wrapper", "gated_deltanet_state_passing",
-                      module=GDN_MODULE),)),
-    CPMethod(
         name="mamba2_state_passing", title="Mamba2 state passing (Falcon-H1, Bamba, NemotronH, Granite 4, Zamba2)",
         cost="mixers.cost:MAMBA2_STATE_PASSING",
         kind="mixer",
@@ -250,35 +233,25 @@ METHODS: dict = {m.name: m for m in (
         cost="mixers.cost:STATE_PASSING",
         batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
         offers=(Offer("hf", "mamba1_state_passing_cp_wrapper", "mamba1_state_passing", module=MAMBA1_MODULE),)),
-    CPMethod(
-        name="rglru_state_passing", title="RG-LRU state passing (RecurrentGemma)", kind="mixer",
-        cost="mixers.cost:STATE_PASSING",
-        batch_policy="all_gather", head_rule="module", head_doc="none (all channels on the local tokens)",
-        offers=(Offer("hf", "rglru_state_passing_cp_wrapper", "rglru_state_passing", module=RGLRU_MODULE),)),
-    CPMethod(
-        name="kda_state_passing", title="KDA state passing (Kimi Linear)", kind="mixer", batch_policy="all_gather",
-        cost="mixers.cost:DELTA_RULE_STATE_PASSING",
-        head_rule="module", head_doc="none (all heads on the local tokens)",
-        offers=(Offer("hf", "kda_state_passing_cp_wrapper", "kda_state_passing", module=KDA_MODULE),)),
-    CPMethod(
-        name="lightning_state_passing", title="lightning attention state passing (MiniMax)", kind="mixer",
-        cost="mixers.cost:STATE_PASSING",
-        batch_policy="all_gather", head_rule="module", head_doc="none (all heads on the local tokens)",
-        offers=(Offer("hf", "lightning_state_passing_cp_wrapper", "lightning_state_passing",
-                      module=LIGHTNING_MODULE),)),
-    CPMethod(
-        name="dsa_all_gather", cost="mixers.cost:NOT_MODELLED",
-        title="DeepSeek sparse attention, indexer top-k over the gathered keys (DeepSeek V3.2, "
-        "GLM-MoE-DSA)", kind="mixer", batch_policy="all_gather", head_rule="module",
-        head_doc="none (all heads on the local queries; K, V and the indexer key gathered)",
-        offers=(Offer("hf", "dsa_all_gather_cp_wrapper", "dsa_all_gather", module=DSA_MODULE),)),
-    CPMethod(
-        name="doge_dynamic_mask", cost="mixers.cost:NOT_MODELLED",
-        title="Doge dynamic-mask attention, the per-key bias as a key channel over the "
-        "gathered keys (Doge)", kind="mixer", batch_policy="all_gather", head_rule="module",
-        head_doc="none (all heads on the local queries; K, V gathered); the top-keep_window_size over the global "
-        "keys, ties to the lower key index",
-        offers=(Offer("hf", "doge_dynamic_mask_cp_wrapper", "doge_dynamic_mask", module=DOGE_MODULE),)),
 )}
 
 _ALIASES = {alias: m.name for m in METHODS.values() for alias in (m.name,) + m.aliases}
+
+
+def add_rows(*rows: CPMethod) -> None:
+    """Add rows to the catalogue (a model family's token-mixer methods, at its import; an extension's
+    method): ValueError, nothing added, when a name or alias is taken by another row."""
+    for row in rows:
+        taken = [n for n in (row.name,) + row.aliases if n in _ALIASES and METHODS[_ALIASES[n]] is not row]
+        if taken:
+            raise ValueError(f"CP method {row.name!r}: name(s) {taken} are already in the catalogue")
+    for row in rows:
+        METHODS[row.name] = row
+        _ALIASES.update({n: row.name for n in (row.name,) + row.aliases})
+
+
+def remove_row(name: str) -> None:
+    """Remove the row ``name`` and its aliases (an extension's method leaving)."""
+    row = METHODS.pop(name, None)
+    for n in ((row.name,) + row.aliases) if row is not None else ():
+        _ALIASES.pop(n, None)

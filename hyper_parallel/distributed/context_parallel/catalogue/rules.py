@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .rows import _ALIASES, METHODS, STYLES, CPMethod
+from .rows import (_ALIASES, ADAPTER_ARCHS, ASYNC_ADAPTER_MODULES, BALANCED, CONTIGUOUS, HEAD_TAIL, METHODS, STYLES,
+                   CPMethod, async_entry_name)
 
 
 def method_names(kind: str = "attention") -> tuple:
@@ -29,7 +30,7 @@ def gathers_kv(row: CPMethod) -> bool:
 def gathers_kv_only(row: CPMethod) -> bool:
     """:func:`gathers_kv` with the K/V gather as the only forward exchange: the queries stay on
     their rank (every layout but Head-Tail, which dispatches them): colossal, the balanced split."""
-    return gathers_kv(row) and row.layout != "head_tail"
+    return gathers_kv(row) and row.layout != HEAD_TAIL
 
 
 def has_ulysses_degree(row: CPMethod) -> bool:
@@ -46,7 +47,20 @@ def splits_heads_over_cp(row: CPMethod) -> bool:
 
 def uses_balanced_permutation(row: CPMethod) -> bool:
     """The batch is on the work-balanced permutation (``layout`` "balanced")."""
-    return row.layout == "balanced"
+    return row.layout == BALANCED
+
+
+def token_layout(policy: str) -> Optional[str]:
+    """The token layout (:data:`.rows.CONTIGUOUS` | ``HEAD_TAIL`` | ``BALANCED``) of batch policy
+    ``policy`` when its methods keep every head on every rank and split only the tokens; None for a
+    policy whose methods split heads (Ulysses, Hybrid) or an unknown one."""
+    layouts = {m.layout for m in attention_methods() if m.batch_policy == policy and m.head_rule == "gqa"}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def reorders(row: CPMethod) -> bool:
+    """The method's batch is not in the contiguous layout (Head-Tail, the balanced split)."""
+    return row.layout != CONTIGUOUS
 
 
 def get_method(name: str, kind: Optional[str] = "attention") -> CPMethod:
@@ -163,6 +177,20 @@ def entry_meta(entry: str) -> dict:
 def async_methods() -> list:
     """The attention rows with async variants, in catalogue order."""
     return [m for m in attention_methods() if m.async_targets]
+
+
+def async_adapters() -> tuple:
+    """The model types whose async adapter has registered (``models/<model_type>/async_cp.py``)."""
+    return tuple(ADAPTER_ARCHS)
+
+
+def async_targets(row: CPMethod) -> tuple:
+    """Every async ``_target_`` path of ``row``: its generic one, then each registered adapter's
+    ``<arch>_async_<method>_cp_wrapper`` at the adapter's public module."""
+    if not row.async_targets:
+        return ()
+    return tuple(row.async_targets) + tuple(f"{ASYNC_ADAPTER_MODULES[a]}.{async_entry_name(row.name, a)}"
+                                            for a in ADAPTER_ARCHS)
 
 
 def entry_params(method: CPMethod, is_async: bool = False) -> tuple:

@@ -15,12 +15,14 @@ from torch.utils._pytree import tree_flatten
 
 from ..comm import halo_exchange
 from ..registry import inner_wrapper
+from .families import FamilyRegistry
 from .rows import CPMixerError, accepts, current_fqn, hidden_param, is_seq, mixer_call, require_class, run_rows
 
-__all__ = ["HALO_CLASSES", "halo_exchange", "conv_kernel", "short_conv_halo_cp_wrapper", "validate_short_conv_halo"]
+__all__ = ["HALO_FAMILIES", "halo_exchange", "conv_kernel", "short_conv_halo_cp_wrapper", "validate_short_conv_halo"]
 
-#: classes whose forward is ``Lfm2ShortConv.forward`` (token-wise around one causal depthwise conv)
-HALO_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+#: classes whose forward is token-wise around one causal depthwise conv (LFM2's short conv and its kin),
+#: registered by their families (``models/lfm2*/``)
+HALO_FAMILIES = FamilyRegistry("short_conv_halo_cp_wrapper")
 
 
 def conv_kernel(module: nn.Module) -> Optional[int]:
@@ -33,9 +35,10 @@ def conv_kernel(module: nn.Module) -> Optional[int]:
 def validate_short_conv_halo(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
     what = "short_conv_halo_cp_wrapper"
-    require_class(what, target_module, tp_size, HALO_CLASSES,
-                   "is exact only for a short convolution whose forward is token-wise around one causal depthwise "
-                   f"conv ({', '.join(HALO_CLASSES)})")
+    classes = HALO_FAMILIES.classes()
+    require_class(what, target_module, tp_size, classes,
+                  "is exact only for a short convolution whose forward is token-wise around one causal depthwise "
+                  f"conv ({', '.join(classes)})")
     cls = type(target_module).__name__
     conv, k = getattr(target_module, "conv", None), conv_kernel(target_module)
     if k is None or not all(hasattr(target_module, n) for n in ("in_proj", "out_proj")):

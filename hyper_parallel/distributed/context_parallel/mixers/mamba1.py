@@ -17,18 +17,20 @@ import torch.nn.functional as F
 from ..registry import inner_wrapper
 from . import register_catalogue_names
 from . import state_passing as SP
+from .families import FamilyRegistry
 from .rows import current_fqn, hidden_param, require_causal_depthwise, require_layout
 
-__all__ = ["MAMBA1_CLASSES", "mamba1_state_passing_cp_wrapper", "validate_mamba1_state_passing"]
+__all__ = ["MAMBA1_FAMILIES", "mamba1_state_passing_cp_wrapper", "validate_mamba1_state_passing"]
 
-#: classes whose torch forward is the Mamba1 lines above (dt / B / C norms included)
-MAMBA1_CLASSES = ("JambaMambaMixer", "FalconMambaMixer")
+#: classes whose torch forward is the Mamba1 lines above (dt / B / C norms included), registered by their
+#: families (``models/jamba/``, ``models/falcon_mamba/``)
+MAMBA1_FAMILIES = FamilyRegistry("mamba1_state_passing_cp_wrapper")
 WHAT = "mamba1_state_passing_cp_wrapper"
 
 
 def validate_mamba1_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    require_layout(WHAT, target_module, tp_size, MAMBA1_CLASSES, "Mamba1 selective scan",
+    require_layout(WHAT, target_module, tp_size, MAMBA1_FAMILIES.classes(), "Mamba1 selective scan",
                    ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "A_log", "D", "dt_layernorm", "b_layernorm",
                     "c_layernorm", "intermediate_size", "ssm_state_size", "time_step_rank", "activation"))
     m, cls = target_module, type(target_module).__name__
@@ -42,7 +44,7 @@ def validate_mamba1_state_passing(target_module: nn.Module, *, cp_size: int, tp_
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_mamba1_state_passing)
 def mamba1_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
-    """State passing for a Mamba1 mixer (``MAMBA1_CLASSES``): all channels on the local tokens.
+    """State passing for a Mamba1 mixer (a class of ``MAMBA1_FAMILIES``): all channels on the local tokens.
 
     Exactness: ``h_t = exp(dt_t A) * h_{t-1} + dt_t B_t x_t`` (elementwise over ``[I, N]``),
     ``y_t = C_t h_t + D x_t``: a run started from ``h_in`` gives ``y_t = y0_t + C_t (exp(a_t) * h_in)``

@@ -5,15 +5,13 @@ transformers' ``mamba2_chunk_scan`` per local document from a zero state, the in
 contribution in closed form (the decay is a scalar per head: no second scan), one AllGather of
 ``(exp(a_T), h0_T)`` per rank (:mod:`.state_passing`). What differs between model families — how
 the in-projection is formed, the norm / gate after the scan, which configurations are exact — is
-a :class:`Mamba2Spec` in ``hyper_parallel.models.<model_type>.mamba2`` (``MAMBA2_SPEC``); the
-class-name -> model-type table is the catalogue's :data:`..catalogue.MAMBA2_FAMILIES`.
+a :class:`Mamba2Spec` its family registers with its class in :data:`MAMBA2_FAMILIES` from
+``models/<model_type>/`` (or none: the gated-norm layout, :func:`gated_norm_spec`).
 docs/wrappers.md, "Token mixers".
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import sys
 from typing import Callable, Optional
 
@@ -21,15 +19,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import catalogue
 from ..registry import inner_wrapper
 from . import register_catalogue_names
 from . import state_passing as SP
+from .families import FamilyRegistry
 from .rows import current_fqn, hidden_param, require_class
 
-__all__ = ["Mamba2Spec", "gated_norm_spec", "mamba2_spec_for", "check_ssd_layout", "mamba2_state_passing_cp_wrapper"]
+__all__ = ["MAMBA2_FAMILIES", "Mamba2Spec", "gated_norm_spec", "mamba2_spec_for", "check_ssd_layout",
+           "mamba2_state_passing_cp_wrapper"]
 
 WHAT = "mamba2_state_passing_cp_wrapper"
+#: the Mamba2 mixer classes ``mamba2_state_passing`` is exact for -> their family's spec (None: the
+#: gated-norm layout), registered by the families (``models/<model_type>/__init__.py``)
+MAMBA2_FAMILIES = FamilyRegistry(WHAT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +73,13 @@ def gated_norm_spec(family: str) -> Mamba2Spec:
 
 
 def mamba2_spec_for(module: nn.Module) -> Optional[Mamba2Spec]:
-    """The spec of ``module``'s class, or None when the class is not in ``catalogue.MAMBA2_FAMILIES``:
-    ``models/<model_type>/mamba2.py``'s ``MAMBA2_SPEC`` where the family has its own lines
-    (Falcon-H1), else :func:`gated_norm_spec` (whose ``validate`` refuses any other layout)."""
+    """The spec of ``module``'s class, or None when the class is not in :data:`MAMBA2_FAMILIES`:
+    the one its family registered where the family has its own lines (Falcon-H1), else
+    :func:`gated_norm_spec` (whose ``validate`` refuses any other layout)."""
     cls = type(module).__name__
-    model_type = catalogue.MAMBA2_FAMILIES.get(cls)
-    if model_type is None:
+    if cls not in MAMBA2_FAMILIES:
         return None
-    package = f"hyper_parallel.models.{model_type}"
-    own = f"{package}.mamba2"
-    if importlib.util.find_spec(package) is not None and importlib.util.find_spec(own) is not None:
-        return importlib.import_module(own).MAMBA2_SPEC
-    return gated_norm_spec(cls)
+    return MAMBA2_FAMILIES.spec(cls) or gated_norm_spec(cls)
 
 
 def check_ssd_layout(m: nn.Module) -> None:
@@ -121,7 +118,7 @@ def check_ssd_layout(m: nn.Module) -> None:
 
 def validate_mamba2_state_passing(target_module: nn.Module, *, cp_size: int, tp_size: int = 1) -> None:
     del cp_size
-    classes = tuple(catalogue.MAMBA2_FAMILIES)
+    classes = MAMBA2_FAMILIES.classes()
     require_class(WHAT, target_module, tp_size, classes,
                   f"re-runs the forward of {', '.join(classes)} with a passed SSM state")
     check_ssd_layout(target_module)
@@ -132,7 +129,7 @@ def validate_mamba2_state_passing(target_module: nn.Module, *, cp_size: int, tp_
 
 @inner_wrapper(method="custom", style="hf", mixer=True, validate=validate_mamba2_state_passing)
 def mamba2_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
-    """State passing for a Mamba2 mixer (the classes of ``catalogue.MAMBA2_FAMILIES``): all heads on
+    """State passing for a Mamba2 mixer (the classes of ``MAMBA2_FAMILIES``): all heads on
     the local tokens.
 
     Exactness: the SSD recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``, ``y_t = C_t h_t + D x_t``

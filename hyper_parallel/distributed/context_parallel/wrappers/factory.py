@@ -105,7 +105,7 @@ def async_entry(method: catalogue.CPMethod, module: str, *, arch: Optional[str] 
     doc = (f"Async {method.title} CP for {subject}: {method.async_doc}.{_params_doc(method, True)} "
            "Launch / wait order, forward and backward: docs/async_cp.md.")
     fn = _function(name, module, _signature(MESH_PARAMS, required, optional), body, doc)
-    adapters = arch if arch else catalogue.ASYNC_ADAPTERS
+    adapters = arch if arch else catalogue.ADAPTER_ARCHS     # the generic Target: every registered adapter, live
     return inner_wrapper(method=method.name, style="model", is_async=True, model_adapter=adapters,
                          validate=validate)(fn)
 

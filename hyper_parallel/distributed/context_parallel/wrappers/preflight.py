@@ -68,7 +68,9 @@ def check_impl(primitive: str, module: nn.Module, who: str, wrapper_kind: str) -
         ("sdpa",) if primitive == "sdpa" else ("flex_attention",))
     if impl not in allowed:
         want = allowed[0]
-        other = "flex_hf" if impl == "flex_attention" else ("sdpa_hf" if impl in ("sdpa", "eager") else None)
+        # the HF-forward style that intercepts what this implementation calls
+        primitive_of = {"flex_attention": "hf_interface", "sdpa": "hf_any", "eager": "hf_any"}.get(impl)
+        other = next((s.prefix for s in catalogue.STYLES.values() if s.primitive == primitive_of), None)
         hint = (f"declare the {other}* wrapper instead" if other else
                 f"build the model with attn_implementation='{want}'")
         raise ValueError(

@@ -189,7 +189,7 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
     group = rank_group(cp_mesh)
     cp_size = strategy.cp_size
     handler = make_handler(strategy, owner, validate_mode and style == "qkv", cp_mesh, check_repeat=validate_mode,
-                            module=target_module if style in ("hf", "flex_hf") else None,
+                            module=target_module if catalogue.STYLES[style].forward == "hf" else None,
                             core=style == "qkv" and primitive == "sdpa")
     interceptor = {"sdpa": intercept_sdpa, "hf_interface": intercept_hf_interface,
                    "hf_any": intercept_hf_any}[primitive]
@@ -210,7 +210,7 @@ def _install_intercepting(target_module: nn.Module, strategy, primitive: str, st
                 raise
             # misfire of an HF-style module: most often a token mixer named like attention
             raise CPInterceptionError(f"{exc}; {mixer_hint(target_module, cp_size, owner)}") from None
-        if validate_mode and style in ("hf", "flex_hf"):
+        if validate_mode and catalogue.STYLES[style].forward == "hf":
             meta = current_cp_batch_meta()
             ref = hf_module_reference(original, target_module, route, args, kwargs, meta, group, owner,
                                        orig_cfg)
