@@ -44,11 +44,13 @@ def check_world(accel: AcceleratorConfig) -> None:
 
 
 def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
-                      platform: Platform | None = None) -> DistributedSetup:
+                      platform: Platform | None = None, *, packed_documents: str | None = None,
+                      packed_rows: bool = False) -> DistributedSetup:
     """Plan (agreed across ranks), then build the meshes the plan needs. Prints both on rank 0.
 
     ``accel.comm_timeout_s`` (when set) becomes the collective timeout first, so the preflight
     agreement, every later hyper_parallel collective and every mesh sub-group use it.
+    ``packed_documents`` / ``packed_rows``: :class:`~.plan.planner.ShardingPlanner`'s.
     """
     platform = platform or get_platform(accel.device_type)
     if accel.comm_timeout_s is not None:
@@ -57,9 +59,9 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
 
     def check() -> ShardingPlan:
         check_world(accel)
-        return ShardingPlanner(plan_overrides).plan(
+        return ShardingPlanner(plan_overrides, packed_documents).plan(
             model, tp_size=accel.tp_size, cp_size=accel.cp_size, ep_size=accel.ep_size,
-            sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel)
+            sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel, packed_rows=packed_rows)
 
     plan = agree_or_raise(check, what="sharding plan")
     mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())

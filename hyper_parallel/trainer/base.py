@@ -95,7 +95,9 @@ class BaseTrainer:
             # load): an id past the embedding would fail one rank inside the preflight's collective
             model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
                 cfg.model, meta=True, vocab_size=build_vocab(cfg)), say=self.is_main), what="model build")
-        self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform)
+        self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform,
+                                                         packed_documents=cfg.data.packed_documents,
+                                                         packed_rows=cfg.data.packing)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
         # fail fast on a topology mismatch, before parallelizing; called on every rank even
@@ -234,7 +236,10 @@ class BaseTrainer:
                              cp_size=self.cp_size, policy=self.cp_policy, device=self.device,
                              ignore_index=self.cfg.data.ignore_index, pad_token_id=self.cfg.data.pad_token_id,
                              # a registered model spec's batch contract replaces the standard one
-                             prepare_fn=getattr(self.sharding_plan, "batch_prepare_fn", None))
+                             prepare_fn=getattr(self.sharding_plan, "batch_prepare_fn", None),
+                             packed_documents=self.cfg.data.packed_documents,
+                             # methods installed at cp 1 read the meta of the CP group of one
+                             keep_meta=bool(getattr(self.sharding_plan, "cp_targets", None)))
 
     def batch_context(self, prepared: PreparedBatch):
         if prepared.meta is None:
@@ -254,7 +259,7 @@ class BaseTrainer:
 
     def gather_logits(self, logits: torch.Tensor, prepared: PreparedBatch) -> torch.Tensor:
         logits = full_copy(logits) if is_dtensor(logits) else logits.detach()
-        if prepared.meta is not None:
+        if prepared.meta is not None and self.cp_size > 1:
             from ..distributed.context_parallel.batch import gather_from_cp
 
             logits = gather_from_cp(logits, self.mesh.cp_mesh, dim=1)  # every layout holds contiguous shards

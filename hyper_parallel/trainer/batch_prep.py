@@ -38,20 +38,23 @@ class PreparedBatch:
     inputs: dict                    # model kwargs: local input_ids [B, S_local], global position_ids
     shift_labels: torch.Tensor      # local next-token targets [B, S_local] (global shift)
     num_valid_tokens: int           # local targets != ignore_index
-    meta: Any = None                # CPBatchMeta when CP > 1 (None at CP = 1: no wrapper reads it)
+    meta: Any = None                # CPBatchMeta when CP > 1 or a method is installed at CP = 1 (else None)
     seq_len: int = 0                # global (unpadded) sequence length of the micro-batch
     local: Any = None               # the shard_batch_for_cp result (CPBatch), at every CP size
 
 
 def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_index: int = -100,
-                  pad_token_id: int = 0, prepare_fn: Callable | None = None) -> PreparedBatch:
+                  pad_token_id: int = 0, prepare_fn: Callable | None = None, packed_documents: str | None = None,
+                  keep_meta: bool = False) -> PreparedBatch:
     """Shard ``batch`` (the global micro-batch, identical on every CP rank) for this CP rank.
 
     ``cp_mesh``: the 1-D cp mesh (CP > 1; ignored at ``cp_size == 1``, where the CP group of one
     :data:`CP1_GROUP` is used). ``policy``: the sharding plan's batch policy (None, and always at
     CP = 1 -> the contiguous policy, ``batch.CONTIGUOUS_POLICY``: no CP padding).
     ``prepare_fn``: a registered model spec's batch contract (same signature and result as
-    ``shard_batch_for_cp``), else ``shard_batch_for_cp``. No collective runs here.
+    ``shard_batch_for_cp``), else ``shard_batch_for_cp``. ``packed_documents``: the meta's
+    ``documents`` (``data.packed_documents``). ``keep_meta``: the meta at CP = 1 too (methods are
+    installed at cp 1 and read it). No collective runs here.
     """
     from ..distributed.context_parallel.batch import CONTIGUOUS_POLICY, shard_batch_for_cp
 
@@ -61,12 +64,14 @@ def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_
                     ignore_index=ignore_index, pad_token_id=pad_token_id)
     if cp1:
         check_cp1_masking(local)
+    if getattr(local, "meta", None) is not None:
+        local.meta.documents = packed_documents
     inputs = {"input_ids": _field(local, "input_ids").to(device),
               "position_ids": _field(local, "position_ids").to(device)}
     shift = _field(local, "shift_labels").to(device)
     seq_len = int(getattr(local, "seq_len", batch["input_ids"].shape[1]))
-    return PreparedBatch(inputs, shift, int(local.num_valid_tokens_local), None if cp1 else local.meta,
-                         seq_len, local)
+    return PreparedBatch(inputs, shift, int(local.num_valid_tokens_local),
+                         local.meta if keep_meta or not cp1 else None, seq_len, local)
 
 
 def check_cp1_masking(local) -> None:

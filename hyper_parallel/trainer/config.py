@@ -27,6 +27,7 @@ import yaml
 
 from ..distributed.config import AcceleratorConfig
 from ..distributed.config_schema import FieldInfo, check_section, describe_fields, load_section, option
+from ..distributed.context_parallel.meta import PACKED_DOCUMENTS
 from ..distributed.errors import CPConfigError
 from ..distributed.plan.spec import parse_plan_overrides
 from .yaml_text import SECTIONS, apply_overrides, blame_override, load_yaml_text
@@ -90,6 +91,11 @@ class DataConfig:
                                    help="source files: where the tokenized store is written once and reused")
     packing: bool = option(False, help="source files: documents + EOS back to back in rows of seq_len, with "
                                        "document boundaries (seq_lens); false: one document per row, truncated")
+    packed_documents: str | None = option(None, choices=PACKED_DOCUMENTS,
+                                          help="with packing: what a row of several documents means, at every CP "
+                                               "size: independent (each document as if alone) | as_transformers "
+                                               "(what plain transformers computes on the packed row); required when "
+                                               "the model's result depends on it")
     shuffle: bool = option(True, help="source files: a new document order every epoch (seeded by data.seed)")
     eval_fraction: float = option(0.0, ge=0, help="source files: fraction of documents held out for evaluation")
     eval_every: int | None = option(None, ge=1, help="evaluate on the held-out documents every N optimizer steps "
@@ -122,11 +128,14 @@ class DataConfig:
             if self.eval_fraction >= 1:
                 raise CPConfigError(f"{path}.eval_fraction", f"must be < 1, got {self.eval_fraction}")
         else:
-            for name, default in (("files", None), ("tokenizer", None), ("packing", False),
+            for name, default in (("files", None), ("tokenizer", None), ("packing", False), ("packed_documents", None),
                                   ("eval_fraction", 0.0), ("eval_every", None)):
                 if getattr(self, name) != default:
                     raise CPConfigError(f"{path}.{name}", "applies to data.source: files only",
                                         fix="set data.source: files (with data.files and data.tokenizer) or remove it")
+        if self.packed_documents is not None and not self.packing:
+            raise CPConfigError(f"{path}.packed_documents", "says what a packed row means, but data.packing is false",
+                                fix="set data.packing: true, or remove it")
         if self.eval_every is not None and self.eval_fraction <= 0:
             raise CPConfigError(f"{path}.eval_every", "needs held-out documents",
                                 fix="set data.eval_fraction > 0 (e.g. 0.05)")

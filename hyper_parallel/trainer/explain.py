@@ -83,9 +83,9 @@ def explain(cfg, echo=print) -> dict:
     a, d, s = cfg.accelerator, cfg.data, cfg.schedule
     sizes = a.mesh_sizes()
     model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
-    plan = ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
-                                                    sequence_parallel=a.sequence_parallel,
-                                                    loss_parallel=a.loss_parallel)
+    plan = ShardingPlanner(cfg.plan_overrides, d.packed_documents).plan(
+        model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size, sequence_parallel=a.sequence_parallel,
+        loss_parallel=a.loss_parallel, packed_rows=d.packing)
     echo("== meshes ==")
     for line in mesh_lines(sizes):
         echo(line)

@@ -102,8 +102,9 @@ def _check_model(cfg) -> None:
                   f"{str(exc).splitlines()[0] if str(exc) else ''}); its plan is checked on the ranks",
                   file=sys.stderr, flush=True)
         return
-    ShardingPlanner(cfg.plan_overrides).plan(model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size,
-                                             sequence_parallel=a.sequence_parallel, loss_parallel=a.loss_parallel)
+    ShardingPlanner(cfg.plan_overrides, cfg.data.packed_documents).plan(
+        model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size, sequence_parallel=a.sequence_parallel,
+        loss_parallel=a.loss_parallel, packed_rows=cfg.data.packing)
     if s.tiled_mlp:
         install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=a.tp_size)
     if s.activation_offload and not list(find_decoder_layers(model)):

@@ -251,12 +251,13 @@ QWEN3_NEXT_TINY = {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 6
 def test_trainer_qwen3_next_balanced_cp2_same_losses_as_cp1(ranks, tmp_path):
     """The trainer (preflight proof on by default) on the main job's packed rows (the shipped data
     slice, rows of 1024 tokens) with a tiny Qwen3-Next: the balanced split on the attention, GDN
-    state passing on the linear attention; the losses equal the same config at cp_size 1."""
+    state passing on the linear attention, each packed document independent (declared: the Gated
+    DeltaNet's result depends on it); the losses equal the same config at cp_size 1."""
     from tests.trainer import _workers as TW
     from tests.trainer.test_balanced_trainer import LOSS_RTOL, _cfg
 
     def cfg(cp: int) -> dict:
-        c = _cfg(tmp_path / f"cp{cp}", f"accelerator.cp_size={cp}")
+        c = _cfg(tmp_path / f"cp{cp}", f"accelerator.cp_size={cp}", "data.packed_documents=independent")
         c["model"] = {"architecture": "qwen3_next", "config": dict(QWEN3_NEXT_TINY), "seed": 0}
         c["plan_overrides"].append({**BASE, "match": "*.linear_attn", "inner_wrapper": "gated_deltanet_state_passing"})
         return c

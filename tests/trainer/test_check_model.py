@@ -17,7 +17,8 @@ def _cfg(cp=1, overrides=()):
     return SimpleNamespace(
         model=SimpleNamespace(), plan_overrides=list(overrides),
         accelerator=SimpleNamespace(tp_size=1, cp_size=cp, ep_size=1, sequence_parallel=False, loss_parallel=False),
-        schedule=SimpleNamespace(tiled_mlp=False, tiled_mlp_chunk_size=0, activation_offload=False))
+        schedule=SimpleNamespace(tiled_mlp=False, tiled_mlp_chunk_size=0, activation_offload=False),
+        data=SimpleNamespace(packing=False, packed_documents=None))
 
 
 @pytest.fixture

@@ -354,7 +354,9 @@ def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **mode
     the batch meta)."""
     S = batch["input_ids"].shape[1]
     vocab = model.config.vocab_size
-    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy)
+    # the references of these tests run each packed document alone (unless the plan declares otherwise)
+    local = shard_batch_for_cp(batch, mesh.cp_mesh, plan.batch_policy,
+                               packed_documents=getattr(plan, "packed_documents", None) or "independent")
     meta = local.meta
     w = torch.randn(batch["input_ids"].shape[0], meta.global_seq_len, vocab,
                     generator=torch.Generator().manual_seed(seed))

@@ -44,7 +44,7 @@ from ...platform import group_rank, group_size
 from . import catalogue
 from .balance.split import balanced_permutation, local_counts
 from .comm import all_gather_seq
-from .meta import CPBatchMeta
+from .meta import PACKED_DOCUMENTS, CPBatchMeta
 from .rope_mrope import attach_mrope, split_mrope_positions
 
 __all__ = ["CPBatch", "shard_batch_for_cp", "gather_from_cp", "policy_multiple", "cp_coords"]
@@ -291,15 +291,19 @@ def _local_lengths(start: torch.Tensor, length: torch.Tensor, lo: int, hi: int) 
 
 # ----------------------------------------------------------------------------- public API
 def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, ignore_index: int = -100,
-                       pad_token_id: int = 0, passthrough: Iterable[str] = ()) -> CPBatch:
+                       pad_token_id: int = 0, passthrough: Iterable[str] = (),
+                       packed_documents: Optional[str] = None) -> CPBatch:
     """Shard a global collated batch for this CP rank; see the module docstring for the contract.
 
     ``cp_mesh``: the 1-D cp DeviceMesh, its ProcessGroup, a MeshContext, explicit
     ``(cp_rank, cp_size)``, or None (cp 1). ``policy``: "all_gather" | "ulysses" | "hybrid" |
     "load_balance" (aliases "colossal", "head_tail") or a strategy instance (its
     ``padding_multiple``). Returns a :class:`CPBatch`; ``meta.key_doc`` is [B, S_padded] global doc
-    ids (-1 = padding) or None when there is neither padding nor packing.
+    ids (-1 = padding) or None when there is neither padding nor packing. ``packed_documents``:
+    ``meta.documents`` (:data:`.meta.PACKED_DOCUMENTS`, what a row of several documents means).
     """
+    if packed_documents not in (None,) + PACKED_DOCUMENTS:
+        raise CPBatchError(f"packed_documents must be one of {PACKED_DOCUMENTS} or None, got {packed_documents!r}")
     passthrough = set(passthrough)
     global_batch, mrope = split_mrope_positions(_cu_to_seq_lens(global_batch), CPBatchError)   # 3-D positions
     B, S = _validate(global_batch, passthrough)
@@ -379,7 +383,8 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
             out[key] = val
     out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
                            key_doc=key_doc, policy=policy_name, causal=True, perm=perm,
-                           position_ids=glob_pos, seq_len=S)   # global order, for RoPE (rope.py)
+                           position_ids=glob_pos, seq_len=S,   # global order, for RoPE (rope.py)
+                           documents=packed_documents)
     # documents derived from restarting position_ids: the wrappers check on the first call that the
     # model's own (local) mask separates them too (some models build their mask without position_ids)
     out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None

@@ -19,6 +19,13 @@ from typing import Optional
 
 import torch
 
+#: what a row holding several packed documents means (``CPBatchMeta.documents``; the trainer's
+#: ``data.packed_documents``): each document computed as if alone, or what plain transformers
+#: computes on the packed row (its recurrent mixers and row-indexed semantics run across the
+#: boundaries; its attention keeps the documents apart). docs/wrappers.md, "Packed documents".
+INDEPENDENT, AS_TRANSFORMERS = "independent", "as_transformers"
+PACKED_DOCUMENTS = (INDEPENDENT, AS_TRANSFORMERS)
+
 
 @dataclasses.dataclass
 class CPBatchMeta:
@@ -59,6 +66,9 @@ class CPBatchMeta:
     # tokens continuing each row) when the batch gave 3-D position_ids (context_parallel.rope_mrope);
     # ``position_ids`` then holds the 1-D positions that drive causality and documents
     mrope_position_ids: Optional[torch.Tensor] = None
+    # the declared meaning of packed documents (:data:`PACKED_DOCUMENTS`); None: undeclared, and a
+    # method whose result depends on it refuses a row holding two documents (:func:`documents_semantics`)
+    documents: Optional[str] = None
 
     @property
     def q_index(self) -> torch.Tensor:
@@ -76,11 +86,35 @@ class CPBatchMeta:
             return self.perm
         return torch.arange(self.global_seq_len, dtype=torch.int64)
 
+    @property
+    def packs_documents(self) -> bool:
+        """Some row holds more than one document (doc ids are non-decreasing along a row)."""
+        kd = self.key_doc
+        if kd is None:
+            return False
+        lo = torch.where(kd >= 0, kd, torch.full_like(kd, torch.iinfo(kd.dtype).max)).min(dim=1).values
+        return bool((kd.max(dim=1).values > lo).any())
+
     def doc_slice(self, index: torch.Tensor) -> Optional[torch.Tensor]:
         """Doc ids [B, len(index)] of the given global indices (None when no docs/padding)."""
         if self.key_doc is None:
             return None
         return self.key_doc.index_select(1, index.to(self.key_doc.device))
+
+
+def documents_semantics(meta: CPBatchMeta, who: str) -> Optional[str]:
+    """What ``meta``'s packed documents mean for a method whose result depends on it: None when no
+    row holds two documents, else ``meta.documents``; ValueError naming the declaration when it is
+    missing (raised on every rank alike: every rank holds the same global document ids)."""
+    if not meta.packs_documents:
+        return None
+    if meta.documents not in PACKED_DOCUMENTS:
+        raise ValueError(
+            f"{who}: a row holds several packed documents, and this module computes differently whether they are "
+            f"independent or run as plain transformers runs the packed row; declare which: "
+            f"data.packed_documents: {' | '.join(PACKED_DOCUMENTS)} (library API: "
+            "shard_batch_for_cp(..., packed_documents=...)); docs/wrappers.md, \"Packed documents\"")
+    return meta.documents
 
 
 def with_attention_chunk(meta: CPBatchMeta, chunk: int, batch: int) -> CPBatchMeta:

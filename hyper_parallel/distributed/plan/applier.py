@@ -46,6 +46,7 @@ from ..context_parallel.interception import applying
 from ..context_parallel.interception.model_mask import install_no_model_mask
 from ..context_parallel.meta import cp_batch_context, current_cp_batch_meta
 from ..context_parallel.mixers.layout import on_contiguous_layout
+from ..context_parallel.mixers.rows import documents_alone
 from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
 from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
 from ..errors import CPConfigError
@@ -115,7 +116,11 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
             prev_forward = module.forward
             try:
                 with applying(t.inner_fqn, mode):
-                    ret = t.fn(module, mesh, tp_mesh, cp_mesh, ep_mesh, **t.params)
+                    if plan.cp_size == 1 and t.info is not None and t.info.mixer and not t.info.at_cp1:
+                        unread = tuple(k for k, v in (t.info.seq_dims or {}).items() if v is None)
+                        ret = documents_alone(module, t.inner_fqn, unread)   # independent documents, a CP group of one
+                    else:
+                        ret = t.fn(module, mesh, tp_mesh, cp_mesh, ep_mesh, **t.params)
             except CPConfigError:
                 raise
             except (ValueError, TypeError) as exc:

@@ -22,7 +22,9 @@ import torch.nn as nn
 from ..context_parallel import catalogue
 from ..context_parallel.balance.cost import profile_from_config
 from ..context_parallel.balance.split import BalancedSplit
+from ..context_parallel.meta import PACKED_DOCUMENTS
 from ..context_parallel.model_spec import get_cp_model_spec, model_architecture
+from ..errors import CPConfigError
 from ..tensor_parallel import find_decoder_layers
 from . import rules
 from .resolver import PlanOverrideResolver, ResolvedPlan
@@ -49,6 +51,7 @@ class ShardingPlan:
     batch_policy: Any = None  # shard_batch_for_cp policy (a string, or BalancedSplit with the model's profile; None cp 1)
     batch_prepare_fn: Optional[Callable] = None  # from a registered model spec, if any
     architecture: Optional[str] = None
+    packed_documents: Optional[str] = None  # what a packed row means (context_parallel.meta.PACKED_DOCUMENTS)
 
     def hybrid_degrees(self) -> list[int]:
         return self.resolved.hybrid_degrees()
@@ -69,11 +72,15 @@ class ShardingPlanner:
     """``ShardingPlanner(plan_overrides=...)``: the YAML list, the mapping form, or specs
     (normalised by :func:`~.spec.parse_plan_overrides`)."""
 
-    def __init__(self, plan_overrides: Any = None):
+    def __init__(self, plan_overrides: Any = None, packed_documents: Optional[str] = None):
+        if packed_documents not in (None,) + PACKED_DOCUMENTS:
+            raise CPConfigError("data.packed_documents", f"must be one of {list(PACKED_DOCUMENTS)}, got "
+                                f"{packed_documents!r}")
         self.specs = parse_plan_overrides(plan_overrides)
+        self.packed_documents = packed_documents
 
     def plan(self, model: nn.Module, device_mesh=None, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1,
-             sequence_parallel: bool = False, loss_parallel: bool = False) -> ShardingPlan:
+             sequence_parallel: bool = False, loss_parallel: bool = False, packed_rows: bool = False) -> ShardingPlan:
         """Resolve ``plan_overrides`` on ``model`` and check everything that needs the topology.
 
         ``device_mesh`` (a MeshContext, optional) must have been built with the same degrees.
@@ -82,9 +89,23 @@ class ShardingPlanner:
         (TP-local heads with ``tp_size``, probe off) and :func:`.rules.batch_policy`. Local
         only: no collective, the model is not modified (``apply_sharding_plan`` applies the
         result). Raises :class:`~..errors.CPConfigError` naming the field, module and fix.
+
+        ``packed_documents`` (:data:`~..context_parallel.meta.PACKED_DOCUMENTS`): what a packed row
+        means; ``independent`` binds every declared method at cp_size 1 too (a CP group of one).
+        ``packed_rows``: the rows will hold several documents, so a model whose result depends on
+        the meaning (:func:`.rules.documents_matter`) needs it declared.
         """
         rules.check_topology(tp_size, cp_size, ep_size, sequence_parallel, loss_parallel, device_mesh)
-        resolved = PlanOverrideResolver(self.specs, cp_size).resolve(model)
+        resolved = PlanOverrideResolver(self.specs, cp_size, self.packed_documents).resolve(model)
+        if packed_rows and self.packed_documents is None:
+            matter = rules.documents_matter(model, resolved)
+            if matter:
+                raise CPConfigError(
+                    "data.packed_documents", f"the rows pack several documents, and {', '.join(matter[:3])}"
+                    f"{' and others' if len(matter) > 3 else ''} compute differently whether each document is "
+                    "independent or the packed row runs as plain transformers runs it",
+                    fix=f"declare data.packed_documents: {' | '.join(PACKED_DOCUMENTS)} (docs/wrappers.md, "
+                        "\"Packed documents\")")
         arch = model_architecture(model)
         layers = find_decoder_layers(model)
         tp_plan = rules.tp_layer_plan(model, layers, tp_size, arch)
@@ -100,4 +121,5 @@ class ShardingPlanner:
             attention_boundaries=list(resolved.boundaries), decoder_layers=layers, tp_layer_plan=tp_plan,
             tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, batch_policy=policy,
-            batch_prepare_fn=spec.batch_prepare_fn if spec is not None else None, architecture=arch)
+            batch_prepare_fn=spec.batch_prepare_fn if spec is not None else None, architecture=arch,
+            packed_documents=self.packed_documents)

@@ -19,10 +19,11 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from ..context_parallel.meta import INDEPENDENT
 from ..context_parallel.model_spec import find_attention_boundaries
 from ..context_parallel.semantics import is_token_mixer, mixer_hint
 from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
@@ -148,9 +149,10 @@ def _add_module_dir(target: str, source: Path) -> None:
 class PlanOverrideResolver:
     """Binds the ``when: cp`` entries to one model's modules at one ``cp_size`` (:meth:`resolve`)."""
 
-    def __init__(self, specs: list[ModuleShardingSpec], cp_size: int):
+    def __init__(self, specs: list[ModuleShardingSpec], cp_size: int, packed_documents: Optional[str] = None):
         self.specs = list(specs)
         self.cp_size = cp_size
+        self.packed_documents = packed_documents
 
     def _declares_mixer(self, spec: ModuleShardingSpec, fqn: str) -> bool:
         """True when ``spec`` declares a token-mixer method (``@inner_wrapper(mixer=True)``, see
@@ -161,10 +163,14 @@ class PlanOverrideResolver:
         return bool(getattr(info, "mixer", False))
 
     def _runs_at_cp1(self, spec: ModuleShardingSpec) -> bool:
-        """True when ``spec`` declares a method installed at cp_size 1 too (``@inner_wrapper(at_cp1=True)``:
-        its one-rank computation fixes a selection transformers leaves unspecified)."""
+        """True when ``spec`` declares a method installed at cp_size 1 too: every method under
+        ``packed_documents: independent`` (the declared methods run as a CP group of one, so each packed
+        document computes as if alone, as under CP), else an ``@inner_wrapper(at_cp1=True)`` one (its
+        one-rank computation fixes a selection transformers leaves unspecified)."""
         if spec.inner_wrapper is None:
             return False
+        if self.packed_documents == INDEPENDENT:
+            return True
         _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
         return bool(getattr(info, "at_cp1", False))
 

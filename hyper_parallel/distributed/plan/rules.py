@@ -23,9 +23,9 @@ import torch.nn as nn
 from ..context_parallel import catalogue
 from ..errors import CPConfigError
 from ..tensor_parallel import check_tp_plan, get_tp_plan
-from .resolver import ResolvedCPTarget
+from .resolver import ResolvedCPTarget, resolve_wrapper
 
-__all__ = ["MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "batch_policy"]
+__all__ = ["MIXER_LAYOUTS", "check_topology", "tp_layer_plan", "check_target", "batch_policy", "documents_matter"]
 
 
 
@@ -213,3 +213,28 @@ def batch_policy(targets: list, cp_size: int) -> Optional[str]:
         return None
     _check_mixer_layout(targets)
     return _batch_policy(targets)
+
+
+def documents_matter(model: nn.Module, resolved) -> list:
+    """Where the meaning of packed documents (``packed_documents``) changes what the model computes:
+    each declared token-mixer method (it keeps documents apart; transformers' torch paths run its
+    state across them) but the ``at_cp1`` ones (apart at every size, as transformers' own mask), and
+    each attention whose temperature tuning follows the row index in transformers (Llama 4 NoPE
+    layers). Local, no collective."""
+    import torch
+
+    from ..context_parallel.semantics import query_position_rescale
+
+    out = []
+    for t in resolved.targets:
+        if t.info is not None and t.info.mixer and not t.info.at_cp1:
+            out.append(f"'{t.fqn}' ({t.spec.inner_wrapper.describe()})")
+    for spec in resolved.skipped:
+        if spec.inner_wrapper is not None:
+            _fn, info, _p = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
+            if info is not None and info.mixer and not info.at_cp1:
+                out.append(f"{spec.match!r} ({spec.inner_wrapper.describe()})")
+    one = torch.zeros(1, 1, dtype=torch.int64)
+    out.extend(f"'{fqn}' (attention temperature tuning on the row index)" for fqn, m in model.named_modules()
+               if query_position_rescale(m, one, one) is not None)
+    return out

@@ -56,10 +56,12 @@ def hf_shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Ten
 class CPDataCollator:
     """Wrap ``inner`` (the Trainer's collator); returns this CP rank's shard (module doc).
 
-    ``cp_coords`` is ``(cp_rank, cp_size)``; ``policy`` the plan's batch policy."""
+    ``cp_coords`` is ``(cp_rank, cp_size)``; ``policy`` the plan's batch policy; ``packed_documents``
+    what a packed row means (the meta's ``documents``)."""
 
     def __init__(self, inner, cp_coords: tuple[int, int], policy, *, pad_token_id: int = 0,
-                 ignore_index: int = -100):
+                 ignore_index: int = -100, packed_documents=None):
+        self.packed_documents = packed_documents
         self.inner = inner
         self.cp_coords = cp_coords
         self.policy = policy
@@ -78,7 +80,7 @@ class CPDataCollator:
             batch["shift_labels"] = hf_shift_labels(torch.as_tensor(labels), self.ignore_index)
         mask = batch.get("attention_mask")
         local = shard_batch_for_cp(batch, self.cp_coords, self.policy, ignore_index=self.ignore_index,
-                                   pad_token_id=self.pad_token_id)
+                                   pad_token_id=self.pad_token_id, packed_documents=self.packed_documents)
         out = {k: v for k, v in local.items() if k not in ("seq_lens", "seq_lens_padded")}
         if mask is None:
             out.pop("attention_mask", None)

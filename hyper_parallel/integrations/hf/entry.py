@@ -56,15 +56,25 @@ def _release_callback():
 
 
 def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: bool = False,
-                     preflight_proof: bool = True):
+                     preflight_proof: bool = True, packed_documents: str | None = None):
     """Make ``trainer`` train with context parallelism of degree ``cp_size`` (module doc).
 
     ``plan_overrides``: the YAML trainer's declaration — a list of dicts, or a YAML file.
     ``accept_collator``: declare that a collator outside ``checks.KNOWN_COLLATORS`` returns the
-    batch contract's fields. ``preflight_proof``: run the CP preflight proof (default on)."""
+    batch contract's fields. ``preflight_proof``: run the CP preflight proof (default on).
+    ``packed_documents``: what a packed row means for a model whose result depends on it
+    (docs/wrappers.md, "Packed documents"); the Trainer at cp_size 1 is plain transformers, so
+    ``as_transformers`` is the meaning offered at every CP size here (``independent`` at cp_size > 1)."""
     def check():
         specs = load_plan_overrides(plan_overrides)
         check_trainer(trainer, cp_size, accept_collator=accept_collator)
+        if packed_documents not in (None, "independent", "as_transformers"):
+            raise ValueError(f"packed_documents must be 'independent', 'as_transformers' or None, got "
+                             f"{packed_documents!r}")
+        if cp_size == 1 and packed_documents == "independent":
+            raise ValueError("packed_documents='independent' at cp_size 1: the HF Trainer runs plain transformers "
+                             "at cp_size 1, which computes packed rows as_transformers; declare 'as_transformers' "
+                             "(the same meaning at every CP size), or train with hyper-train for 'independent'")
         return specs
 
     release()   # nothing of an earlier trainer in this process stays current
@@ -74,7 +84,7 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     world = dist.get_world_size()
     model = _base_model(trainer.model)
     accel = AcceleratorConfig(cp_size=cp_size, dp_replicate_size=world // cp_size)
-    setup = setup_distributed(accel, specs, model)
+    setup = setup_distributed(accel, specs, model, packed_documents=packed_documents)
     apply_sharding_plan(model, setup.plan, setup.mesh, fsdp=False, preflight_proof=preflight_proof)
     mesh = setup.mesh
     shard_data_by_dp(trainer, mesh)
@@ -83,7 +93,7 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None) or 0
     trainer.data_collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), setup.plan.batch_policy,
-                                           pad_token_id=int(pad_id))
+                                           pad_token_id=int(pad_id), packed_documents=packed_documents)
     wrap_forward(trainer.model)
     wrap_compute_loss(trainer, cp_size, mesh.cp_mesh.get_group())
     install_eval_gather(trainer, cp_size, mesh.cp_mesh.get_group(), mesh.dp_mesh.get_group())

@@ -22,6 +22,7 @@ from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers import state_passing as SP
 from ...distributed.context_parallel.mixers.rows import (current_fqn, hidden_param, require_causal_depthwise,
                                                          require_layout)
+from ...distributed.context_parallel.meta import current_cp_batch_meta
 from ...distributed.context_parallel.registry import inner_wrapper
 
 __all__ = ["RGLRU_CLASSES", "rglru_state_passing_cp_wrapper", "validate_rglru_state_passing"]
@@ -75,8 +76,12 @@ def rglru_state_passing_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mes
         meta, hs, C, r = entry
         B, L, _ = hs.shape
         y_branch = m.act_fn(m.linear_y(hs))
-        key_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
-        x = SP.halo_conv(conv, m.linear_x(hs), cp_mesh, h, key_doc, r, WHAT, fqn)          # [B, L, lru_width]
+        conv_doc = None if meta.key_doc is None else meta.key_doc.to(hs.device)
+        x = SP.halo_conv(conv, m.linear_x(hs), cp_mesh, h, conv_doc, r, WHAT, fqn)         # [B, L, lru_width]
+        # the recurrence restarts at every document in either packed-document meaning: transformers
+        # resets it where position_ids is 0 (``as_transformers`` keeps the documents from the conv only)
+        key_doc = current_cp_batch_meta().key_doc
+        key_doc = None if key_doc is None else key_doc.to(hs.device)
         cont, through = SP.chain_flags(key_doc, B, C, L)
         rows = SP.StateRows(None if key_doc is None else key_doc[:, r * L:(r + 1) * L], B, L, hs.device, cont[r],
                             align="left")

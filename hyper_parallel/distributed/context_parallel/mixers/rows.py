@@ -12,6 +12,7 @@ permuted batch (balanced split) to it and back, for the arguments the registrati
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
@@ -22,10 +23,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .... import platform as P
 from ..comm import all_gather_seq, resolve_group
 from ..interception.hf_interface import HF_FALSY_KWARGS, HF_IGNORED_KWARGS
-from ..meta import CPBatchMeta, current_cp_batch_meta
+from ..meta import AS_TRANSFORMERS, INDEPENDENT, CPBatchMeta, current_cp_batch_meta, documents_semantics
 
 __all__ = ["CPMixerError", "CACHE_KEYS", "hidden_param", "accepts", "split_hidden", "check_call", "is_seq", "map_seq",
-           "gather_any", "zero_out", "segments", "run_rows", "current_fqn", "validate_common", "require_class"]
+           "gather_any", "zero_out", "segments", "run_rows", "documents_alone", "current_fqn", "validate_common",
+           "require_class"]
 
 CACHE_KEYS = ("cache", "past_key_values", "cache_params", "past_key_value")
 
@@ -90,13 +92,48 @@ def check_call(what: str, fqn: str, hs, kwargs: dict, meta: CPBatchMeta) -> None
 
 def mixer_call(what: str, fqn: str, name: str, cp_mesh, args: tuple, kwargs: dict):
     """Common start of a mixer forward: ``None`` at cp 1 (run the original), else
-    ``(meta, hidden_states, rebuild, rest_args, rest_kwargs)`` after :func:`check_call`."""
+    ``(meta, hidden_states, rebuild, rest_args, rest_kwargs)`` after :func:`check_call`. Packed
+    documents declared ``as_transformers``: the meta without documents (the mixer runs across their
+    boundaries, as transformers' torch paths do on the packed row); undeclared: refused."""
     meta = current_cp_batch_meta()
     hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
     check_call(what, fqn, hs, rest_kwargs, meta)
     if cp_mesh is None or meta.cp_size == 1:
         return None
+    if _documents(what, fqn, meta) == AS_TRANSFORMERS:
+        meta = dataclasses.replace(meta, key_doc=None)
     return meta, hs, rebuild, rest_args, rest_kwargs
+
+
+def _documents(what: str, fqn: str, meta: CPBatchMeta):
+    try:
+        return documents_semantics(meta, f"{what} on '{fqn}'")
+    except ValueError as exc:
+        raise CPMixerError(str(exc)) from None
+
+
+def documents_alone(module: nn.Module, fqn: str, unread: tuple = ()) -> Callable:
+    """A token mixer's forward at cp_size 1 under ``independent`` packed documents: the module's own
+    forward on each document of the batch meta as its own right-padded row (:func:`run_rows`: the
+    state and the conv window restart, as under CP); the original forward without a meta, without a
+    row of two documents, or under ``as_transformers``. ``unread``: arguments the module's method
+    states it does not read (``seq_dims`` None), passed as None. Local, no collective."""
+    original, name, mask_param = module.forward, hidden_param(module), accepts(module, "attention_mask")
+    what = "packed documents at cp_size 1"
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta(required=False)
+        if meta is None or _documents(what, fqn, meta) != INDEPENDENT:
+            return original(*args, **kwargs)
+        hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)
+        rest_kwargs.update({k: None for k in unread if k in rest_kwargs})
+        check_call(what, fqn, hs, rest_kwargs, meta)
+        return run_rows(original, rebuild, hs, meta.key_doc.to(hs.device), 0, hs.shape[1], rest_args, rest_kwargs,
+                        mask_param=mask_param, what=what, fqn=fqn)
+
+    forward.__wrapped__ = original
+    forward.__hp_mixer__ = "documents_alone"
+    return forward
 
 
 def bound_call(what: str, fqn: str, sig: inspect.Signature, module: nn.Module, cp_mesh, args: tuple, kwargs: dict):

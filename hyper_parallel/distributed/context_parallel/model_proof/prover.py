@@ -91,8 +91,13 @@ class _Prover:
         self.B = batch["input_ids"].shape[0]
 
     def _shard(self, batch):
-        return self.prepare(batch, self.cp_mesh, self.policy, ignore_index=self.ignore_index,
-                            pad_token_id=self.pad_token_id)
+        from ..meta import INDEPENDENT
+
+        local = self.prepare(batch, self.cp_mesh, self.policy, ignore_index=self.ignore_index,
+                             pad_token_id=self.pad_token_id)
+        if getattr(local, "meta", None) is not None:    # the reference runs each packed document alone
+            local.meta.documents = INDEPENDENT
+        return local
 
     # -------------------------------------------------------------- forwards
     def _cp_forward(self, hooks: list):

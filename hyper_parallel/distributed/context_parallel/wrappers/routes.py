@@ -26,7 +26,7 @@ from .. import catalogue
 from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, current_apply_context,
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
-from ..meta import CPBatchMeta, current_cp_batch_meta, with_attention_chunk
+from ..meta import AS_TRANSFORMERS, CPBatchMeta, current_cp_batch_meta, documents_semantics, with_attention_chunk
 from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale
 from ..methods.factory import build_strategy
 from .heads import module_heads, unrepeat_kv
@@ -98,16 +98,21 @@ def carry_module_semantics(q: torch.Tensor, meta, module: nn.Module):
     documents (:func:`~..meta.with_attention_chunk`), and a NoPE layer's temperature tuning moved
     from the module's local row index to the global positions ``meta.position_ids`` (restarting per
     packed document: every document computes as if alone, as the CP=1 reference of the proof does;
-    the row index when the meta has none). q ``[B, Hq, S_local, D]`` is the contiguous chunk
-    ``meta.cp_rank``. Unchanged for any other module."""
+    the global row index when the meta has none, or when packed documents are declared
+    ``as_transformers``: transformers tunes on the row index). q ``[B, Hq, S_local, D]`` is the
+    contiguous chunk ``meta.cp_rank``. Unchanged for any other module."""
     chunk = attention_chunk_size(module)
     if chunk is not None:
         meta = with_attention_chunk(meta, chunk, q.shape[0])
     L = q.shape[2]
+    local = torch.arange(L, dtype=torch.int64)[None]
+    if query_position_rescale(module, local, local) is None:
+        return q, meta
     glob = meta.q_index[None]
-    if meta.position_ids is not None:
+    row_index = documents_semantics(meta, f"module {type(module).__name__}") == AS_TRANSFORMERS
+    if meta.position_ids is not None and not row_index:
         glob = meta.position_ids.index_select(1, meta.q_index.to(meta.position_ids.device)).cpu()
-    fac = query_position_rescale(module, torch.arange(L, dtype=torch.int64)[None], glob)
+    fac = query_position_rescale(module, local, glob)
     if fac is not None:
         q = (q * fac.to(q.device)[:, None, :, None]).to(q.dtype)
     return q, meta
