@@ -162,7 +162,8 @@ def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
 
 
 def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = True, evaluate: bool = True,
-               plan: str | None = None, save_dir: str | None = None, **extra) -> dict:
+               plan: str | None = None, save_dir: str | None = None, packed_documents: str | None = None,
+               **extra) -> dict:
     """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc).
     ``plan``: a key of PLANS (default: ``arch``). ``save_dir``: after training, the Trainer's
     ``save_model`` writes the model (LoRA: the adapter) to ``save_dir/model`` and rank 0 writes the
@@ -173,7 +174,7 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
     with tempfile.TemporaryDirectory() as out:
         trainer, rec = build_trainer(entry, arch, out, steps, **extra)
         init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan or arch])
+        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan or arch], packed_documents=packed_documents)
         trainer.train()
         eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
         model = trainer.model

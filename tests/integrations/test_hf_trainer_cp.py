@@ -36,11 +36,12 @@ def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, pa
     loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
     eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
     pmax = max(p.abs().max().item() for p in ref["params"].values())
-    p_abs = max((ref["params"][n] - got["params"][n]).abs().max().item() for n in ref["params"])
+    p_abs, worst = max(((ref["params"][n] - got["params"][n]).abs().max().item(), n) for n in ref["params"])
     moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
     print(f"{entry}/{arch}: losses cp1 {ref['loss']}\n  cp2 {got['loss']}\n"
           f"  loss max rel {loss_rel:.2e}, eval {ref['eval_loss']:.6f} vs {got['eval_loss']:.6f} (rel {eval_rel:.2e}), "
-          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {param_tol:g}); largest update {moved:.2e}")
+          f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {param_tol:g}, {worst}); largest update "
+          f"{moved:.2e}")
     assert ref["lr"] == got["lr"]
     assert ref["trainable"] == got["trainable"]
     assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= param_tol * pmax
@@ -157,3 +158,17 @@ def test_refusals_before_the_first_step(ranks):
         for msg, field in zip(messages, expected):
             print(f"rank {rank}: {msg}")
             assert f"[{field}]" in msg and "Fix:" in msg, (field, msg)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
+def test_sft_packing_independent_documents(ranks, arch):
+    """SFTTrainer packing + completion-only on a model whose packed rows mean something else in
+    plain transformers (gpt-oss: its mask ignores position_ids, so packed documents see each other;
+    Qwen3-Next: the Gated DeltaNet's state crosses them, and transformers refuses the packed row on
+    CPU): declared ``packed_documents="independent"``, the declared methods run at cp 1 as a CP group
+    of one, so CP=2 == CP=1 with each packed document computed alone. Qwen3-Next's parameters: 5e-5
+    of the largest, as for Ulysses above — measured 2.8e-5 in the Gated DeltaNet's ``in_proj_ba``
+    (AdamW's g / sqrt(v) turns the different summation order of near-zero gradients into a visible
+    update difference); losses and the eval loss 8.6e-8."""
+    _compare(ranks, "sft_packing", arch, packed_documents="independent",
+             param_tol=5e-5 if arch == "qwen3_next" else TOL)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ...distributed.config import AcceleratorConfig
+from ...distributed.context_parallel.batch import CONTIGUOUS_POLICY
 from ...distributed.infrastructure import setup_distributed
 from ...distributed.plan.applier import apply_sharding_plan
 from ...distributed.preflight import agree_or_raise
@@ -63,23 +64,20 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     ``accept_collator``: declare that a collator outside ``checks.KNOWN_COLLATORS`` returns the
     batch contract's fields. ``preflight_proof``: run the CP preflight proof (default on).
     ``packed_documents``: what a packed row means for a model whose result depends on it
-    (docs/wrappers.md, "Packed documents"); the Trainer at cp_size 1 is plain transformers, so
-    ``as_transformers`` is the meaning offered at every CP size here (``independent`` at cp_size > 1)."""
+    (docs/wrappers.md, "Packed documents"): ``independent`` runs the declared methods at cp_size 1
+    too (a CP group of one), so each packed document is computed alone at every CP size;
+    ``as_transformers`` (or None) leaves the Trainer at cp_size 1 untouched (plain transformers)."""
     def check():
         specs = load_plan_overrides(plan_overrides)
         check_trainer(trainer, cp_size, accept_collator=accept_collator)
         if packed_documents not in (None, "independent", "as_transformers"):
             raise ValueError(f"packed_documents must be 'independent', 'as_transformers' or None, got "
                              f"{packed_documents!r}")
-        if cp_size == 1 and packed_documents == "independent":
-            raise ValueError("packed_documents='independent' at cp_size 1: the HF Trainer runs plain transformers "
-                             "at cp_size 1, which computes packed rows as_transformers; declare 'as_transformers' "
-                             "(the same meaning at every CP size), or train with hyper-train for 'independent'")
         return specs
 
     release()   # nothing of an earlier trainer in this process stays current
     specs = agree_or_raise(check, what="hyper_parallel HF context_parallel", same_error=True)
-    if cp_size == 1:
+    if cp_size == 1 and packed_documents != "independent":
         return trainer
     world = dist.get_world_size()
     model = _base_model(trainer.model)
@@ -92,7 +90,8 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     pad_id = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None) or 0
-    trainer.data_collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), setup.plan.batch_policy,
+    policy = setup.plan.batch_policy or CONTIGUOUS_POLICY            # None at cp 1: one contiguous "shard"
+    trainer.data_collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), policy,
                                            pad_token_id=int(pad_id), packed_documents=packed_documents)
     wrap_forward(trainer.model)
     wrap_compute_loss(trainer, cp_size, mesh.cp_mesh.get_group())

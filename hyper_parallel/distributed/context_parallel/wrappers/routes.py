@@ -26,7 +26,7 @@ from .. import catalogue
 from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, current_apply_context,
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
-from ..meta import AS_TRANSFORMERS, CPBatchMeta, current_cp_batch_meta, documents_semantics, with_attention_chunk
+from ..meta import AS_TRANSFORMERS, INDEPENDENT, CPBatchMeta, current_cp_batch_meta, documents_semantics, with_attention_chunk
 from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale
 from ..methods.factory import build_strategy
 from .heads import module_heads, unrepeat_kv
@@ -60,7 +60,8 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
     its mask functions (e.g. gpt-oss does not: at CP=1 its documents see each other), and only
     without a KV cache (``use_cache=False``, training); a model that does not is refused instead
     of computing something else than at CP=1. Checked once per batch per module, on the local chunk."""
-    if not getattr(meta, "docs_from_positions", False) or call.source != "hf_interface":
+    if not getattr(meta, "docs_from_positions", False) or call.source != "hf_interface" or \
+            meta.documents == INDEPENDENT:     # declared: each document alone at every CP size, whatever the mask
         return
     if call.hf_kwargs.get("use_cache"):
         return      # with a KV cache transformers never derives documents from the positions: nothing to compare
