@@ -148,3 +148,18 @@ def test_dsa_long_rows_same_selection_and_losses(ranks, tmp_path, arch, seq_len,
     n_layers = len(s1) // 5
     assert sum(per_call[:n_layers]) == 0, per_call
     assert max(rel) <= tol, (l1, l2)
+
+
+def test_doge_bf16_cp2_first_step_equal_to_cp1(ranks, tmp_path):
+    """Doge in bf16 (FSDP2 bf16 compute): at cp_size 1 the method runs as a CP group of one (the same
+    key channel, engine and lower-index tie rule as CP=2, no gather), so the first step's loss is the
+    same number at both sizes; later steps differ by bf16 rounding of the weights only (within
+    BF16_LOSS_RTOL over 5 steps)."""
+    losses = {}
+    for cp in (1, 2):
+        cfg = _cfg("doge_cp2.yaml", tmp_path / f"cp{cp}", f"accelerator.cp_size={cp}", "schedule.mixed_precision=bf16",
+                   "schedule.steps=5")
+        losses[cp] = ranks(cp).run(TW.train_losses, cfg, timeout=600.0)[0]["losses"]
+    rel = [abs(a - b) / abs(a) for a, b in zip(losses[1], losses[2])]
+    print(f"doge bf16: cp1 {losses[1]}\n  cp2 {losses[2]}\n  rel {['%.1e' % r for r in rel]} (tol {BF16_LOSS_RTOL:g})")
+    assert losses[1][0] == losses[2][0] and max(rel) <= BF16_LOSS_RTOL, losses

@@ -42,6 +42,7 @@ from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
+from ...distributed.context_parallel.meta import current_cp_batch_meta
 from ...distributed.context_parallel.mixers.rows import bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 from ...distributed.context_parallel.semantics import register_uncarried
@@ -173,12 +174,19 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
     m.prepare_dynamic_mask = types.MethodType(prepare_dynamic_mask_ordered, m)
 
     def forward(*args, **kwargs):
-        if cp_mesh is None:                       # installed at cp_size 1: the module's forward, tie rule bound
-            return original(*args, **kwargs)
+        if cp_mesh is None:      # installed at cp_size 1: with a batch meta (a CP group of one) the same
+            if current_cp_batch_meta(required=False) is None:    # computation as under CP, else the
+                return original(*args, **kwargs)                 # module's forward, tie rule bound
+            meta, a, hs = bound_call(what, fqn, sig, m, None, args, kwargs, one_rank=True)
+            return compute(meta, a, hs, lambda t: t)
         entry = bound_call(what, fqn, sig, m, cp_mesh, args, kwargs)
         if entry is None:
             return original(*args, **kwargs)
         meta, a, hs = entry
+        return compute(meta, a, hs, lambda t: all_gather_seq(t, cp_mesh, dim=2, tag="cp.doge_kv"))
+
+    def compute(meta, a, hs, gather):
+        """The method on this rank's ``hs [B, L, hidden]``; ``gather`` makes the global ``[k' | v]``."""
         window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
         selects = min(longest, window or longest) > m.keep_window_size    # some query sees more keys than kept
@@ -194,7 +202,7 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         q1 = torch.cat([q, q.new_full((*q.shape[:-1], 1), 1.0 / m.scaling)], dim=-1)
         k1 = torch.cat([k, dt.unsqueeze(-1).to(k.dtype)], dim=-1)                 # [B, Hk, L, D + 1]
         D1 = k1.shape[-1]
-        g = all_gather_seq(torch.cat([k1, v], dim=-1).contiguous(), cp_mesh, dim=2, tag="cp.doge_kv")
+        g = gather(torch.cat([k1, v], dim=-1).contiguous())
         if selects:     # the dynamic top-keep_window_size over the global keys, per query block
             q_idx = meta.q_index.to(hs.device)
             doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)

@@ -136,16 +136,18 @@ def documents_alone(module: nn.Module, fqn: str, unread: tuple = ()) -> Callable
     return forward
 
 
-def bound_call(what: str, fqn: str, sig: inspect.Signature, module: nn.Module, cp_mesh, args: tuple, kwargs: dict):
+def bound_call(what: str, fqn: str, sig: inspect.Signature, module: nn.Module, cp_mesh, args: tuple, kwargs: dict,
+               one_rank: bool = False):
     """Common start of an attention-like method that re-runs the module's lines from its bound
-    arguments: ``None`` at cp 1 (run the original), else ``(meta, arguments, hidden_states)``;
-    keyword arguments the CP method does not carry are refused, never dropped."""
+    arguments: ``None`` at cp 1 (run the original; ``one_rank``: the method's own computation on a
+    CP group of one instead), else ``(meta, arguments, hidden_states)``; keyword arguments the CP
+    method does not carry are refused, never dropped."""
     meta = current_cp_batch_meta()
     a = dict(sig.bind(module, *args, **kwargs).arguments)
     extra = dict(a.pop("kwargs", {}) or {})
     hs = a["hidden_states"]
     check_call(what, fqn, hs, a, meta)
-    if cp_mesh is None or meta.cp_size == 1:
+    if (cp_mesh is None or meta.cp_size == 1) and not one_rank:
         return None
     bad = sorted(k for k, v in extra.items()
                  if v is not None and k not in HF_IGNORED_KWARGS and not (k in HF_FALSY_KWARGS and not v))
