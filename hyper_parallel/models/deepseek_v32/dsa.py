@@ -44,6 +44,7 @@ from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
+from ...ops.index_scores import index_scores as engine_index_scores
 from ...distributed.context_parallel.semantics import register_uncarried
 
 __all__ = ["DSA_CLASSES", "attend_selected", "dsa_all_gather_cp_wrapper", "index_scores", "indexer_forward_ordered",
@@ -75,10 +76,12 @@ def visible(q_idx: torch.Tensor, k_idx: torch.Tensor, doc_q, doc_k) -> torch.Ten
 def index_scores(iq, weights, kb, scale: float) -> torch.Tensor:
     """The lightning indexer's score of every query against one block of keys, in float32:
     ``sum_h w[h] * relu(scale * q[h].k)`` for ``iq [B, L, Hi, Di]``, ``weights [B, L, Hi]``,
-    ``kb [B, n, Di]`` -> ``[B, L, n]``, transformers' arithmetic (two batched matmuls, one per query).
-    Every caller (CP and the module's own CP=1 forward, :func:`indexer_forward_ordered`) passes the
-    same global key blocks (``[j * KEY_BLOCK, (j + 1) * KEY_BLOCK)``), so a (query, key) score is one
-    query's ``[Hi, Di] x [Di, n]`` product of the same shape whatever the CP size."""
+    ``kb [B, n, Di]`` -> ``[B, L, n]``. On CPU the engine's ``index_scores`` (csrc/indexer): one fixed
+    float32 reduction order per (query, key) pair, so a pair's score is the same bits at every CP size,
+    in CP and in the module's own CP=1 forward (:func:`indexer_forward_ordered`), on every CPU. Elsewhere
+    transformers' arithmetic (two batched matmuls) on the same global key blocks."""
+    if iq.device.type == "cpu":
+        return engine_index_scores(iq, weights, kb, scale)
     kb = kb.float().transpose(-1, -2).unsqueeze(1)                           # [B, 1, Di, n]
     sc = F.relu(torch.matmul(iq.float(), kb) * scale)                        # [B, L, Hi, n]
     return torch.matmul(weights.float().unsqueeze(-2), sc).squeeze(-2)       # [B, L, n]
