@@ -98,6 +98,7 @@ class _Losses:
         class Rec(TrainerCallback):
             def __init__(self):
                 self.loss, self.eval_loss, self.lr, self.grad_norm = [], [], [], []
+                self.metrics = {"entropy": [], "mean_token_accuracy": []}     # TRL's, from the logits
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 logs = logs or {}
@@ -105,6 +106,9 @@ class _Losses:
                     self.loss.append(float(logs["loss"]))
                     self.lr.append(float(logs.get("learning_rate", float("nan"))))
                     self.grad_norm.append(float(logs.get("grad_norm", float("nan"))))
+                    for key, values in self.metrics.items():
+                        if key in logs:
+                            values.append(float(logs[key]))
                 if "eval_loss" in logs:
                     self.eval_loss.append(float(logs["eval_loss"]))
 
@@ -179,6 +183,7 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
         eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
         model = trainer.model
         result = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "eval_loss": eval_loss,
+                  "metrics": rec.metrics,
                   "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
         if params and trainer.args.process_index == 0:
             result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -248,3 +253,22 @@ def refusal_cases(cases) -> list[str]:
             except Exception as exc:  # noqa: BLE001 - the message is the result
                 out_msgs.append(f"{type(exc).__name__}: {exc}")
     return out_msgs
+
+
+def resume_case(entry: str, arch: str, cp: int, ckpt_dir: str, steps: int = 4, save_at: int = 2,
+                resume: bool = False) -> dict:
+    """The Trainer's own checkpoints under CP: without ``resume``, train ``steps`` steps saving a
+    checkpoint every ``save_at`` steps into ``ckpt_dir`` (``save_strategy="steps"``); with it, a fresh
+    script resumes from ``ckpt_dir/checkpoint-<save_at>`` and trains to ``steps``. Returns the logged
+    losses and rank 0's parameters at the end."""
+    from hyper_parallel.integrations.hf import context_parallel
+
+    _dist_env()
+    trainer, rec = build_trainer(entry, arch, ckpt_dir, steps, save_strategy="steps", save_steps=save_at,
+                                 save_only_model=False)
+    context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[arch])
+    trainer.train(resume_from_checkpoint=os.path.join(ckpt_dir, f"checkpoint-{save_at}") if resume else None)
+    out = {"loss": rec.loss, "lr": rec.lr}
+    if trainer.args.process_index == 0:
+        out["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return out

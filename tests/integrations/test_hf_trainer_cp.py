@@ -44,6 +44,12 @@ def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, pa
           f"{moved:.2e}")
     assert ref["lr"] == got["lr"]
     assert ref["trainable"] == got["trainable"]
+    for key, values in ref["metrics"].items():      # TRL's entropy / token accuracy: from the whole row's logits
+        assert len(values) == len(got["metrics"][key]), key
+        if values:
+            m_rel = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(values, got["metrics"][key]))
+            print(f"  {key}: cp1 {values}\n  cp2 {got['metrics'][key]} (max rel {m_rel:.2e})")
+            assert m_rel <= TOL, key
     assert loss_rel <= TOL and eval_rel <= TOL and p_abs <= param_tol * pmax
     assert moved > 100 * TOL * pmax, "the parameters did not move: the comparison would prove nothing"
     return {"ref": ref, "got": got}
