@@ -148,6 +148,8 @@ REFUSALS = [
     ("neftune", {"neftune_noise_alpha": 5.0}, "TrainingArguments.neftune_noise_alpha"),
     ("liger", {"use_liger_kernel": True}, "TrainingArguments.use_liger_kernel"),
     ("label_smoothing", {"label_smoothing_factor": 0.1}, "TrainingArguments.label_smoothing_factor"),
+    # on CPU accelerate runs DDP whatever fsdp says (distributed_type MULTI_CPU): refused, not ignored
+    ("fsdp", {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}, "TrainingArguments.fsdp"),
 ]
 
 

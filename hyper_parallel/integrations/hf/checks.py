@@ -28,15 +28,17 @@ def collator_name(collator) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
 
 
-def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> None:
-    """Raise the first refusal that applies to ``trainer`` at CP degree ``cp_size`` (module doc)."""
+def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, installs: bool = False) -> None:
+    """Raise the first refusal that applies to ``trainer`` at CP degree ``cp_size`` (module doc);
+    ``installs``: the methods are installed at cp_size 1 too (packed documents ``independent``)."""
     args = trainer.args
     world = args.world_size
     if cp_size < 1 or world % cp_size:
         raise CPConfigError("cp_size", f"cp_size {cp_size} does not divide the {world} launched ranks",
                             fix="launch a multiple of cp_size ranks (torchrun --nproc-per-node), the rest is DP")
-    if cp_size == 1:
+    if cp_size == 1 and not installs:
         return
+    on_cpu_ddp = "MULTI_CPU" in str(getattr(trainer.accelerator, "distributed_type", ""))
     refusals = (
         ("group_by_length", getattr(args, "group_by_length", False),
          "groups rows by length across the dataset: under CP the ranks of one group must read the same rows",
@@ -55,8 +57,10 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False) -> No
          "the label smoother shifts the labels of the local shard itself (a CP shard is not a row)",
          "set label_smoothing_factor=0"),
         ("fsdp", bool(getattr(args, "fsdp", None)) or bool(getattr(trainer, "is_fsdp_enabled", False)),
-         "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients would be averaged over "
-         "the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for FSDP2 x CP"),
+         "accelerate runs DDP here, not FSDP (distributed_type MULTI_CPU: the fsdp setting would be ignored "
+         "silently)" if on_cpu_ddp else "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients "
+         "would be averaged over the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for "
+         "FSDP2 x CP"),
         ("parallelism_config", getattr(trainer.accelerator, "parallelism_config", None) is not None,
          "accelerate's ParallelismConfig is set; it would install its own context parallelism / mesh next "
          "to hyper_parallel's", "leave parallelism_config unset: the CP degree and methods come from "

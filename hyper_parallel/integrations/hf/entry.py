@@ -69,7 +69,7 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     ``as_transformers`` (or None) leaves the Trainer at cp_size 1 untouched (plain transformers)."""
     def check():
         specs = load_plan_overrides(plan_overrides)
-        check_trainer(trainer, cp_size, accept_collator=accept_collator)
+        check_trainer(trainer, cp_size, accept_collator=accept_collator, installs=packed_documents == "independent")
         if packed_documents not in (None, "independent", "as_transformers"):
             raise ValueError(f"packed_documents must be 'independent', 'as_transformers' or None, got "
                              f"{packed_documents!r}")
