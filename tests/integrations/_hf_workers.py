@@ -98,7 +98,7 @@ class _Losses:
         class Rec(TrainerCallback):
             def __init__(self):
                 self.loss, self.eval_loss, self.lr, self.grad_norm = [], [], [], []
-                self.metrics = {"entropy": [], "mean_token_accuracy": []}     # TRL's, from the logits
+                self.metrics = {"entropy": [], "mean_token_accuracy": [], "num_tokens": []}   # TRL's
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 logs = logs or {}

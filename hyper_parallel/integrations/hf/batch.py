@@ -15,8 +15,9 @@ keeps only its own slice:
   batch policy: global positions, documents from the position restarts, padding to the method's
   multiple (ids ``pad_token_id``, labels -100), this rank's slice;
 * out: the local ``input_ids``, ``position_ids`` (global positions of the slice), ``labels``,
-  ``shift_labels`` (``[B, S_padded / cp]``), the local ``attention_mask`` slice when one was given
-  (TRL counts tokens with it; the model never sees it), and :data:`META_KEY` holding the
+  ``shift_labels`` (``[B, S_padded / cp]``), the local ``attention_mask`` slice — for padding-free
+  rows a mask of the row's tokens with 0 on the CP padding (TRL counts tokens with it, so its
+  ``num_tokens`` is CP=1's; the model never sees it) — and :data:`META_KEY` holding the
   :class:`CPBatchMeta` (global documents and positions) for the forward.
 
 ``seq_idx`` (TRL's per-token document index for short convolutions) is dropped: under CP the
@@ -82,8 +83,9 @@ class CPDataCollator:
         local = shard_batch_for_cp(batch, self.cp_coords, self.policy, ignore_index=self.ignore_index,
                                    pad_token_id=self.pad_token_id, packed_documents=self.packed_documents)
         out = {k: v for k, v in local.items() if k not in ("seq_lens", "seq_lens_padded")}
-        if mask is None:
-            out.pop("attention_mask", None)
+        if mask is None:     # padding-free rows: a mask of the row's own tokens, 0 on our CP padding, so that
+            real = (local.meta.q_index < local.seq_len).to(torch.int64)    # TRL's num_tokens counts the row
+            out["attention_mask"] = real[None].expand(out["input_ids"].shape[0], -1).contiguous()
         out[META_KEY] = CPMetaHolder(local.meta)
         return out
 
