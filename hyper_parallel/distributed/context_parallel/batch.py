@@ -44,6 +44,7 @@ from ...platform import group_rank, group_size
 from . import catalogue
 from .balance.split import balanced_permutation, local_counts
 from .comm import all_gather_seq
+from .batch_flattening import cu_to_seq_lens
 from .meta import PACKED_DOCUMENTS, CPBatchMeta
 from .rope_mrope import attach_mrope, split_mrope_positions
 
@@ -51,8 +52,6 @@ __all__ = ["CPBatch", "shard_batch_for_cp", "gather_from_cp", "policy_multiple",
 
 SEQ_FIELDS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
 PACK_FIELDS = ("seq_lens", "seq_lens_padded")
-CU_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k")          # transformers' flattening convention
-CU_SCALARS = ("max_length_q", "max_length_k")
 # policy / method name or alias -> (policy, S multiple factor of cp_size), from the method catalogue
 _POLICIES = catalogue.batch_policies()
 #: the policy of a batch no method reorders or pads beyond ``cp``: contiguous chunks (also CP = 1)
@@ -171,56 +170,6 @@ def _validate(batch: dict, passthrough: set) -> tuple[int, int]:
     return B, S
 
 
-def _cu_to_seq_lens(batch: dict) -> dict:
-    """Read transformers' ``cu_seq_lens_*`` flattening kwargs as ``seq_lens`` ([B, n_docs]).
-
-    Returns the batch unchanged when neither is present, else a copy with ``seq_lens`` set and the
-    ``cu_seq_lens_*`` / ``max_length_*`` fields removed. Raises CPBatchError for anything that
-    does not describe documents inside the rows exactly once.
-    """
-    given = [k for k in CU_FIELDS if batch.get(k) is not None]
-    if not given:
-        return batch
-    if len(given) == 1:
-        raise CPBatchError(f"{given[0]} given without {[k for k in CU_FIELDS if k not in given][0]}: "
-                           "transformers passes both (equal for self-attention); pass both or seq_lens")
-    cu_q, cu_k = batch["cu_seq_lens_q"], batch["cu_seq_lens_k"]
-    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
-            raise CPBatchError(f"{name} must be a 1-D integer tensor [n_docs + 1] of cumulative document "
-                               f"starts, got {type(cu).__name__}{tuple(getattr(cu, 'shape', ()))}")
-    if cu_q.shape != cu_k.shape or not torch.equal(cu_q.cpu(), cu_k.cpu()):
-        raise CPBatchError("cu_seq_lens_q and cu_seq_lens_k differ: CP training shards self-attention, "
-                           "where queries and keys are the same documents")
-    if batch.get("seq_lens") is not None or batch.get("seq_lens_padded") is not None:
-        raise CPBatchError("both cu_seq_lens_* and seq_lens describe the packed documents; CP does not "
-                           "guess which one is meant — pass one of them")
-    ref = next((batch[k] for k in ("input_ids", "inputs_embeds", "labels") if batch.get(k) is not None), None)
-    if ref is None:
-        raise CPBatchError("the batch needs input_ids, inputs_embeds or labels to define [B, S]")
-    B, S = ref.shape[:2]
-    cu = cu_q.detach().to("cpu", torch.int64)
-    if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > B * S:
-        raise CPBatchError(f"cu_seq_lens_q must start at 0, never decrease and end at most at B*S={B * S} "
-                           f"(the flattened batch), got {cu.tolist()}")
-    bounds = set(cu.tolist())
-    rows = []
-    for b in range(B):
-        lo, hi = b * S, (b + 1) * S
-        if b and lo <= int(cu[-1]) and lo not in bounds:
-            raise CPBatchError(f"cu_seq_lens_q has a document crossing from row {b - 1} into row {b} "
-                               f"(no boundary at token {lo} = {b}*S): every document must lie inside one row")
-        inside = cu[(cu >= lo) & (cu <= hi)] - lo
-        rows.append(torch.diff(inside) if inside.numel() > 1 else torch.zeros(0, dtype=torch.int64))
-    n = max(1, max(r.numel() for r in rows))
-    lens = torch.zeros(B, n, dtype=torch.int64)
-    for b, r in enumerate(rows):
-        lens[b, :r.numel()] = r
-    out = {k: v for k, v in batch.items() if k not in CU_FIELDS + CU_SCALARS}
-    out["seq_lens"] = lens.to(ref.device)
-    return out
-
-
 # ----------------------------------------------------------------------------- global metadata
 def _pack_layout(lens: torch.Tensor, padded: Optional[torch.Tensor], S: int):
     """Global doc ids [B,S] (-1 outside documents) and per-slot restarting positions [B,S]."""
@@ -305,7 +254,7 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     if packed_documents not in (None,) + PACKED_DOCUMENTS:
         raise CPBatchError(f"packed_documents must be one of {PACKED_DOCUMENTS} or None, got {packed_documents!r}")
     passthrough = set(passthrough)
-    global_batch, mrope = split_mrope_positions(_cu_to_seq_lens(global_batch), CPBatchError)   # 3-D positions
+    global_batch, mrope = split_mrope_positions(cu_to_seq_lens(global_batch, CPBatchError), CPBatchError)   # 3-D positions
     B, S = _validate(global_batch, passthrough)
     cp_rank, cp_size = cp_coords(cp_mesh)
     policy_name, multiple = policy_multiple(policy, cp_size)
