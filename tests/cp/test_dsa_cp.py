@@ -70,7 +70,7 @@ def tie_rule_reference(model) -> None:
         m = getattr(layer, "self_attn", None)
         if type(m).__name__ == "DogeAttention":
             m.prepare_dynamic_mask = types.MethodType(prepare_dynamic_mask_ordered, m)
-        elif getattr(m, "indexer", None) is not None:
+        elif getattr(m, "indexer", None) is not None and type(m).__name__ in DSA_CLASSES:
             rope = getattr(sys.modules[type(m).__module__], DSA_CLASSES[type(m).__name__])
             m.indexer.forward = functools.partial(types.MethodType(indexer_forward_ordered, m.indexer), rope=rope)
 
