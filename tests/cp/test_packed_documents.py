@@ -144,6 +144,12 @@ def test_undeclared_packed_rows_are_refused_naming_the_field():
     llama = build("llama").float().train()
     ShardingPlanner([{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
                       "inner_wrapper": "sdpa_hf"}]).plan(llama, None, cp_size=1, packed_rows=True)
+    # independent at cp 1 runs the declared methods as a CP group of one: an async wrapper is refused by name
+    async_llama = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+                    "inner_wrapper": {"_target_": "hyper_parallel.models.llama.adapter.distributed."
+                                                  "context_parallel_async.llama_async_colossal_cp_wrapper"}}]
+    with pytest.raises(CPConfigError, match=r"plan_overrides\[0\]\.inner_wrapper.*is async.*sync wrapper"):
+        ShardingPlanner(async_llama, packed_documents="independent").plan(llama, None, cp_size=1, packed_rows=True)
     # the library API: a packed batch under an undeclared meta is refused by the mixer, naming the field
     plan = ShardingPlanner(entries("qwen3_next", "colossal", "gdn_sp"), packed_documents="independent").plan(
         model, None, cp_size=1, packed_rows=True)

@@ -170,6 +170,13 @@ class PlanOverrideResolver:
         if spec.inner_wrapper is None:
             return False
         if self.packed_documents == INDEPENDENT:
+            _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
+            if info is not None and info.is_async:
+                raise CPConfigError(
+                    spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} is async, but with packed_documents: "
+                    "independent the declared methods also run at cp_size 1, as a CP group of one, where an async "
+                    "wrapper has no CP mesh and nothing to overlap", fix="declare the sync wrapper of the same method "
+                    "for the cp_size 1 run (e.g. sdpa_hf for colossal), or packed_documents: as_transformers")
             return True
         _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
         return bool(getattr(info, "at_cp1", False))
