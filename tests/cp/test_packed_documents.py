@@ -150,6 +150,10 @@ def test_undeclared_packed_rows_are_refused_naming_the_field():
                                                   "context_parallel_async.llama_async_colossal_cp_wrapper"}}]
     with pytest.raises(CPConfigError, match=r"plan_overrides\[0\]\.inner_wrapper.*is async.*sync wrapper"):
         ShardingPlanner(async_llama, packed_documents="independent").plan(llama, None, cp_size=1, packed_rows=True)
+    hybrid = [{**async_llama[0], "inner_wrapper": {"_target_": "hyper_parallel.distributed.context_parallel.wrappers."
+                                                              "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2}}]
+    with pytest.raises(CPConfigError, match=r"ulysses_degree < cp_size.*independent.*colossal or Ulysses"):
+        ShardingPlanner(hybrid, packed_documents="independent").plan(llama, None, cp_size=1, packed_rows=True)
     # the library API: a packed batch under an undeclared meta is refused by the mixer, naming the field
     plan = ShardingPlanner(entries("qwen3_next", "colossal", "gdn_sp"), packed_documents="independent").plan(
         model, None, cp_size=1, packed_rows=True)

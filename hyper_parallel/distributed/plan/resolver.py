@@ -177,6 +177,12 @@ class PlanOverrideResolver:
                     "independent the declared methods also run at cp_size 1, as a CP group of one, where an async "
                     "wrapper has no CP mesh and nothing to overlap", fix="declare the sync wrapper of the same method "
                     "for the cp_size 1 run (e.g. sdpa_hf for colossal), or packed_documents: as_transformers")
+            if info is not None and "ulysses_degree" in (info.named_params or ()) and self.cp_size == 1:
+                raise CPConfigError(
+                    spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} needs 1 < ulysses_degree < cp_size, "
+                    "but with packed_documents: independent the declared methods also run at cp_size 1, as a CP group "
+                    "of one", fix="declare the colossal or Ulysses wrapper for the cp_size 1 run (at one rank every "
+                    "method computes the same), or packed_documents: as_transformers")
             return True
         _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
         return bool(getattr(info, "at_cp1", False))
