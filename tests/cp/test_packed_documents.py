@@ -163,3 +163,32 @@ def test_undeclared_packed_rows_are_refused_naming_the_field():
     with pytest.raises(Exception, match=r"data\.packed_documents: independent \| as_transformers"):
         with cp_batch_context(local.meta):
             model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+
+
+@pytest.mark.parametrize("wrapper", ["sdpa_hf", "sdpa_hf_ulysses", "sdpa_hf_balanced",
+                                     {"_target_": "hyper_parallel.distributed.context_parallel.wrappers."
+                                                  "sdpa_hf_load_balance_cp_wrapper"}])
+def test_every_layout_runs_at_cp1_as_a_group_of_one(wrapper):
+    """``independent`` at cp_size 1: a Llama with each attention method (its batch in the contiguous
+    layout, the trainer's cp 1 policy) computes each packed document as if alone."""
+    from hyper_parallel.distributed.context_parallel.batch import CONTIGUOUS_POLICY, shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+    from hyper_parallel.distributed.plan.applier import apply_sharding_plan
+    from hyper_parallel.distributed.plan.planner import ShardingPlanner
+
+    model, ref = build("llama").float().train(), build("llama").float().train()
+    ref.load_state_dict(model.state_dict())
+    overrides = [{**ATTENTION_ONLY[0], "inner_wrapper": wrapper}]
+    plan = ShardingPlanner(overrides, packed_documents="independent").plan(model, None, cp_size=1, packed_rows=True)
+    model, _ = apply_sharding_plan(model, plan, None, fsdp=False)
+    assert len(plan.cp_targets) == 2
+    batch, docs = make_batch("packed", S, model.config.vocab_size, 2)
+    local = shard_batch_for_cp(batch, (0, 1), CONTIGUOUS_POLICY, packed_documents="independent")
+    with cp_batch_context(local.meta):
+        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    alone = torch.zeros_like(got)
+    for b, s, n in docs:
+        alone[b, s:s + n] = ref(input_ids=batch["input_ids"][b:b + 1, s:s + n], use_cache=False).logits[0]
+    err = (got - alone).abs().max().item() / alone.abs().max().item()
+    print(f"{wrapper}: cp 1 vs each document alone, logits max rel {err:.2e} (tol {TOL:g})")
+    assert err <= TOL
