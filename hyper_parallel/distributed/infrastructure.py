@@ -45,7 +45,7 @@ def check_world(accel: AcceleratorConfig) -> None:
 
 def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
                       platform: Platform | None = None, *, packed_documents: str | None = None,
-                      packed_rows: bool = False) -> DistributedSetup:
+                      packed_rows: bool = False, documents_field: str = "data.packed_documents") -> DistributedSetup:
     """Plan (agreed across ranks), then build the meshes the plan needs. Prints both on rank 0.
 
     ``accel.comm_timeout_s`` (when set) becomes the collective timeout first, so the preflight
@@ -59,7 +59,7 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
 
     def check() -> ShardingPlan:
         check_world(accel)
-        return ShardingPlanner(plan_overrides, packed_documents).plan(
+        return ShardingPlanner(plan_overrides, packed_documents, documents_field).plan(
             model, tp_size=accel.tp_size, cp_size=accel.cp_size, ep_size=accel.ep_size,
             sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel, packed_rows=packed_rows)
 

@@ -12,7 +12,9 @@ What differs is only who applies the masking:
 
 * CP > 1: the declared CP wrappers read ``CPBatchMeta`` (key documents, padding) inside
   ``cp_batch_context``;
-* CP = 1: no CP code runs in the model; it gets ``input_ids`` and the (restarting, for packed
+* CP = 1: no CP code runs in the model (unless methods are installed at cp 1 — an ``at_cp1`` one,
+  or every declared one under ``data.packed_documents: independent`` — which then read the CP
+  group of one's meta); it gets ``input_ids`` and the (restarting, for packed
   rows) ``position_ids`` and no ``attention_mask``, so transformers separates packed documents
   from the position restarts (``find_packed_sequence_indices``) and causality hides padding that
   ends a document. Padding followed by a valid token of the *same* document would be visible to

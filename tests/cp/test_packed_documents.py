@@ -154,6 +154,10 @@ def test_undeclared_packed_rows_are_refused_naming_the_field():
                                                               "sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": 2}}]
     with pytest.raises(CPConfigError, match=r"ulysses_degree < cp_size.*independent.*colossal or Ulysses"):
         ShardingPlanner(hybrid, packed_documents="independent").plan(llama, None, cp_size=1, packed_rows=True)
+    local_fn = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False,
+                 "local_compute_fn": {"_target_": "examples.cp.local_compute_example.llama_colossal_local_compute"}}]
+    with pytest.raises(CPConfigError, match=r"local_compute_fn.*not run there"):
+        ShardingPlanner(local_fn, packed_documents="independent").plan(llama, None, cp_size=1, packed_rows=True)
     # the library API: a packed batch under an undeclared meta is refused by the mixer, naming the field
     plan = ShardingPlanner(entries("qwen3_next", "colossal", "gdn_sp"), packed_documents="independent").plan(
         model, None, cp_size=1, packed_rows=True)
@@ -182,7 +186,7 @@ def test_every_layout_runs_at_cp1_as_a_group_of_one(wrapper):
     plan = ShardingPlanner(overrides, packed_documents="independent").plan(model, None, cp_size=1, packed_rows=True)
     model, _ = apply_sharding_plan(model, plan, None, fsdp=False)
     assert len(plan.cp_targets) == 2
-    batch, docs = make_batch("packed", S, model.config.vocab_size, 2)
+    batch, docs = make_batch("packed", S + 1, model.config.vocab_size, 2)    # an odd row: no CP padding at cp 1
     local = shard_batch_for_cp(batch, (0, 1), CONTIGUOUS_POLICY, packed_documents="independent")
     with cp_batch_context(local.meta):
         got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits

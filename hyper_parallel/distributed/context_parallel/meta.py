@@ -112,8 +112,9 @@ def documents_semantics(meta: CPBatchMeta, who: str) -> Optional[str]:
         raise ValueError(
             f"{who}: a row holds several packed documents, and this module computes differently whether they are "
             f"independent or run as plain transformers runs the packed row; declare which: "
-            f"data.packed_documents: {' | '.join(PACKED_DOCUMENTS)} (library API: "
-            "shard_batch_for_cp(..., packed_documents=...)); docs/wrappers.md, \"Packed documents\"")
+            f"data.packed_documents: {' | '.join(PACKED_DOCUMENTS)} (library API: shard_batch_for_cp(..., "
+            "packed_documents=...); HF Trainer: context_parallel(..., packed_documents=...)); docs/wrappers.md, "
+            "\"Packed documents\"")
     return meta.documents
 
 

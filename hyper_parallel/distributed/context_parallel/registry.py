@@ -42,7 +42,9 @@ class WrapperInfo:
     style: str = "custom"             # attention calling convention it adapts
     is_async: bool = False            # launches collectives early and waits at the consumer
     communicates: bool = True         # issues CP collectives (=> region_dispatch must be false)
-    model_adapter: str | None = None  # architecture the wrapper is written for (async adapters)
+    # architecture(s) the wrapper is written for (async adapters): a model type, a tuple, or the generic
+    # Targets' live list of registered adapters (catalogue.ADAPTER_ARCHS; left out of the hash)
+    model_adapter: Any = dataclasses.field(default=None, hash=False)
     validate: Callable | None = None  # validate(target_module, *, cp_size, **named) -> None, raises
     # a token-mixer method (not attention): may be declared on a non-attention module (e.g. a Gated
     # DeltaNet / Mamba2 / short-conv layer), runs on the contiguous layout (the applier moves a permuted

@@ -125,6 +125,9 @@ def _install_cp(model, plan: ShardingPlan, mesh, mode: str, installed: _Installe
                 raise
             except (ValueError, TypeError) as exc:
                 raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()}: {exc}", module=t.fqn) from exc
+            except Exception as exc:  # noqa: BLE001 - any failure of a wrapper's installation names its entry
+                raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()} failed to install: "
+                                    f"{type(exc).__name__}: {exc}", module=t.fqn) from exc
             if ret is not None:
                 if not callable(ret):
                     raise CPConfigError(field, f"{t.spec.inner_wrapper.describe()} returned a "

@@ -72,12 +72,13 @@ class ShardingPlanner:
     """``ShardingPlanner(plan_overrides=...)``: the YAML list, the mapping form, or specs
     (normalised by :func:`~.spec.parse_plan_overrides`)."""
 
-    def __init__(self, plan_overrides: Any = None, packed_documents: Optional[str] = None):
+    def __init__(self, plan_overrides: Any = None, packed_documents: Optional[str] = None,
+                 documents_field: str = "data.packed_documents"):
         if packed_documents not in (None,) + PACKED_DOCUMENTS:
-            raise CPConfigError("data.packed_documents", f"must be one of {list(PACKED_DOCUMENTS)}, got "
-                                f"{packed_documents!r}")
+            raise CPConfigError(documents_field, f"must be one of {list(PACKED_DOCUMENTS)}, got {packed_documents!r}")
         self.specs = parse_plan_overrides(plan_overrides)
         self.packed_documents = packed_documents
+        self.documents_field = documents_field      # where the caller declares it (messages name it)
 
     def plan(self, model: nn.Module, device_mesh=None, *, tp_size: int = 1, cp_size: int = 1, ep_size: int = 1,
              sequence_parallel: bool = False, loss_parallel: bool = False, packed_rows: bool = False) -> ShardingPlan:
@@ -101,10 +102,10 @@ class ShardingPlanner:
             matter = rules.documents_matter(model, resolved)
             if matter:
                 raise CPConfigError(
-                    "data.packed_documents", f"the rows pack several documents, and {', '.join(matter[:3])}"
+                    self.documents_field, f"the rows pack several documents, and {', '.join(matter[:3])}"
                     f"{' and others' if len(matter) > 3 else ''} compute differently whether each document is "
                     "independent or the packed row runs as plain transformers runs it",
-                    fix=f"declare data.packed_documents: {' | '.join(PACKED_DOCUMENTS)} (docs/wrappers.md, "
+                    fix=f"declare {self.documents_field}: {' | '.join(PACKED_DOCUMENTS)} (docs/wrappers.md, "
                         "\"Packed documents\")")
         arch = model_architecture(model)
         layers = find_decoder_layers(model)

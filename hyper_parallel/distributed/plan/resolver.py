@@ -8,7 +8,9 @@ every attention boundary gets exactly one method;
 ``inner_wrapper`` XOR ``local_compute_fn``; ``region_dispatch: false`` present whenever the
 method communicates; ``inner_target`` exists; ``_target_`` imports, is ``@inner_wrapper``-
 decorated and its named parameters exist; the wrapper's own ``validate`` hook passes.
-With cp_size == 1, ``when: cp`` entries are skipped with an INFO log.
+With cp_size == 1, ``when: cp`` entries are skipped with an INFO log — except an ``at_cp1`` method's,
+and every entry under ``packed_documents: independent`` (the methods run as a CP group of one; an
+async or Hybrid wrapper, or a ``local_compute_fn``, is refused there by name).
 """
 from __future__ import annotations
 
@@ -168,6 +170,12 @@ class PlanOverrideResolver:
         document computes as if alone, as under CP), else an ``@inner_wrapper(at_cp1=True)`` one (its
         one-rank computation fixes a selection transformers leaves unspecified)."""
         if spec.inner_wrapper is None:
+            if self.packed_documents == INDEPENDENT and spec.local_compute_fn is not None:
+                raise CPConfigError(
+                    spec.field("local_compute_fn"), "with packed_documents: independent the declared methods also run "
+                    "at cp_size 1, as a CP group of one, but a local_compute_fn is not run there (it would leave the "
+                    "module to plain transformers at cp_size 1 only)", fix="declare an inner_wrapper for this module, "
+                    "or packed_documents: as_transformers")
             return False
         if self.packed_documents == INDEPENDENT:
             _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)

@@ -28,6 +28,14 @@ def collator_name(collator) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
 
 
+def packs_rows(trainer) -> bool:
+    """The Trainer's rows hold several documents: TRL's ``packing`` / ``padding_free`` or transformers'
+    ``DataCollatorWithFlattening``."""
+    args = trainer.args
+    flattening = type(getattr(trainer, "data_collator", None)).__name__ == "DataCollatorWithFlattening"
+    return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False) or flattening)
+
+
 def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, installs: bool = False) -> None:
     """Raise the first refusal that applies to ``trainer`` at CP degree ``cp_size`` (module doc);
     ``installs``: the methods are installed at cp_size 1 too (packed documents ``independent``)."""
@@ -73,8 +81,11 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
         ("preprocess_logits_for_metrics", getattr(trainer, "preprocess_logits_for_metrics", None) is not None,
          "it receives the logits of a CP shard, not of the row", "drop preprocess_logits_for_metrics"),
     )
+    # at cp_size 1 (methods installed for independent packed documents) one rank holds the whole row
+    shard_only = {"group_by_length", "train_sampling_strategy", "neftune_noise_alpha", "compute_metrics",
+                  "preprocess_logits_for_metrics"}
     for field, bad, problem, fix in refusals:
-        if bad:
+        if bad and not (cp_size == 1 and field in shard_only):
             raise CPConfigError(f"TrainingArguments.{field}", problem + f" (cp_size={cp_size})", fix=fix)
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -84,7 +95,7 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
                             f"'{impl}' cannot run on CPU and is not what the CP wrappers intercept",
                             module=type(base).__name__, fix="load the model with attn_implementation='sdpa'")
     text_cfg = base.config.get_text_config() if hasattr(getattr(base, "config", None), "get_text_config") else None
-    if getattr(text_cfg, "output_router_logits", False):
+    if cp_size > 1 and getattr(text_cfg, "output_router_logits", False):
         raise CPConfigError("model.config.output_router_logits",
                             "the MoE load-balancing loss is a nonlinear function of the expert frequencies of the "
                             "tokens it sees; on a CP shard it is not the row's", module=type(base).__name__,

@@ -5,7 +5,8 @@ Call it after building a ``transformers.Trainer`` or a TRL ``SFTTrainer`` and be
 
 1. parses the declaration (:mod:`.declaration`) and checks the trainer (:mod:`.checks`) on every
    rank, agreeing the outcome across ranks: a refusal is raised on every rank before any step;
-2. at ``cp_size == 1`` returns the trainer untouched (the script's own CP=1 reference);
+2. at ``cp_size == 1`` returns the trainer untouched (the script's own CP=1 reference) — unless
+   ``packed_documents="independent"``: the declared methods then run as a CP group of one;
 3. builds the meshes and the plan (``setup_distributed``: ``dp_replicate = world / cp`` x ``cp``)
    and applies it to the causal LM (under a PEFT model: its base model) without FSDP — the CP
    wrappers, the RoPE-on-global-positions hook and, by default, the CP preflight proof;
@@ -27,7 +28,7 @@ from ...distributed.infrastructure import setup_distributed
 from ...distributed.plan.applier import apply_sharding_plan
 from ...distributed.preflight import agree_or_raise
 from .batch import CPDataCollator
-from .checks import check_trainer
+from .checks import check_trainer, packs_rows
 from .context import release
 from .data import shard_data_by_dp
 from .declaration import load_plan_overrides
@@ -82,7 +83,8 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     world = dist.get_world_size()
     model = _base_model(trainer.model)
     accel = AcceleratorConfig(cp_size=cp_size, dp_replicate_size=world // cp_size)
-    setup = setup_distributed(accel, specs, model, packed_documents=packed_documents)
+    setup = setup_distributed(accel, specs, model, packed_documents=packed_documents, packed_rows=packs_rows(trainer),
+                              documents_field="context_parallel(packed_documents=...)")
     apply_sharding_plan(model, setup.plan, setup.mesh, fsdp=False, preflight_proof=preflight_proof)
     mesh = setup.mesh
     shard_data_by_dp(trainer, mesh)

@@ -116,13 +116,19 @@ def documents_alone(module: nn.Module, fqn: str, unread: tuple = ()) -> Callable
     """A token mixer's forward at cp_size 1 under ``independent`` packed documents: the module's own
     forward on each document of the batch meta as its own right-padded row (:func:`run_rows`: the
     state and the conv window restart, as under CP); the original forward without a meta, without a
-    row of two documents, or under ``as_transformers``. ``unread``: arguments the module's method
+    row of two documents, or under ``as_transformers`` (without a meta in training: refused, never
+    guessed). ``unread``: arguments the module's method
     states it does not read (``seq_dims`` None), passed as None. Local, no collective."""
     original, name, mask_param = module.forward, hidden_param(module), accepts(module, "attention_mask")
     what = "packed documents at cp_size 1"
 
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
+        if meta is None and module.training:
+            raise CPMixerError(f"{what} on '{fqn}': the module is installed to compute each packed document alone "
+                               "at cp_size 1 but runs outside cp_batch_context: shard the batch with "
+                               "shard_batch_for_cp(..., packed_documents=...) and run the forward in "
+                               "cp_batch_context(local.meta)")
         if meta is None or _documents(what, fqn, meta) != INDEPENDENT:
             return original(*args, **kwargs)
         hs, rebuild, rest_args, rest_kwargs = split_hidden(name, args, kwargs)

@@ -90,8 +90,8 @@ def _check_model_separates_documents(call: AttentionCall, meta: CPBatchMeta, own
             f"module '{owner}': the batch packs documents as restarting position_ids, but the model's own "
             "mask lets them see each other (this model builds its mask without position_ids, so at CP=1 "
             "transformers treats the row as one sequence); CP would separate them and compute something "
-            "else than CP=1 — refused. Pass the documents as seq_lens (and an explicit attention "
-            "boundary at CP=1), or do not pack rows for this model")
+            "else than CP=1 — refused. Declare packed_documents: independent (each document alone at every CP "
+            "size, CP=1 included), or do not pack rows for this model")
 
 
 def carry_module_semantics(q: torch.Tensor, meta, module: nn.Module):

@@ -52,6 +52,11 @@ class HeadTailStrategy(CPGroupStrategy):
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B,Hq,S/C,D], k/v [B,Hk,S/C,D] local chunk -> out [B,Hq,S/C,D] local chunk."""
         C, r = self.cp_size, self.cp_rank
+        if C == 1:      # one rank (a CP group of one): head and tail are the whole row in order, nothing to move
+            self.check_inputs(q, k, v, meta, cp_size=C, cp_rank=r)
+            check_sinks(type(self).__name__, sinks, q.shape[1])
+            return engine_attention(q, k, v, q_pos=meta.q_index, k_pos=meta.k_index, meta=meta, scale=scale,
+                                    window=window, softcap=softcap, sinks=sinks)
         if meta.global_seq_len % (2 * C):
             raise ValueError(
                 f"HeadTailStrategy: global sequence length {meta.global_seq_len} is not a multiple of "
