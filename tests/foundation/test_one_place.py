@@ -175,3 +175,26 @@ def test_the_reference_scan_sees_a_models_import(tmp_path, relative):
     finally:
         ROOT = saved
     assert found, src
+
+
+def test_every_family_folder_is_imported_by_the_package():
+    """``hyper_parallel.models`` lists its families by hand (their order is the catalogue's and the
+    messages'); a folder it forgets would never register. In a fresh interpreter (no test has
+    imported a family itself), every ``models/<model_type>/`` package is imported once
+    ``hyper_parallel`` is."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.join(PKG, "models")
+    folders = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "__init__.py")))
+    probe = ("import json, sys, hyper_parallel; "
+             "print(json.dumps(sorted(m.split('.')[2] for m in sys.modules if m.count('.') == 2 "
+             "and m.startswith('hyper_parallel.models.'))))")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    imported = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    missing = [d for d in folders if d not in imported]
+    print(f"{len(folders)} family folders; not imported by hyper_parallel.models: {missing}")
+    assert len(folders) >= 20 and not missing, missing

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 
+from ..context_parallel import catalogue
 from ..context_parallel.meta import INDEPENDENT
 from ..context_parallel.model_spec import find_attention_boundaries
 from ..context_parallel.semantics import is_token_mixer, mixer_hint
@@ -177,23 +178,23 @@ class PlanOverrideResolver:
                     "module to plain transformers at cp_size 1 only)", fix="declare an inner_wrapper for this module, "
                     "or packed_documents: as_transformers")
             return False
-        if self.packed_documents == INDEPENDENT:
-            _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
-            if info is not None and info.is_async:
-                raise CPConfigError(
-                    spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} is async, but with packed_documents: "
-                    "independent the declared methods also run at cp_size 1, as a CP group of one, where an async "
-                    "wrapper has no CP mesh and nothing to overlap", fix="declare the sync wrapper of the same method "
-                    "for the cp_size 1 run (e.g. sdpa_hf for colossal), or packed_documents: as_transformers")
-            if info is not None and "ulysses_degree" in (info.named_params or ()) and self.cp_size == 1:
-                raise CPConfigError(
-                    spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} needs 1 < ulysses_degree < cp_size, "
-                    "but with packed_documents: independent the declared methods also run at cp_size 1, as a CP group "
-                    "of one", fix="declare the colossal or Ulysses wrapper for the cp_size 1 run (at one rank every "
-                    "method computes the same), or packed_documents: as_transformers")
-            return True
         _fn, info, _params = resolve_wrapper(spec, spec.inner_wrapper, spec.match)
-        return bool(getattr(info, "at_cp1", False))
+        if self.packed_documents != INDEPENDENT:
+            return bool(getattr(info, "at_cp1", False))
+        if info is not None and info.is_async:
+            raise CPConfigError(
+                spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} is async, but with packed_documents: "
+                "independent the declared methods also run at cp_size 1, as a CP group of one, where an async "
+                "wrapper has no CP mesh and nothing to overlap", fix="declare the sync wrapper of the same method "
+                "for the cp_size 1 run (e.g. sdpa_hf for colossal), or packed_documents: as_transformers")
+        row = catalogue.METHODS.get(info.method) if info is not None else None
+        if row is not None and row.degree == "param":        # Hybrid: a degree between 1 and cp_size
+            raise CPConfigError(
+                spec.field("inner_wrapper"), f"{spec.inner_wrapper.describe()} needs 1 < {row.degree_param} < cp_size, "
+                "but with packed_documents: independent the declared methods also run at cp_size 1, as a CP group "
+                "of one", fix="declare the colossal or Ulysses wrapper for the cp_size 1 run (at one rank every "
+                "method computes the same), or packed_documents: as_transformers")
+        return True
 
     # -- main -----------------------------------------------------------------------
     def resolve(self, model: nn.Module) -> ResolvedPlan:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ...distributed.config import AcceleratorConfig
 from ...distributed.context_parallel.batch import CONTIGUOUS_POLICY
+from ...distributed.context_parallel.meta import INDEPENDENT, PACKED_DOCUMENTS
 from ...distributed.infrastructure import setup_distributed
 from ...distributed.plan.applier import apply_sharding_plan
 from ...distributed.preflight import agree_or_raise
@@ -70,15 +71,14 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     ``as_transformers`` (or None) leaves the Trainer at cp_size 1 untouched (plain transformers)."""
     def check():
         specs = load_plan_overrides(plan_overrides)
-        check_trainer(trainer, cp_size, accept_collator=accept_collator, installs=packed_documents == "independent")
-        if packed_documents not in (None, "independent", "as_transformers"):
-            raise ValueError(f"packed_documents must be 'independent', 'as_transformers' or None, got "
-                             f"{packed_documents!r}")
+        check_trainer(trainer, cp_size, accept_collator=accept_collator, installs=packed_documents == INDEPENDENT)
+        if packed_documents not in (None,) + PACKED_DOCUMENTS:
+            raise ValueError(f"packed_documents must be one of {PACKED_DOCUMENTS} or None, got {packed_documents!r}")
         return specs
 
     release()   # nothing of an earlier trainer in this process stays current
     specs = agree_or_raise(check, what="hyper_parallel HF context_parallel", same_error=True)
-    if cp_size == 1 and packed_documents != "independent":
+    if cp_size == 1 and packed_documents != INDEPENDENT:
         return trainer
     world = dist.get_world_size()
     model = _base_model(trainer.model)

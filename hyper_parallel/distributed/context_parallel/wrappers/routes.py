@@ -26,7 +26,8 @@ from .. import catalogue
 from ..interception import (AttentionCall, CPInterceptionError, InterceptScope, current_apply_context,
                             ensure_hf_interface_registered, install_private_config, intercept_hf_any,
                             intercept_hf_interface, intercept_sdpa)
-from ..meta import AS_TRANSFORMERS, INDEPENDENT, CPBatchMeta, current_cp_batch_meta, documents_semantics, with_attention_chunk
+from ..meta import (AS_TRANSFORMERS, INDEPENDENT, CPBatchMeta, current_cp_batch_meta, documents_semantics,
+                    with_attention_chunk)
 from ..semantics import attention_chunk_size, mixer_hint, query_position_rescale
 from ..methods.factory import build_strategy
 from .heads import module_heads, unrepeat_kv
@@ -105,15 +106,14 @@ def carry_module_semantics(q: torch.Tensor, meta, module: nn.Module):
     chunk = attention_chunk_size(module)
     if chunk is not None:
         meta = with_attention_chunk(meta, chunk, q.shape[0])
-    L = q.shape[2]
-    local = torch.arange(L, dtype=torch.int64)[None]
-    if query_position_rescale(module, local, local) is None:
-        return q, meta
+    local = torch.arange(q.shape[2], dtype=torch.int64)[None]
     glob = meta.q_index[None]
-    row_index = documents_semantics(meta, f"module {type(module).__name__}") == AS_TRANSFORMERS
-    if meta.position_ids is not None and not row_index:
+    if meta.position_ids is not None:
         glob = meta.position_ids.index_select(1, meta.q_index.to(meta.position_ids.device)).cpu()
     fac = query_position_rescale(module, local, glob)
+    if fac is not None and meta.position_ids is not None and \
+            documents_semantics(meta, f"module {type(module).__name__}") == AS_TRANSFORMERS:
+        fac = query_position_rescale(module, local, meta.q_index[None])      # transformers tunes on the row index
     if fac is not None:
         q = (q * fac.to(q.device)[:, None, :, None]).to(q.dtype)
     return q, meta
