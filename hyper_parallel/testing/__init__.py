@@ -1,2 +1,2 @@
 """Test utilities shipped with the package (multi-rank harness)."""
-from .multirank import MultiRankError, RankPool, RankTimeout, scaled, timeout_scale
+from .multirank import MultiRankError, RankDied, RankPool, RankTimeout, scaled, timeout_scale

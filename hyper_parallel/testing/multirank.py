@@ -5,7 +5,9 @@
 top-level function ``fn(*args)`` on every rank and returns the per-rank results in rank order;
 ``pool.outcomes(fn, ...)`` returns results or exceptions without raising. Every call has a
 timeout: on expiry the pool is torn down (and re-spawned on next use) and RankTimeout is
-raised, so a hung collective never hangs the test session. Pass ``rank_args`` to give each
+raised, so a hung collective never hangs the test session. A rank that dies mid-call (a native
+crash: abort, segfault, out of memory) is noticed while the call waits, without waiting out its
+timeout: the pool is torn down and RankDied names the rank and its signal. Pass ``rank_args`` to give each
 rank different arguments (e.g. a bad config on one rank).
 
 Timeouts catch hangs, not slowness: every harness timeout (pool start, each call, the workers'
@@ -67,6 +69,35 @@ def start_context():
 
 class RankTimeout(TimeoutError):
     pass
+
+
+class RankDied(RuntimeError):
+    """A rank process exited (crashed) during a call without reporting a result."""
+
+    def __init__(self, qualname: str, dead: dict[int, int | None]):
+        self.dead = dead
+        super().__init__(f"{qualname}: " + "; ".join(
+            f"rank {r} died ({_exit_words(code)}) without a result" for r, code in sorted(dead.items()))
+            + "; its own stderr (above) says why; pool torn down")
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+#: How often a waiting call checks that the ranks it waits for are alive, and how long a result a
+#: dead rank sent before exiting may still be in the queue's pipe (both seconds; neither bounds a call).
+_LIVENESS_POLL = 1.0
+_LAST_WORDS = 2.0
 
 
 class MultiRankError(RuntimeError):
@@ -230,14 +261,27 @@ class RankPool:
         import time
 
         deadline = time.monotonic() + timeout
+        reported: set[int] = set()
+        died_at = None
         while got < self.world_size:
             remaining = deadline - time.monotonic()
             try:
-                rank, status, value, tb = self._results.get(timeout=max(remaining, 0.01))
+                rank, status, value, tb = self._results.get(timeout=min(max(remaining, 0.01), _LIVENESS_POLL))
             except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(self._procs)
+                        if r not in reported and not p.is_alive()}
+                if dead:
+                    died_at = died_at if died_at is not None else time.monotonic()
+                    if time.monotonic() - died_at >= _LAST_WORDS:
+                        self.shutdown()
+                        raise RankDied(qualname, dead) from None
+                    continue
+                if remaining > _LIVENESS_POLL:
+                    continue
                 self.shutdown()
                 raise RankTimeout(f"{qualname} did not finish on all {self.world_size} ranks within "
                                   f"{timeout}s ({got} finished); pool torn down") from None
+            reported.add(rank)
             out[rank] = value
             if status == "err":
                 tbs[rank] = tb

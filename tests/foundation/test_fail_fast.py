@@ -82,3 +82,33 @@ def test_timeout_scale_applies_to_waits_not_to_expected_hangs(monkeypatch):
         monkeypatch.setenv("HYPER_PARALLEL_TEST_TIMEOUT_SCALE", bad)
         with pytest.raises(ValueError, match="HYPER_PARALLEL_TEST_TIMEOUT_SCALE"):
             timeout_scale()
+
+
+def crash_rank_0():
+    """Rank 0 dies the way a native crash kills a process (a signal, no Python exception, no result
+    sent); rank 1 waits on nothing the dead rank could end (so only the pool can end the call)."""
+    import os
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait()
+
+
+def test_a_crashed_rank_ends_the_call_without_waiting_out_its_timeout(ranks):
+    """A native crash on one rank (CI once saw glibc abort a rank mid-step) is reported as that rank's
+    death, naming its signal, not as a hang at the end of the call's timeout; the pool starts afresh."""
+    import pytest
+
+    from hyper_parallel.testing import RankDied
+
+    pool = ranks(2)
+    # the timeout is the fallback if the death went unnoticed: RankTimeout, not RankDied, would fail this
+    with pytest.raises(RankDied, match=r"rank 0 died \(signal SIGKILL\) without a result") as err:
+        pool.outcomes(crash_rank_0, timeout=300)
+    assert err.value.dead == {0: -9}
+    assert not pool.alive
+    assert pool.run(setup_on_rank, GOOD, []) == [2, 2]
