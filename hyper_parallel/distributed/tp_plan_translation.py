@@ -82,7 +82,7 @@ def declared_tp_plan(model: nn.Module) -> tuple[Optional[dict], str]:
     return {(f"{prefix}.{k}" if prefix else k): v for k, v in base.items()}, "config.base_model_tp_plan"
 
 
-def _glob(key: str) -> re.Pattern:
+def fqn_glob(key: str) -> re.Pattern:
     return re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
 
 
@@ -110,7 +110,7 @@ def translate_tp_plan(model: nn.Module, layers: list) -> Optional[TPPlanTranslat
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     names = list(modules) + list(params)
-    matches = {key: [n for n in names if n and _glob(key).match(n)] for key in declared}
+    matches = {key: [n for n in names if n and fqn_glob(key).match(n)] for key in declared}
     experts = set()                       # FQNs of modules left replicated as a whole (MoE experts)
     for key, style in declared.items():
         if style in EXPERT_STYLES or style.startswith("ep_") or style == "grouped_gemm":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import threading
 import time
@@ -286,13 +287,15 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int,
 
 
 def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int,
-                      async_op: bool = False, tag: str = ""):
+                      async_op: bool = False, tag: str = "", piece: int | None = None):
     """Exchange equal-size pieces along ``dim`` with per-peer counts (a sparse permutation).
 
     ``x`` holds ``sum(send_counts)`` pieces: the first ``send_counts[0]`` go to rank 0, the
     next ``send_counts[1]`` to rank 1, ... The result holds ``sum(recv_counts)`` pieces,
     ``recv_counts[s]`` from rank s, in source-rank order. Only pieces for other ranks count
-    as moved bytes (pieces a rank keeps for itself are not sent anywhere).
+    as moved bytes (pieces a rank keeps for itself are not sent anywhere). ``piece``: the size
+    of one piece along ``dim`` (default: ``x``'s size over the pieces sent); give it when a rank
+    may send nothing (token rows routed to experts: any count may be zero).
     """
     world = group_size(group)
     send_counts, recv_counts = list(send_counts), list(recv_counts)
@@ -300,11 +303,14 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
         raise ValueError(f"all_to_all_uneven: need {world} send/recv counts, got {len(send_counts)}/{len(recv_counts)}")
     d = dim % x.dim()
     n_send = sum(send_counts)
-    if n_send == 0 or x.shape[d] % n_send:
-        raise ValueError(f"all_to_all_uneven: dim {d} of size {x.shape[d]} is not {n_send} equal pieces")
+    if piece is None:
+        if n_send == 0 or x.shape[d] % n_send:
+            raise ValueError(f"all_to_all_uneven: dim {d} of size {x.shape[d]} is not {n_send} equal pieces")
+        piece = x.shape[d] // n_send
+    elif piece < 1 or x.shape[d] != n_send * piece:
+        raise ValueError(f"all_to_all_uneven: dim {d} of size {x.shape[d]} is not {n_send} pieces of {piece}")
     if world == 1:
         return _ready(x, "all_to_all_uneven") if async_op else x
-    piece = x.shape[d] // n_send
     xt = x.movedim(d, 0).contiguous()
     if xt.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         xt = xt.clone()     # the backend holds only platform buffers (release.py), never the caller's
@@ -313,7 +319,7 @@ def all_to_all_uneven(x: torch.Tensor, group, send_counts, recv_counts, dim: int
         out, xt, output_split_sizes=[c * piece for c in recv_counts],
         input_split_sizes=[c * piece for c in send_counts], group=group, async_op=True))
     me = group_rank(group)
-    pb = piece * (xt.numel() // max(xt.shape[0], 1)) * xt.element_size()
+    pb = piece * math.prod(xt.shape[1:]) * xt.element_size()     # bytes of one piece (x may be empty)
     ready = _record("all_to_all", world, pb * (n_send - send_counts[me]), pb * (sum(recv_counts) - recv_counts[me]),
                     tag)
     handle = CommHandle("all_to_all_uneven", work, lambda: out.movedim(0, d), group=group, ready_at=ready,

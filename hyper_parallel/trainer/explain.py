@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.expert_parallel import ep_cost
 from .explain_estimates import fsdp_bytes, saved_bytes_per_token
 from .explain_features import method_name, offload_split, tiled_mlp_transient
 
@@ -107,10 +108,18 @@ def explain(cfg, echo=print) -> dict:
     opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
     opt_rank = p_rank / elem * 4 * opt_factor
     unit = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0) / tp
+    ep_fig = ep_cost(model, plan.ep_targets, a.ep_size, 1, elem)
+    if ep_fig is not None:      # a layer gathers only this rank's experts (over the ranks holding them)
+        unit -= ep_fig.layer_expert_bytes * (1 - 1 / a.ep_size)
     echo("== parameters and optimizer (per rank) ==")
     echo(f"parameters {_gb(p_total)} in all; per rank (FSDP2 over {n_fsdp}, TP {tp}): parameters {_gb(p_rank)}, "
          f"gradients {_gb(p_rank)}, optimizer state {_gb(opt_rank)} ({cfg.optimizer.name}, fp32), "
          f"unsharded layers in flight {_gb(2 * unit * (n_fsdp > 1))} (one decoder layer + the prefetched next)")
+    if ep_fig is not None:
+        echo(f"experts: {ep_fig.layers} MoE layers x {ep_fig.experts} experts, {ep_fig.experts_per_rank} per rank "
+             f"(ep {a.ep_size}); {_gb(ep_fig.expert_bytes)} of experts in all, {_gb(ep_fig.expert_bytes / n_fsdp)} "
+             f"per rank at rest; one layer's experts in flight {_gb(ep_fig.layer_expert_bytes / a.ep_size)} "
+             f"(without EP {_gb(ep_fig.layer_expert_bytes)})")
 
     S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
     S += (-S) % (cp if plan.batch_policy is None else policy_multiple(plan.batch_policy, cp)[1])
@@ -183,6 +192,14 @@ def explain(cfg, echo=print) -> dict:
         comm[m] = total
         echo(f"{title} ({n} layers): {_gb(total)} per step = " +
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in per.items()) + f" per layer per row x {n * B * ga}")
+    ep_step = ep_cost(model, plan.ep_targets, a.ep_size, s_local * B, elem)
+    if ep_step is not None:
+        per = ep_step.sent_per_layer
+        comm["ep"] = per * (1 + recompute) * ep_step.layers * ga
+        echo(f"expert all-to-all ({ep_step.layers} layers, uniform routing): {_gb(comm['ep'])} per step = "
+             f"{per / 1e6:.2f} MB per layer (dispatch + combine of {ep_step.rows} rows) x {1 + recompute} "
+             f"(forward{', recomputed' if recompute > 1 else ''}, backward) x {ep_step.layers * ga}; dropless: "
+             f"a rank may receive up to {ep_step.worst_recv_rows} rows per layer ({a.ep_size} x its share)")
     fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
     if fsdp:
         comm["fsdp"] = sum(fsdp.values()) * ga

@@ -1,8 +1,10 @@
 """ShardingApplier: apply a :class:`~.sharding_planner.ShardingPlan` to a model.
 
 Order: TP placement -> the declared CP wrapper / local compute -> activation
-checkpointing -> FSDP2 ``fully_shard`` (an untied input embedding, each decoder layer, an untied
-output head, then the root, on ``mesh.fsdp_mesh``; HSDP when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
+checkpointing -> expert parallelism (:mod:`..expert_parallel`, after the CP proof) -> FSDP2
+``fully_shard`` (each EP experts module on ``experts_mesh["ep_replicate"]``, an untied input
+embedding, each decoder layer, an untied output head, then the root, on ``mesh.fsdp_mesh``; HSDP
+when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
 FSDP units) are what transformers declares (``_no_split_modules``, see
 :func:`~.tensor_parallel.find_decoder_layers`), so GPT-NeoX, Falcon, Bloom, GPT-2, OPT and MPT
 are sharded and checkpointed as Llama is. Only what the plan declares is applied.
@@ -192,6 +194,17 @@ def _apply_ac(model, plan: ShardingPlan, installed: _Installed) -> None:
         installed.replace_forward(layer, _checkpointed_forward(layer.forward))
 
 
+def _install_ep(model, plan: ShardingPlan, mesh, installed: _Installed) -> None:
+    """Split the experts of every :attr:`ShardingPlan.ep_targets` module over ``mesh.ep_mesh``. Like TP
+    placement, the split is not undone by a rollback (rebuild the model after a failure)."""
+    from ..expert_parallel import install_experts
+
+    if mesh is None or mesh.ep_mesh is None:
+        raise CPConfigError("accelerator.ep_size", f"the plan splits experts over ep_size={plan.ep_size} but the "
+                            "MeshContext has no EP mesh", fix="build the mesh from the same accelerator config")
+    install_experts(model, plan.ep_targets, mesh.ep_mesh, installed.replace_forward)
+
+
 def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forward: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -199,6 +212,8 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
     kwargs = dict(mesh=fsdp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   reshard_after_forward=reshard_after_forward)
     names = dict(model.named_modules())
+    for t in plan.ep_targets:   # experts: sharded over the ranks holding the same experts (DTensors on ep)
+        fully_shard(names[t.fqn], **dict(kwargs, mesh=mesh.experts_mesh["ep_replicate"]))
     embed, head = _untied_embeddings(model, plan.decoder_layers)
     if embed is not None:       # its own unit: unsharded only around its forward and its backward
         fully_shard(embed, **kwargs)
@@ -345,6 +360,9 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
         # 3b. CP preflight proof (collective on every rank; before FSDP, so in the parameters' dtype)
         if prove and plan.cp_size > 1 and materialize is None:
             _prove(model, plan, mesh, preflight_proof)
+        # 3c. expert parallelism: each rank keeps its experts, routed rows exchanged by all-to-all
+        if plan.ep_targets:
+            _install_ep(model, plan, mesh, installed)
         # 4. FSDP2 / HSDP
         use_fsdp = fsdp if fsdp is not None else (mesh is not None and mesh.fsdp_mesh.size() > 1)
         if use_fsdp:

@@ -25,6 +25,7 @@ from ..context_parallel.balance.split import BalancedSplit
 from ..context_parallel.meta import PACKED_DOCUMENTS
 from ..context_parallel.model_spec import get_cp_model_spec, model_architecture
 from ..errors import CPConfigError
+from ..expert_parallel import find_ep_targets
 from ..tensor_parallel import find_decoder_layers
 from . import rules
 from .resolver import PlanOverrideResolver, ResolvedPlan
@@ -52,6 +53,7 @@ class ShardingPlan:
     batch_prepare_fn: Optional[Callable] = None  # from a registered model spec, if any
     architecture: Optional[str] = None
     packed_documents: Optional[str] = None  # what a packed row means (context_parallel.meta.PACKED_DOCUMENTS)
+    ep_targets: list = dataclasses.field(default_factory=list)  # list[EPTarget]: experts modules split over ep
 
     def hybrid_degrees(self) -> list[int]:
         return self.resolved.hybrid_degrees()
@@ -61,6 +63,10 @@ class ShardingPlan:
                  f"decoder_layers={len(self.decoder_layers)} batch_policy={self.batch_policy}"]
         if self.tp_layer_plan:
             lines.append("  TP per layer: " + ", ".join(f"{k}={v}" for k, v in self.tp_layer_plan.items()))
+        if self.ep_targets:
+            t = self.ep_targets[0]
+            lines.append(f"  EP: {len(self.ep_targets)} experts module(s) ({t.fqn}, ...), {t.num_experts} experts, "
+                         f"{t.num_experts // self.ep_size} per rank, tokens by all-to-all (dropless)")
         lines.append(self.resolved.summary())
         from ..context_parallel.wrappers.heads import head_layout_lines   # lazy: the planner does not import wrappers
 
@@ -97,6 +103,7 @@ class ShardingPlanner:
         the meaning (:func:`.rules.documents_matter`) needs it declared.
         """
         rules.check_topology(tp_size, cp_size, ep_size, sequence_parallel, loss_parallel, device_mesh)
+        ep_targets = find_ep_targets(model, ep_size)
         resolved = PlanOverrideResolver(self.specs, cp_size, self.packed_documents).resolve(model)
         if packed_rows and self.packed_documents is None:
             matter = rules.documents_matter(model, resolved)
@@ -123,4 +130,4 @@ class ShardingPlanner:
             tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, batch_policy=policy,
             batch_prepare_fn=spec.batch_prepare_fn if spec is not None else None, architecture=arch,
-            packed_documents=self.packed_documents)
+            packed_documents=self.packed_documents, ep_targets=ep_targets)

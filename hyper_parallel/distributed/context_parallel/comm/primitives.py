@@ -123,17 +123,18 @@ class AllToAll(torch.autograd.Function):
 
 class AllToAllUneven(torch.autograd.Function):
     """fwd: sparse piece permutation (``send_counts`` -> ``recv_counts``); bwd: the inverse
-    permutation of the gradient (counts swapped)."""
+    permutation of the gradient (counts swapped). ``piece``: as ``platform.all_to_all_uneven``."""
 
     @staticmethod
-    def forward(ctx, x, group, send_counts, recv_counts, dim, tag):
-        ctx.args = (group, recv_counts, send_counts, dim, tag + ".bwd")
-        return P.all_to_all_uneven(x, group, send_counts, recv_counts, dim, tag=tag)
+    def forward(ctx, x, group, send_counts, recv_counts, dim, tag, piece=None):
+        ctx.args = (group, recv_counts, send_counts, dim, tag + ".bwd", piece)
+        return P.all_to_all_uneven(x, group, send_counts, recv_counts, dim, tag=tag, piece=piece)
 
     @staticmethod
     def backward(ctx, grad):
-        group, send, recv, dim, tag = ctx.args
-        return P.all_to_all_uneven(grad.contiguous(), group, send, recv, dim, tag=tag), None, None, None, None, None
+        group, send, recv, dim, tag, piece = ctx.args
+        return (P.all_to_all_uneven(grad.contiguous(), group, send, recv, dim, tag=tag, piece=piece),
+                None, None, None, None, None, None)
 
 
 

@@ -1,0 +1,42 @@
+"""What expert parallelism costs per rank (``--explain`` and benchmarks/expert_parallel.py).
+
+Uniform routing: each of a rank's ``tokens x top_k`` (token, choice) rows goes to the rank holding
+its expert, another rank with probability ``(ep - 1) / ep``. Per MoE layer and micro-batch the
+forward sends that many rows of ``hidden x elem`` bytes out (dispatch) and as many back (combine);
+the backward does both again (recomputed forwards add a forward's worth). Dropless routing can send
+one rank every row of the group (``ep x`` its share): :attr:`EPCost.worst_recv_rows` bounds the
+receive buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class EPCost:
+    layers: int                 # experts modules split over ep
+    experts: int                # experts per module
+    experts_per_rank: int
+    expert_bytes: float         # every experts module's parameters, all experts
+    layer_expert_bytes: float   # the largest experts module, all experts (what FSDP alone gathers per layer)
+    rows: int                   # (token, choice) rows a rank routes per layer and micro-batch
+    sent_per_layer: float       # bytes a rank sends per layer and micro-batch, forward (dispatch + combine)
+    worst_recv_rows: int        # every row of the EP group routed to this rank's experts
+
+
+def ep_cost(model: nn.Module, targets: list, ep: int, tokens: int, elem: int) -> EPCost | None:
+    """The figures above for ``tokens`` tokens per rank and micro-batch; None without EP targets."""
+    if not targets:
+        return None
+    modules = dict(model.named_modules())
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    k = int(getattr(text, "num_experts_per_tok", 1) or 1)
+    hidden = int(text.hidden_size)
+    sizes = [sum(p.numel() * p.element_size() for p in modules[t.fqn].parameters()) for t in targets]
+    rows = tokens * k
+    return EPCost(layers=len(targets), experts=targets[0].num_experts, experts_per_rank=targets[0].num_experts // ep,
+                  expert_bytes=float(sum(sizes)), layer_expert_bytes=float(max(sizes)), rows=rows,
+                  sent_per_layer=2 * rows * hidden * elem * (ep - 1) / ep, worst_recv_rows=rows * ep)

@@ -1,0 +1,115 @@
+"""Expert parallelism beside CP on real transformers MoE classes (module-level: picklable for the pool).
+
+One step of the EP x CP (x dp_shard) model under FSDP2 against the one-rank model: logits over every
+valid token and every gradient (full tensors, experts included), relative to the reference's largest.
+"""
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.distributed.config import AcceleratorConfig
+from hyper_parallel.distributed.context_parallel import shard_batch_for_cp
+from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+from hyper_parallel.distributed.infrastructure import setup_distributed
+from hyper_parallel.distributed.plan import apply_sharding_plan
+
+from tests.wrappers._workers import ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch
+
+MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+
+
+def moe_config(arch: str):
+    import transformers as T
+
+    if arch == "qwen3_moe":
+        return T.Qwen3MoeConfig(**dict(_COMMON, head_dim=16), moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1), "sdpa"
+    return arch_config(arch)
+
+
+def build_moe(arch: str):
+    import transformers as T
+
+    cfg, impl = moe_config(arch)
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg).float().train()
+    with torch.no_grad():   # random router biases and correction biases (zero at init): routing depends on them
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias") or name.endswith("router.bias"):
+                t.copy_(torch.randn(t.shape) * 0.5)
+    ref = T.AutoModelForCausalLM.from_config(cfg).float().train()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "packed_padding", S: int = 24,
+            seed: int = 3) -> dict:
+    """One forward+backward of ``arch`` at cp (the method's) x dp_shard with ep, FSDP2 on, against the
+    one-rank reference on the same global batch. Returns this rank's errors and the split it ran."""
+    import torch.distributed as dist
+
+    cp, wrapper = METHODS[method]
+    model, ref = build_moe(arch)
+    entry = [{"match": ATTN_MATCH.get(arch, "*.self_attn"), "when": "cp", "region_dispatch": False,
+              "inner_target": "self", "inner_wrapper": wrapper}]
+    accel = AcceleratorConfig(cp_size=cp, dp_shard_size=dp_shard, ep_size=ep)
+    setup = setup_distributed(accel, entry, model)
+    mesh, plan = setup.mesh, setup.plan
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)
+    vocab = model.config.vocab_size
+    batch, ref_inputs, valid = attention_batch(kind, S, vocab, seed)
+    B = batch["input_ids"].shape[0]
+    w = torch.randn(B, S, vocab, generator=torch.Generator().manual_seed(seed)) * valid[..., None]
+    # this data-parallel rank's rows (B / dp_shard of them), sharded over cp
+    d = mesh.dp_mesh.get_local_rank() if dp_shard > 1 else 0
+    rows = slice(d * B // dp_shard, (d + 1) * B // dp_shard)
+    mine = {k: v[rows] for k, v in batch.items()}
+    local = shard_batch_for_cp(mine, mesh.cp_mesh, plan.batch_policy, packed_documents="as_transformers")
+    meta = local.meta
+    w_mine = torch.zeros(B // dp_shard, meta.global_seq_len, vocab)
+    w_mine[:, :S] = w[rows]
+    n = dist.get_world_size()
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        # FSDP2 averages gradients over the n dense ranks: scale so the average is the global sum
+        (logits * w_mine.index_select(1, meta.q_index)).sum().mul(n).backward()
+    ref_logits = ref(**ref_inputs).logits
+    (ref_logits * w).sum().backward()
+    # logits: this rank's tokens against the reference's
+    q = meta.q_index
+    keep = q < S
+    got = logits.detach()[:, keep]
+    want = ref_logits.detach()[rows][:, q[keep]]
+    ok = valid[rows][:, q[keep]]
+    diff = ((got - want).abs() * ok[..., None]).max().item()
+    ref_max = (ref_logits.abs() * valid[..., None]).max().item()
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr, worst = 0.0, ""
+    for name, p in model.named_parameters():
+        g = _full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+        rg = ref_params[name].grad
+        rg = rg if rg is not None else torch.zeros_like(g)
+        e = (g - rg).abs().max().item()
+        if e >= gerr:
+            gerr, worst = e, name
+    experts = plan.ep_targets[0]
+    local_rows = getattr(dict(model.named_modules())[experts.fqn], experts.params[0])
+    return {"logits_abs": diff, "logits_rel": diff / max(ref_max, 1e-12), "grads_abs": gerr,
+            "grads": gerr / max(gmax, 1e-12), "worst": worst, "experts": experts.num_experts,
+            "local_experts": int(local_rows.to_local().shape[0]) if hasattr(local_rows, "to_local") else None}
+
+
+def train_export(cfg: dict) -> dict:
+    """The trainer's losses over ``schedule.steps`` and its HF export (``<out_dir>/hf``)."""
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.text import TextTrainer
+
+    trainer = TextTrainer(TrainerConfig.from_dict(cfg))
+    losses = [r.loss for r in trainer.train()]
+    return {"losses": losses, "hf": str(trainer.export_hf())}

@@ -1,0 +1,130 @@
+"""Expert parallelism beside CP (docs/expert_parallel.md): one computation at every EP size.
+
+Real transformers MoE classes (tiny random configs, fp32, train() with dropout 0), FSDP2 on: logits
+and every gradient (experts' full tensors included) against the one-rank model, relative to the
+reference's largest; the trainer's losses against EP=1/CP=1; refusals before anything runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from hyper_parallel.distributed.errors import CPConfigError
+from hyper_parallel.distributed.mesh import MeshConfigError, MeshSizes
+from hyper_parallel.distributed.plan import ShardingPlanner
+from tests.ep import _workers as W
+from tests.trainer import _workers as TW
+
+#: fp32, relative to the reference's largest value: the same math, another summation order (~3e-7 measured)
+TOL = 1e-5
+LOSS_RTOL = 2e-6
+
+
+def _check(results, what):
+    for r in results:
+        print(f"{what}: logits {r['logits_abs']:.2e} abs / {r['logits_rel']:.2e} rel, grads {r['grads_abs']:.2e} "
+              f"abs / {r['grads']:.2e} rel (worst {r['worst']}); tol {TOL:g}")
+        assert r["logits_rel"] <= TOL and r["grads"] <= TOL, (what, r)
+
+
+@pytest.mark.parametrize("arch, method, kind", [
+    ("qwen3_moe", "colossal", "packed_padding"),
+    ("mixtral", "ulysses", "packed_padding"),       # sliding window
+    ("deepseek_v3", "head_tail", "padding"),        # shared experts, grouped routing, correction bias
+    ("gpt_oss", "colossal", "padding"),             # sinks, windows, expert biases
+])
+def test_cp2_ep2_equals_one_rank(ranks, arch, method, kind):
+    res = ranks(2).run(W.ep_step, arch, method, 2, 1, kind, timeout=300)
+    _check(res, f"{arch} {method} cp2 x ep2 {kind}")
+    assert all(r["local_experts"] == r["experts"] // 2 for r in res)     # each rank holds half the experts
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_dp2_cp2_ep_equals_one_rank(ranks, ep):
+    """4 dense ranks (dp_shard 2 x cp 2): EP groups of 2 (experts also FSDP-sharded over the 2 replicas)
+    and of 4 (one expert per rank)."""
+    res = ranks(4).run(W.ep_step, "qwen3_moe", "colossal", ep, 2, "packed_padding", timeout=300)
+    _check(res, f"qwen3_moe dp2 x cp2 x ep{ep}")
+    assert all(r["local_experts"] == 1 for r in res)
+
+
+def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
+    """5 optimizer steps of the trainer (meta build, FSDP2, AdamW, router loss) at CP=2 x EP=2 against
+    CP=1 / EP=1 on the same data; both HF exports load as plain transformers models with the same weights."""
+    import torch
+    import transformers as T
+
+    losses, exported = {}, {}
+    for world in (2, 1):
+        cfg = TW.make_cfg("qwen3_moe", cp=world, steps=5, out_dir=str(tmp_path / f"w{world}"),
+                          accelerator__ep_size=world)
+        res = ranks(world).run(W.train_export, cfg, timeout=600)
+        assert all(r["losses"] == res[0]["losses"] for r in res)
+        losses[world] = res[0]["losses"]
+        exported[world] = T.AutoModelForCausalLM.from_pretrained(res[0]["hf"]).state_dict()
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses[2], losses[1]))
+    print(f"trainer qwen3_moe: ep1 {losses[1]}\n  cp2 x ep2 {losses[2]}\n  max rel {rel:.2e} (tol {LOSS_RTOL:g})")
+    assert len(losses[2]) == 5 and rel <= LOSS_RTOL
+    assert exported[2].keys() == exported[1].keys()
+    experts = [k for k in exported[1] if ".experts." in k]
+    assert experts and all(exported[2][k].shape == exported[1][k].shape for k in experts)
+    werr = max((exported[2][k] - exported[1][k]).abs().max().item() for k in exported[1])
+    print(f"exported weights: max abs difference {werr:.2e}")
+    assert werr <= 1e-5      # AdamW (lr 1e-3) turns ~1e-7 gradient differences into ~1e-6 weight differences
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def _plan(model, **sizes):
+    return ShardingPlanner([]).plan(model, **sizes)
+
+
+def test_a_model_without_an_ep_plan_is_refused():
+    from tests.wrappers._workers import build_arch
+
+    model, _ = build_arch("llama")
+    with pytest.raises(CPConfigError, match=r"accelerator\.ep_size.*declares no 'ep_dispatch_experts'"):
+        _plan(model, ep_size=2)
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused_naming_the_module():
+    model, _ = W.build_moe("qwen3_moe")
+    with pytest.raises(CPConfigError, match=r"model\.layers\.0\.mlp\.experts.*ep_size=3 does not divide the 4 experts"):
+        _plan(model, ep_size=3)
+    assert len(_plan(model, ep_size=4).ep_targets) == 2
+
+
+def test_an_adapter_inside_the_experts_is_refused():
+    model, _ = W.build_moe("qwen3_moe")
+    model.model.layers[1].mlp.experts.lora_A = nn.Linear(4, 4)     # what an adapter on the experts adds
+    with pytest.raises(CPConfigError, match=r"model\.layers\.1\.mlp\.experts.*adapter \(LoRA\)"):
+        _plan(model, ep_size=2)
+
+
+def test_ep_with_tp_or_hsdp_or_a_non_divisor_of_the_dense_ranks_is_refused():
+    model, _ = W.build_moe("qwen3_moe")
+    with pytest.raises(CPConfigError, match=r"not combined with tensor parallelism"):
+        _plan(model, ep_size=2, tp_size=2)
+    with pytest.raises(MeshConfigError, match=r"replicated data parallelism"):
+        MeshSizes(dp_replicate=2, cp=2, ep=2).check(4)
+    with pytest.raises(MeshConfigError, match=r"must divide dp_shard\(1\) x cp\(2\)"):
+        MeshSizes(cp=2, ep=4).check(2)
+
+
+def test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_ep4(ranks, tmp_path):
+    """Saved at CP=2 x EP=2 after 2 steps, resumed at EP=1 (one rank) and at CP=4 x EP=4 (one expert
+    per rank): the next losses equal an uninterrupted one-rank run's (experts are saved as their
+    global tensors, so the checkpoint does not depend on the EP size)."""
+    def cfg(world, ep, name, **kw):
+        return TW.make_cfg("qwen3_moe", cp=world, steps=4, out_dir=str(tmp_path / name), accelerator__ep_size=ep,
+                           **kw)
+
+    [straight] = ranks(1).run(TW.train_losses, cfg(1, 1, "straight"), timeout=600)
+    first = ranks(2).run(TW.train_losses, cfg(2, 2, "ep2"), None, 2, timeout=600)[0]
+    assert first["step"] == 2
+    for world in (1, 4):
+        second = ranks(world).run(TW.train_losses, cfg(world, world, f"resume{world}",
+                                                        schedule__resume_from=first["path"]), timeout=600)[0]
+        got = first["losses"] + second["losses"]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, straight["losses"]))
+        print(f"resumed at ep {world}: {got}\n  uninterrupted {straight['losses']}\n  max rel {rel:.2e}")
+        assert second["step"] == 4 and len(got) == 4 and rel <= LOSS_RTOL
