@@ -61,4 +61,10 @@ def support_matrix_markdown() -> str:
     for m in mixer_methods():
         o = m.offers[0]
         lines.append(f"* `{o.registry_name}` (`{o.module}.{o.entry}`): {m.title}; heads: {m.head_doc}")
+    lines.append("")
+    lines.append("EP + CP (`accelerator.ep_size`, docs/expert_parallel.md): expert parallelism splits the experts "
+                 "modules a model declares (`ep_dispatch_experts`) and touches no attention or mixer, so by "
+                 "construction it combines with every method above (the methods tested with it are listed there): "
+                 + ", ".join(m.name for m in attention_methods() + mixer_methods())
+                 + "; not with tp_size > 1 or dp_replicate_size > 1 yet.")
     return "\n".join(lines)
