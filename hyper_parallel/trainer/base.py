@@ -327,6 +327,8 @@ class BaseTrainer:
                     if res.expert_load:     # MoE: tokens per expert of the balancing domain, max / mean
                         load = (f" expert load max/mean={res.expert_load.get('max_over_mean', float('nan')):.2f}"
                                 f" (max {res.expert_load.get('max', 0):.1f}, mean {res.expert_load.get('mean', 0):.1f} tokens)")
+                        if "ep_max_over_mean" in res.expert_load:
+                            load += f"; EP ranks' rows max/mean={res.expert_load['ep_max_over_mean']:.2f}"
                     if not lcfg.progress:
                         print(f"step {res.step}/{total} loss={res.loss:.4f} tok/s={res.tokens_per_s:,.0f}{load}",
                               flush=True)

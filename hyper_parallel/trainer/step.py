@@ -146,6 +146,11 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
         expert_load = {"tokens_per_expert": [round(float(x), 1) for x in c.tolist()],
                        "max": float(c.max()), "mean": float(c.mean()),
                        "max_over_mean": float(c.max() / c.mean().clamp(min=1e-12))}
+        ep = getattr(getattr(trainer, "sharding_plan", None), "ep_size", 1)
+        if ep > 1 and c.numel() % ep == 0:   # what each EP rank's experts received (dropless: unbounded by a capacity)
+            r = c.view(ep, -1).sum(1)
+            expert_load.update(rows_per_ep_rank=[round(float(x), 1) for x in r.tolist()],
+                               ep_max_over_mean=float(r.max() / r.mean().clamp(min=1e-12)))
     grads = trainer.named_full("grad") if probe and probe.grads else None
     # clip -> optimizer step
     params = [p for p in trainer.model.parameters() if p.requires_grad]

@@ -111,5 +111,5 @@ def train_export(cfg: dict) -> dict:
     from hyper_parallel.trainer.text import TextTrainer
 
     trainer = TextTrainer(TrainerConfig.from_dict(cfg))
-    losses = [r.loss for r in trainer.train()]
-    return {"losses": losses, "hf": str(trainer.export_hf())}
+    res = trainer.train()
+    return {"losses": [r.loss for r in res], "hf": str(trainer.export_hf()), "expert_load": res[-1].expert_load}

@@ -54,14 +54,15 @@ def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
     import torch
     import transformers as T
 
-    losses, exported = {}, {}
+    losses, exported, load = {}, {}, {}
     for world in (2, 1):
         cfg = TW.make_cfg("qwen3_moe", cp=world, steps=5, out_dir=str(tmp_path / f"w{world}"),
-                          accelerator__ep_size=world)
+                          accelerator__ep_size=world, model__config={"output_router_logits": True})
         res = ranks(world).run(W.train_export, cfg, timeout=600)
         assert all(r["losses"] == res[0]["losses"] for r in res)
         losses[world] = res[0]["losses"]
         exported[world] = T.AutoModelForCausalLM.from_pretrained(res[0]["hf"]).state_dict()
+        load[world] = res[0]["expert_load"]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses[2], losses[1]))
     print(f"trainer qwen3_moe: ep1 {losses[1]}\n  cp2 x ep2 {losses[2]}\n  max rel {rel:.2e} (tol {LOSS_RTOL:g})")
     assert len(losses[2]) == 5 and rel <= LOSS_RTOL
@@ -70,6 +71,11 @@ def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
     assert experts and all(exported[2][k].shape == exported[1][k].shape for k in experts)
     werr = max((exported[2][k] - exported[1][k]).abs().max().item() for k in exported[1])
     print(f"exported weights: max abs difference {werr:.2e}")
+    # the step record logs what each EP rank's experts received: the tokens per expert, grouped by EP rank
+    print(f"expert load at ep 2: {load[2]}")
+    assert "rows_per_ep_rank" not in load[1]
+    t = load[2]["tokens_per_expert"]
+    assert load[2]["rows_per_ep_rank"] == [round(sum(t[:2]), 1), round(sum(t[2:]), 1)] and t == load[1]["tokens_per_expert"]
     assert werr <= 1e-5      # AdamW (lr 1e-3) turns ~1e-7 gradient differences into ~1e-6 weight differences
 
 
