@@ -48,7 +48,7 @@ def _full(t):
 
 
 def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "packed_padding", S: int = 24,
-            seed: int = 3) -> dict:
+            seed: int = 3, tp: int = 1) -> dict:
     """One forward+backward of ``arch`` at cp (the method's) x dp_shard with ep, FSDP2 on, against the
     one-rank reference on the same global batch. Returns this rank's errors and the split it ran."""
     import torch.distributed as dist
@@ -57,10 +57,10 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     model, ref = build_moe(arch)
     entry = [{"match": ATTN_MATCH.get(arch, "*.self_attn"), "when": "cp", "region_dispatch": False,
               "inner_target": "self", "inner_wrapper": wrapper}]
-    accel = AcceleratorConfig(cp_size=cp, dp_shard_size=dp_shard, ep_size=ep)
+    accel = AcceleratorConfig(cp_size=cp, dp_shard_size=dp_shard, ep_size=ep, tp_size=tp)
     setup = setup_distributed(accel, entry, model)
     mesh, plan = setup.mesh, setup.plan
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)
+    model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)
     vocab = model.config.vocab_size
     batch, ref_inputs, valid = attention_batch(kind, S, vocab, seed)
     B = batch["input_ids"].shape[0]
@@ -73,11 +73,15 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     meta = local.meta
     w_mine = torch.zeros(B // dp_shard, meta.global_seq_len, vocab)
     w_mine[:, :S] = w[rows]
-    n = dist.get_world_size()
+    n = dist.get_world_size() // tp   # the dense ranks (TP ranks hold the same tokens)
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         # FSDP2 averages gradients over the n dense ranks: scale so the average is the global sum
         (logits * w_mine.index_select(1, meta.q_index)).sum().mul(n).backward()
+    if tp > 1:      # parameters on TP-local heads: each tp rank's gradient is a partial sum (what the trainer does)
+        from hyper_parallel.trainer.tp_sync import sync_tp_partial_grads, tp_partial_params
+
+        sync_tp_partial_grads(tp_partial_params(model, plan, tp_info), mesh.tp_mesh)
     ref_logits = ref(**ref_inputs).logits
     (ref_logits * w).sum().backward()
     # logits: this rank's tokens against the reference's

@@ -48,6 +48,13 @@ def test_dp2_cp2_ep_equals_one_rank(ranks, ep):
     assert all(r["local_experts"] == 1 for r in res)
 
 
+def test_tp2_cp2_ep2_equals_one_rank(ranks):
+    """TP inside attention as without EP (the experts stay whole over tp: their input is the replicated
+    residual stream, so every tp rank dispatches the same rows to the same EP peer)."""
+    res = ranks(4).run(W.ep_step, "qwen3_moe", "colossal", 2, 1, "packed_padding", 24, 3, 2, timeout=300)
+    _check(res, "qwen3_moe tp2 x cp2 x ep2")
+
+
 def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
     """5 optimizer steps of the trainer (meta build, FSDP2, AdamW, router loss) at CP=2 x EP=2 against
     CP=1 / EP=1 on the same data; both HF exports load as plain transformers models with the same weights."""
@@ -106,10 +113,7 @@ def test_an_adapter_inside_the_experts_is_refused():
         _plan(model, ep_size=2)
 
 
-def test_ep_with_tp_or_hsdp_or_a_non_divisor_of_the_dense_ranks_is_refused():
-    model, _ = W.build_moe("qwen3_moe")
-    with pytest.raises(CPConfigError, match=r"not combined with tensor parallelism"):
-        _plan(model, ep_size=2, tp_size=2)
+def test_ep_with_hsdp_or_a_non_divisor_of_the_dense_ranks_is_refused():
     with pytest.raises(MeshConfigError, match=r"replicated data parallelism"):
         MeshSizes(dp_replicate=2, cp=2, ep=2).check(4)
     with pytest.raises(MeshConfigError, match=r"must divide dp_shard\(1\) x cp\(2\)"):

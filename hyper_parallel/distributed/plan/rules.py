@@ -152,9 +152,6 @@ def check_topology(tp_size: int, cp_size: int, ep_size: int, sequence_parallel: 
     if loss_parallel:
         raise CPConfigError("accelerator.loss_parallel", "loss parallelism (vocab-sharded logits) is not applied "
                             "by the Phase 1 planner", fix="set loss_parallel: false")
-    if ep_size > 1 and tp_size > 1:
-        raise CPConfigError("accelerator.ep_size", f"ep_size={ep_size} with tp_size={tp_size}: expert parallelism "
-                            "is not combined with tensor parallelism yet", fix="set tp_size: 1 or ep_size: 1")
 
 
 def tp_layer_plan(model: nn.Module, layers: list, tp_size: int, arch: Optional[str]) -> dict:
