@@ -8,9 +8,10 @@ Root mesh dims (outer -> inner): ``dp_replicate, dp_shard, cp, tp`` with
   fsdp_mesh      flatten(dp_shard, cp)             FSDP2 shard domain; 2-D (dp_replicate, dp_shard_cp) for HSDP
   dp_mesh        flatten(dp_replicate, dp_shard)   data-loader rank (every CP rank of a DP rank reads the same batch)
   tp_mesh        root["tp"]
-  experts_mesh   dp_shard_cp unflattened into (ep_replicate, ep) when ep_size > 1 (not part of the
-                 product); ep is the inner dim, so dense rank i holds expert shard i % ep
+  experts_mesh   fsdp_mesh with dp_shard_cp unflattened into (ep_replicate, ep) when ep_size > 1 (not
+                 part of the product); ep is the inner dim, so dense rank i holds expert shard i % ep
   ep_mesh        experts_mesh["ep"]: the token all-to-all group (ranks holding different experts)
+  experts_fsdp_mesh  experts_mesh without ep: the ranks holding the same experts (FSDP2 / HSDP over them)
   hybrid(u)      cp unflattened into (colossal = cp/u, ulysses = u); ulysses is the inner
                  (fastest-varying) dim, so cp rank r = colossal_idx * u + ulysses_idx.
 
@@ -63,10 +64,6 @@ class MeshSizes:
                 f"cp({self.cp}) x tp({self.tp}) = {prod}, but world_size = {world_size}"
             )
         dense = self.dp_shard * self.cp
-        if self.ep > 1 and self.dp_replicate > 1:
-            raise MeshConfigError(f"accelerator.ep_size={self.ep} with dp_replicate_size={self.dp_replicate}: expert "
-                                  "parallelism is not combined with replicated data parallelism (HSDP) yet; "
-                                  "use dp_shard_size instead")
         if self.ep > 1 and dense % self.ep:
             raise MeshConfigError(
                 f"accelerator.ep_size={self.ep} must divide dp_shard({self.dp_shard}) x cp({self.cp}) = {dense} "
@@ -111,13 +108,16 @@ class MeshContext:
             self.fsdp_mesh: DeviceMesh = self.root["dp_replicate", "dp_shard_cp"]
         else:
             self.fsdp_mesh = shard_cp
-        self.ep_mesh = self.experts_mesh = None
+        self.ep_mesh = self.experts_mesh = self.experts_fsdp_mesh = None
         if sizes.ep > 1:
             n = sizes.dp_shard * sizes.cp
             names = ("ep_replicate", "ep")
-            self.experts_mesh = shard_cp._unflatten(0, (n // sizes.ep, sizes.ep), names,
-                                                    backend_override=self._override(names))
+            dim = self.fsdp_mesh.ndim - 1       # the dp_shard_cp dim (after dp_replicate under HSDP)
+            self.experts_mesh = self.fsdp_mesh._unflatten(dim, (n // sizes.ep, sizes.ep), names,
+                                                          backend_override=self._override(names))
             self.ep_mesh = self.experts_mesh["ep"]
+            self.experts_fsdp_mesh = (self.experts_mesh["dp_replicate", "ep_replicate"] if sizes.dp_replicate > 1
+                                      else self.experts_mesh["ep_replicate"])
         self._hybrid: dict[int, DeviceMesh] = {}
         for u in sorted(set(int(d) for d in hybrid_degrees)):
             self._build_hybrid(u)

@@ -48,7 +48,7 @@ def _full(t):
 
 
 def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "packed_padding", S: int = 24,
-            seed: int = 3, tp: int = 1) -> dict:
+            seed: int = 3, tp: int = 1, dp_replicate: int = 1) -> dict:
     """One forward+backward of ``arch`` at cp (the method's) x dp_shard with ep, FSDP2 on, against the
     one-rank reference on the same global batch. Returns this rank's errors and the split it ran."""
     import torch.distributed as dist
@@ -57,7 +57,8 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     model, ref = build_moe(arch)
     entry = [{"match": ATTN_MATCH.get(arch, "*.self_attn"), "when": "cp", "region_dispatch": False,
               "inner_target": "self", "inner_wrapper": wrapper}]
-    accel = AcceleratorConfig(cp_size=cp, dp_shard_size=dp_shard, ep_size=ep, tp_size=tp)
+    accel = AcceleratorConfig(cp_size=cp, dp_shard_size=dp_shard, ep_size=ep, tp_size=tp,
+                              dp_replicate_size=dp_replicate)
     setup = setup_distributed(accel, entry, model)
     mesh, plan = setup.mesh, setup.plan
     model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)
@@ -65,13 +66,14 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     batch, ref_inputs, valid = attention_batch(kind, S, vocab, seed)
     B = batch["input_ids"].shape[0]
     w = torch.randn(B, S, vocab, generator=torch.Generator().manual_seed(seed)) * valid[..., None]
-    # this data-parallel rank's rows (B / dp_shard of them), sharded over cp
-    d = mesh.dp_mesh.get_local_rank() if dp_shard > 1 else 0
-    rows = slice(d * B // dp_shard, (d + 1) * B // dp_shard)
+    # this data-parallel rank's rows (B / dp of them), sharded over cp
+    dp = dp_shard * dp_replicate
+    d = mesh.dp_mesh.get_local_rank() if dp > 1 else 0
+    rows = slice(d * B // dp, (d + 1) * B // dp)
     mine = {k: v[rows] for k, v in batch.items()}
     local = shard_batch_for_cp(mine, mesh.cp_mesh, plan.batch_policy, packed_documents="as_transformers")
     meta = local.meta
-    w_mine = torch.zeros(B // dp_shard, meta.global_seq_len, vocab)
+    w_mine = torch.zeros(B // dp, meta.global_seq_len, vocab)
     w_mine[:, :S] = w[rows]
     n = dist.get_world_size() // tp   # the dense ranks (TP ranks hold the same tokens)
     with cp_batch_context(meta):

@@ -48,11 +48,14 @@ def test_dp2_cp2_ep_equals_one_rank(ranks, ep):
     assert all(r["local_experts"] == 1 for r in res)
 
 
-def test_tp2_cp2_ep2_equals_one_rank(ranks):
+@pytest.mark.parametrize("tp, dp_replicate", [(2, 1), (1, 2)])
+def test_tp_or_hsdp_with_cp2_ep2_equals_one_rank(ranks, tp, dp_replicate):
     """TP inside attention as without EP (the experts stay whole over tp: their input is the replicated
-    residual stream, so every tp rank dispatches the same rows to the same EP peer)."""
-    res = ranks(4).run(W.ep_step, "qwen3_moe", "colossal", 2, 1, "packed_padding", 24, 3, 2, timeout=300)
-    _check(res, "qwen3_moe tp2 x cp2 x ep2")
+    residual stream, so every tp rank dispatches the same rows to the same EP peer); HSDP (the experts
+    replicated over dp_replicate and sharded over the dense ranks holding them)."""
+    res = ranks(4).run(W.ep_step, "qwen3_moe", "colossal", 2, 1, "packed_padding", 24, 3, tp, dp_replicate,
+                       timeout=300)
+    _check(res, f"qwen3_moe tp{tp} x dp_replicate{dp_replicate} x cp2 x ep2")
 
 
 def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
@@ -113,9 +116,8 @@ def test_an_adapter_inside_the_experts_is_refused():
         _plan(model, ep_size=2)
 
 
-def test_ep_with_hsdp_or_a_non_divisor_of_the_dense_ranks_is_refused():
-    with pytest.raises(MeshConfigError, match=r"replicated data parallelism"):
-        MeshSizes(dp_replicate=2, cp=2, ep=2).check(4)
+def test_ep_that_does_not_divide_the_dense_ranks_is_refused():
+    MeshSizes(dp_replicate=2, cp=2, ep=2).check(4)
     with pytest.raises(MeshConfigError, match=r"must divide dp_shard\(1\) x cp\(2\)"):
         MeshSizes(cp=2, ep=4).check(2)
 

@@ -2,7 +2,7 @@
 
 Order: TP placement -> the declared CP wrapper / local compute -> activation
 checkpointing -> expert parallelism (:mod:`..expert_parallel`, after the CP proof) -> FSDP2
-``fully_shard`` (each EP experts module on ``experts_mesh["ep_replicate"]``, an untied input
+``fully_shard`` (each EP experts module on ``experts_fsdp_mesh``, an untied input
 embedding, each decoder layer, an untied output head, then the root, on ``mesh.fsdp_mesh``; HSDP
 when ``dp_replicate > 1``). Decoder layers (the TP, checkpointing and
 FSDP units) are what transformers declares (``_no_split_modules``, see
@@ -213,7 +213,7 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
                   reshard_after_forward=reshard_after_forward)
     names = dict(model.named_modules())
     for t in plan.ep_targets:   # experts: sharded over the ranks holding the same experts (DTensors on ep)
-        fully_shard(names[t.fqn], **dict(kwargs, mesh=mesh.experts_mesh["ep_replicate"]))
+        fully_shard(names[t.fqn], **dict(kwargs, mesh=mesh.experts_fsdp_mesh))
     embed, head = _untied_embeddings(model, plan.decoder_layers)
     if embed is not None:       # its own unit: unsharded only around its forward and its backward
         fully_shard(embed, **kwargs)

@@ -66,5 +66,5 @@ def support_matrix_markdown() -> str:
                  "modules a model declares (`ep_dispatch_experts`) and touches no attention or mixer, so by "
                  "construction it combines with every method above (the methods tested with it are listed there): "
                  + ", ".join(m.name for m in attention_methods() + mixer_methods())
-                 + "; with FSDP2 and TP, not with dp_replicate_size > 1 yet.")
+                 + "; with FSDP2, HSDP and TP.")
     return "\n".join(lines)
