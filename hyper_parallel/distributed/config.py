@@ -46,7 +46,8 @@ class AcceleratorConfig:
     tp_size: int = option(1, ge=1, help="tensor-parallel degree")
     cp_size: int = option(1, ge=1, help="context-parallel degree (the method of each attention is "
                                         "declared in plan_overrides)")
-    ep_size: int = option(1, ge=1, help="expert-parallel degree (must divide dp_shard x cp)")
+    ep_size: int = option(1, ge=1, help="expert-parallel degree: each MoE layer's experts split over groups of this "
+                          "many dense ranks (must divide dp_shard x cp and the experts; docs/expert_parallel.md)")
     pp_size: int = option(1, ge=1, fixed=1, fixed_reason="pipeline parallelism is fixed at 1 in Phase 1",
                           help="pipeline-parallel degree (fixed at 1 in Phase 1)")
     sequence_parallel: bool = option(False, help="TP sequence parallel")

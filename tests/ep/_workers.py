@@ -119,3 +119,12 @@ def train_export(cfg: dict) -> dict:
     trainer = TextTrainer(TrainerConfig.from_dict(cfg))
     res = trainer.train()
     return {"losses": [r.loss for r in res], "hf": str(trainer.export_hf()), "expert_load": res[-1].expert_load}
+
+
+def ep_setup(ep: int) -> int:
+    """Plan and build the meshes for a CP=2 Qwen3-MoE at ``ep`` (this rank's value); -> experts per rank."""
+    model, _ = build_moe("qwen3_moe")
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": METHODS["colossal"][1]}]
+    setup = setup_distributed(AcceleratorConfig(cp_size=2, ep_size=ep), entry, model)
+    return setup.plan.ep_targets[0].num_experts // ep

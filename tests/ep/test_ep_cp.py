@@ -140,3 +140,13 @@ def test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_ep4(ranks, tmp_path):
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, straight["losses"]))
         print(f"resumed at ep {world}: {got}\n  uninterrupted {straight['losses']}\n  max rel {rel:.2e}")
         assert second["step"] == 4 and len(got) == 4 and rel <= LOSS_RTOL
+
+
+def test_a_bad_ep_size_on_one_rank_fails_every_rank_before_any_collective(ranks):
+    from hyper_parallel.distributed.errors import PreflightError
+
+    pool = ranks(2)
+    outs = pool.outcomes(W.ep_setup, rank_args=[(2,), (3,)], timeout=120)
+    assert isinstance(outs[1], CPConfigError) and "ep_size" in str(outs[1]), outs
+    assert isinstance(outs[0], PreflightError) and "rank 1" in str(outs[0]), outs
+    assert pool.run(W.ep_setup, 2) == [2, 2]
