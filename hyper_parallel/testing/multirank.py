@@ -7,7 +7,8 @@ top-level function ``fn(*args)`` on every rank and returns the per-rank results 
 timeout: on expiry the pool is torn down (and re-spawned on next use) and RankTimeout is
 raised, so a hung collective never hangs the test session. A rank that dies mid-call (a native
 crash: abort, segfault, out of memory) is noticed while the call waits, without waiting out its
-timeout: the pool is torn down and RankDied names the rank and its signal. Pass ``rank_args`` to give each
+timeout: the pool is torn down and RankDied names the rank and its signal, and the rank's
+stderr holds every thread's Python stack at the crash (``faulthandler``). Pass ``rank_args`` to give each
 rank different arguments (e.g. a bad config on one rank).
 
 Timeouts catch hangs, not slowness: every harness timeout (pool start, each call, the workers'
@@ -123,6 +124,9 @@ def _forget_earlier_tasks() -> None:
 def _worker(rank: int, world: int, port: int, tasks, results, sys_path: list, env: dict) -> None:
     sys.path[:] = sys_path
     os.environ.update(env)
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)   # a native crash (abort, segfault) prints every thread's Python stack
     import datetime
 
     import torch
