@@ -63,11 +63,14 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     mesh, plan = setup.mesh, setup.plan
     model, tp_info = apply_sharding_plan(model, plan, mesh, fsdp=True, preflight_proof=False)
     vocab = model.config.vocab_size
-    batch, ref_inputs, valid = attention_batch(kind, S, vocab, seed)
+    dp = dp_shard * dp_replicate
+    parts = [attention_batch(kind, S, vocab, seed + i) for i in range(max(1, dp // 2))]   # 2 rows each
+    batch, ref_inputs = ({k: torch.cat([p[j][k] for p in parts]) if torch.is_tensor(parts[0][j][k]) else parts[0][j][k]
+                          for k in parts[0][j]} for j in (0, 1))
+    valid = torch.cat([p[2] for p in parts])
     B = batch["input_ids"].shape[0]
     w = torch.randn(B, S, vocab, generator=torch.Generator().manual_seed(seed)) * valid[..., None]
     # this data-parallel rank's rows (B / dp of them), sharded over cp
-    dp = dp_shard * dp_replicate
     d = mesh.dp_mesh.get_local_rank() if dp > 1 else 0
     rows = slice(d * B // dp, (d + 1) * B // dp)
     mine = {k: v[rows] for k, v in batch.items()}

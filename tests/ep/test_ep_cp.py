@@ -30,22 +30,22 @@ def _check(results, what):
 @pytest.mark.parametrize("arch, method, kind", [
     ("qwen3_moe", "colossal", "packed_padding"),
     ("mixtral", "ulysses", "packed_padding"),       # sliding window
-    ("deepseek_v3", "head_tail", "padding"),        # shared experts, grouped routing, correction bias
-    ("gpt_oss", "colossal", "padding"),             # sinks, windows, expert biases
+    ("deepseek_v3", "head_tail", "packed_padding"),  # MLA, shared experts, grouped routing, correction bias
+    ("gpt_oss", "colossal", "padding"),             # sinks, windows, expert biases (its eager mask joins packed documents)
 ])
-def test_cp2_ep2_equals_one_rank(ranks, arch, method, kind):
-    res = ranks(2).run(W.ep_step, arch, method, 2, 1, kind, timeout=300)
-    _check(res, f"{arch} {method} cp2 x ep2 {kind}")
-    assert all(r["local_experts"] == r["experts"] // 2 for r in res)     # each rank holds half the experts
+def test_dp2_cp2_ep2_equals_one_rank(ranks, arch, method, kind):
+    """4 ranks: dp_shard 2 x CP 2, experts split over EP groups of 2 (and FSDP-sharded over the 2 replicas)."""
+    res = ranks(4).run(W.ep_step, arch, method, 2, 2, kind, timeout=300)
+    _check(res, f"{arch} {method} dp2 x cp2 x ep2 {kind}")
+    assert all(r["local_experts"] == 1 for r in res)     # E/ep = 2 experts per EP rank, halved again by FSDP2
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_dp2_cp2_ep_equals_one_rank(ranks, ep):
-    """4 dense ranks (dp_shard 2 x cp 2): EP groups of 2 (experts also FSDP-sharded over the 2 replicas)
-    and of 4 (one expert per rank)."""
-    res = ranks(4).run(W.ep_step, "qwen3_moe", "colossal", ep, 2, "packed_padding", timeout=300)
-    _check(res, f"qwen3_moe dp2 x cp2 x ep{ep}")
-    assert all(r["local_experts"] == 1 for r in res)
+def test_one_expert_per_rank_ep4_on_4_and_8_ranks(ranks):
+    """Qwen3-MoE with its 4 experts one per rank of the EP group: dp_shard 2 x CP 2 (4 ranks) and
+    dp_shard 4 x CP 2 (8 ranks, two EP groups)."""
+    for world in (4, 8):
+        res = ranks(world).run(W.ep_step, "qwen3_moe", "colossal", 4, world // 2, "packed_padding", timeout=300)
+        _check(res, f"qwen3_moe dp{world // 2} x cp2 x ep4")
 
 
 @pytest.mark.parametrize("tp, dp_replicate", [(2, 1), (1, 2)])
@@ -150,3 +150,19 @@ def test_a_bad_ep_size_on_one_rank_fails_every_rank_before_any_collective(ranks)
     assert isinstance(outs[1], CPConfigError) and "ep_size" in str(outs[1]), outs
     assert isinstance(outs[0], PreflightError) and "rank 1" in str(outs[0]), outs
     assert pool.run(W.ep_setup, 2) == [2, 2]
+
+
+@pytest.mark.parametrize("sizes", [{"ep_size": 2}, {"cp_size": 2}])
+def test_router_jitter_noise_is_refused_when_tokens_are_split(sizes):
+    """Mixtral's router jitter draws a random factor per token in training: split over ranks it draws
+    other numbers than one rank, so it is refused (it is 0 by default, and then runs)."""
+    from tests.wrappers._workers import arch_config
+
+    import transformers as T
+
+    cfg, _ = arch_config("mixtral")
+    cfg.router_jitter_noise = 0.1
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(CPConfigError, match=r"router_jitter_noise.*model\.layers\.0\.mlp.*random noise"):
+        _plan(model, **sizes)
+    _plan(model)                    # one rank: transformers' own computation

@@ -104,6 +104,7 @@ class ShardingPlanner:
         """
         rules.check_topology(tp_size, cp_size, ep_size, sequence_parallel, loss_parallel, device_mesh)
         ep_targets = find_ep_targets(model, ep_size)
+        rules.check_routing_noise(model, cp_size, ep_size)
         resolved = PlanOverrideResolver(self.specs, cp_size, self.packed_documents).resolve(model)
         if packed_rows and self.packed_documents is None:
             matter = rules.documents_matter(model, resolved)

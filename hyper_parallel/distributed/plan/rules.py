@@ -154,6 +154,21 @@ def check_topology(tp_size: int, cp_size: int, ep_size: int, sequence_parallel: 
                             "by the Phase 1 planner", fix="set loss_parallel: false")
 
 
+def check_routing_noise(model: nn.Module, cp_size: int, ep_size: int) -> None:
+    """Router jitter (Mixtral's ``router_jitter_noise``: a random factor on each token's router input
+    in training) draws other random numbers when the tokens are split, so CP/EP would not compute what
+    one rank computes: refused naming the first module and the config field."""
+    if cp_size == 1 and ep_size == 1:
+        return
+    for fqn, m in model.named_modules():
+        noise = getattr(m, "jitter_noise", None)
+        if isinstance(noise, (int, float)) and not isinstance(noise, bool) and noise > 0:
+            raise CPConfigError("model.config.router_jitter_noise", f"{type(m).__name__} multiplies its router input "
+                                f"by random noise ({noise}) in training; split over cp_size={cp_size} x "
+                                f"ep_size={ep_size} ranks it draws other numbers than one rank does", module=fqn,
+                                fix="set router_jitter_noise: 0 (the transformers default), or cp_size and ep_size 1")
+
+
 def tp_layer_plan(model: nn.Module, layers: list, tp_size: int, arch: Optional[str]) -> dict:
     """The per-layer TP plan (``{}`` when ``tp_size`` is 1), checked against the model's layers."""
     tp_plan: dict = {}
