@@ -199,7 +199,8 @@ def explain(cfg, echo=print) -> dict:
         echo(f"expert all-to-all ({ep_step.layers} layers, uniform routing): {_gb(comm['ep'])} per step = "
              f"{per / 1e6:.2f} MB per layer (dispatch + combine of {ep_step.rows} rows) x {1 + recompute} "
              f"(forward{', recomputed' if recompute > 1 else ''}, backward) x {ep_step.layers * ga}; dropless: "
-             f"a rank may receive up to {ep_step.worst_recv_rows} rows per layer ({a.ep_size} x its share)")
+             f"a rank may receive up to {ep_step.worst_recv_rows} rows per layer ({a.ep_size} x its share, "
+             f"{ep_step.worst_recv_rows * H * elem / 1e6:.2f} MB of rows)")
     fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
     if fsdp:
         comm["fsdp"] = sum(fsdp.values()) * ga
