@@ -13,7 +13,7 @@ from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
 from hyper_parallel.distributed.infrastructure import setup_distributed
 from hyper_parallel.distributed.plan import apply_sharding_plan
 
-from tests.wrappers._workers import ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch
+from tests.wrappers._workers import ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch, build_from_config
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
@@ -28,19 +28,41 @@ def moe_config(arch: str):
 
 
 def build_moe(arch: str):
-    import transformers as T
-
-    cfg, impl = moe_config(arch)
-    cfg._attn_implementation = impl
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg).float().train()
-    with torch.no_grad():   # random router biases and correction biases (zero at init): routing depends on them
+    """(model, one-rank reference) with identical weights; router and correction biases random (zero at
+    init), since routing depends on them."""
+    model, ref = build_from_config(*moe_config(arch))
+    with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias") or name.endswith("router.bias"):
                 t.copy_(torch.randn(t.shape) * 0.5)
-    ref = T.AutoModelForCausalLM.from_config(cfg).float().train()
     ref.load_state_dict(model.state_dict())
     return model, ref
+
+
+def _each_document_alone(ref, batch: dict, valid):
+    """[B, S, vocab] logits of the one-rank model running every packed document (restarting
+    position_ids, its valid prefix) as its own right-padded row; zeros elsewhere."""
+    pos = batch["position_ids"]
+    B, S = pos.shape
+    docs = []
+    for b in range(B):
+        starts = (pos[b] == 0).nonzero().flatten().tolist() + [S]
+        for a, e in zip(starts[:-1], starts[1:]):
+            n = int(valid[b, a:e].sum())
+            if n:
+                docs.append((b, a, n))
+    n_max = max(n for _b, _a, n in docs)
+    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    for r, (b, a, n) in enumerate(docs):
+        ids[r, :n] = batch["input_ids"][b, a:a + n]
+        mask[r, :n] = 1
+    out = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    rows = [torch.zeros(S, out.shape[-1]) for _ in range(B)]
+    full = torch.stack(rows)
+    for r, (b, a, n) in enumerate(docs):
+        full = full.index_put((torch.full((n,), b), torch.arange(a, a + n)), out[r, :n])
+    return full
 
 
 def _full(t):
@@ -48,9 +70,10 @@ def _full(t):
 
 
 def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "packed_padding", S: int = 24,
-            seed: int = 3, tp: int = 1, dp_replicate: int = 1) -> dict:
+            seed: int = 3, tp: int = 1, dp_replicate: int = 1, documents: str = "as_transformers") -> dict:
     """One forward+backward of ``arch`` at cp (the method's) x dp_shard with ep, FSDP2 on, against the
-    one-rank reference on the same global batch. Returns this rank's errors and the split it ran."""
+    one-rank reference on the same global batch. Returns this rank's errors and the split it ran.
+    ``documents``: what a packed row means (``independent``: the reference runs each document alone)."""
     import torch.distributed as dist
 
     cp, wrapper = METHODS[method]
@@ -74,7 +97,7 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
     d = mesh.dp_mesh.get_local_rank() if dp > 1 else 0
     rows = slice(d * B // dp, (d + 1) * B // dp)
     mine = {k: v[rows] for k, v in batch.items()}
-    local = shard_batch_for_cp(mine, mesh.cp_mesh, plan.batch_policy, packed_documents="as_transformers")
+    local = shard_batch_for_cp(mine, mesh.cp_mesh, plan.batch_policy, packed_documents=documents)
     meta = local.meta
     w_mine = torch.zeros(B // dp, meta.global_seq_len, vocab)
     w_mine[:, :S] = w[rows]
@@ -87,7 +110,10 @@ def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "pac
         from hyper_parallel.trainer.tp_sync import sync_tp_partial_grads, tp_partial_params
 
         sync_tp_partial_grads(tp_partial_params(model, plan, tp_info), mesh.tp_mesh)
-    ref_logits = ref(**ref_inputs).logits
+    if documents == "independent":
+        ref_logits = _each_document_alone(ref, batch, valid)
+    else:
+        ref_logits = ref(**ref_inputs).logits
     (ref_logits * w).sum().backward()
     # logits: this rank's tokens against the reference's
     q = meta.q_index

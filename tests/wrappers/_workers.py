@@ -302,9 +302,13 @@ def arch_config(arch: str):
 
 def build_arch(arch: str):
     """(CP model, CP=1 reference) with identical weights, both train() (dropout is 0)."""
+    return build_from_config(*arch_config(arch))
+
+
+def build_from_config(cfg, impl: str):
+    """:func:`build_arch` for a given transformers config and attn_implementation."""
     import transformers as T
 
-    cfg, impl = arch_config(arch)
     cfg._attn_implementation = impl
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg).float().train()
