@@ -166,9 +166,11 @@ def local_router_stats(router_logits, spec: RouterLossSpec, mask: torch.Tensor |
 
 
 def _group(mesh):
-    if mesh is None or not dist.is_initialized() or mesh.size() == 1:
+    """The process group of ``mesh`` (a 1-D DeviceMesh, or a process group itself); None when alone."""
+    if mesh is None or not dist.is_initialized():
         return None
-    return mesh.get_group()
+    group = mesh.get_group() if hasattr(mesh, "get_group") else mesh
+    return None if dist.get_world_size(group) == 1 else group
 
 
 def router_aux_from_stats(stats: RouterStats, spec: RouterLossSpec, mesh) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,7 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
         eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
         model = trainer.model
         result = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "eval_loss": eval_loss,
+                  "aux": getattr(getattr(model, "config", None), "output_router_logits", None) or None,
                   "metrics": rec.metrics,
                   "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
         if params and trainer.args.process_index == 0:
@@ -228,8 +229,8 @@ class _UnknownCollator:
 
 def refusal_cases(cases) -> list[str]:
     """For each ``(entry, extra)``: build the script (cp = the pool's size) with ``extra``
-    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` to swap the collator, the model's
-    attention implementation or the declaration — call ``context_parallel`` and return the
+    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` / ``_moe_router`` to swap the collator,
+    the model's attention implementation or the declaration, or set ``output_router_logits`` — call ``context_parallel`` and return the
     refusal's message ("no refusal" if none)."""
     import torch.distributed as dist
 
@@ -241,12 +242,15 @@ def refusal_cases(cases) -> list[str]:
     for entry, extra in cases:
         extra = dict(extra)
         collator, attn, plan = extra.pop("_collator", None), extra.pop("_attn", None), extra.pop("_plan", None)
+        router = extra.pop("_moe_router", False)
         with tempfile.TemporaryDirectory() as out:
             trainer, _ = build_trainer(entry, "llama", out, 1, **extra)
             if collator:
                 trainer.data_collator = _UnknownCollator(trainer.data_collator)
             if attn:
                 trainer.model.config._attn_implementation = attn
+            if router:        # what an MoE config with its router loss on declares
+                trainer.model.config.output_router_logits = True
             try:
                 context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"] if plan is None else plan)
                 out_msgs.append("no refusal")

@@ -180,3 +180,23 @@ def test_sft_packing_independent_documents(ranks, arch):
     update difference); losses and the eval loss 8.6e-8."""
     _compare(ranks, "sft_packing", arch, packed_documents="independent",
              param_tol=5e-5 if arch == "qwen3_next" else TOL)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_sft_router_aux_loss_gpt_oss(ranks, average):
+    """An MoE model with its router load-balancing loss on in TRL's SFTTrainer (router_aux_loss_coef,
+    here 0.1 so that it moves the parameters visibly): at cp 2 the aux is computed over the CP group's
+    whole micro-batch (the padding excluded, as transformers' attention_mask excludes it at cp 1), not
+    per shard, with average_tokens_across_devices on and off; losses, the eval loss and the parameters
+    equal cp 1's. SGD, so that the parameters compare the gradients: under AdamW one embedding row
+    whose gradient is near zero differs by 1.2e-4 of the largest parameter after 5 steps (g / sqrt(v)
+    amplifies a 5e-9 relative gradient difference), with every other parameter within 5e-7."""
+    out = _compare(ranks, "sft_padded", "gpt_oss", router_aux_loss_coef=0.1, average_tokens_across_devices=average,
+                   optim="sgd")
+    assert all(r["aux"] for r in (out["ref"], out["got"]))
+
+
+def test_router_aux_loss_outside_trl_is_refused(ranks):
+    """The plain Trainer computes the aux inside the model, on the shard: refused at cp > 1, naming the field."""
+    [msg] = ranks(2).run(W.refusal_cases, [("trainer_flatten", {"_moe_router": True})], timeout=300)[0]
+    assert "[model.config.output_router_logits]" in msg and "SFTTrainer" in msg, msg

@@ -96,11 +96,20 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
                             module=type(base).__name__, fix="load the model with attn_implementation='sdpa'")
     text_cfg = base.config.get_text_config() if hasattr(getattr(base, "config", None), "get_text_config") else None
     if cp_size > 1 and getattr(text_cfg, "output_router_logits", False):
-        raise CPConfigError("model.config.output_router_logits",
-                            "the MoE load-balancing loss is a nonlinear function of the expert frequencies of the "
-                            "tokens it sees; on a CP shard it is not the row's", module=type(base).__name__,
-                            fix="turn the router aux loss off at cp > 1: TRL SFTConfig(router_aux_loss_coef=0.0) (TRL "
-                                "enables it for every MoE model), or model.config.output_router_logits=False")
+        fused = (any(c.__name__ == "SFTTrainer" for c in type(trainer).__mro__)
+                 and getattr(trainer, "compute_loss_func", None) is None)
+        if not fused:
+            raise CPConfigError("model.config.output_router_logits",
+                                "the MoE load-balancing loss is a nonlinear function of the expert frequencies of "
+                                "the tokens it sees; on a CP shard it is not the row's, and it is computed over the "
+                                "CP group only in TRL SFTTrainer's fused head", module=type(base).__name__,
+                                fix="train with TRL's SFTTrainer (without compute_loss_func), or turn the router "
+                                    "aux loss off at cp > 1: model.config.output_router_logits=False")
+        from types import SimpleNamespace
+
+        from ...trainer.router_loss import router_loss_spec
+
+        router_loss_spec(base, SimpleNamespace(router_loss=True, router_balance_domain="local_micro_batch"))
     name = collator_name(trainer.data_collator)
     if not accept_collator and name not in KNOWN_COLLATORS:
         raise CPConfigError("Trainer.data_collator",

@@ -34,7 +34,7 @@ from .context import release
 from .data import shard_data_by_dp
 from .declaration import load_plan_overrides
 from .evaluation import install_eval_gather
-from .forward import wrap_compute_loss, wrap_forward
+from .forward import router_loss, wrap_compute_loss, wrap_forward
 
 
 def _base_model(model):
@@ -95,7 +95,7 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     policy = setup.plan.batch_policy or CONTIGUOUS_POLICY            # None at cp 1: one contiguous "shard"
     trainer.data_collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), policy,
                                            pad_token_id=int(pad_id), packed_documents=packed_documents)
-    wrap_forward(trainer.model)
+    wrap_forward(trainer.model, router_loss(model, mesh.cp_mesh.get_group(), cp_size, trainer))
     wrap_compute_loss(trainer, cp_size, mesh.cp_mesh.get_group())
     install_eval_gather(trainer, cp_size, mesh.cp_mesh.get_group(), mesh.dp_mesh.get_group())
     trainer.add_callback(_release_callback())

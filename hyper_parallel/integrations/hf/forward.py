@@ -26,9 +26,14 @@ mean of the gathered eval losses) give the CP=1 numbers. Each rank's loss is
 so ``sum over the CP group of the rank losses x (cp / W)`` — what DDP's average and the eval mean
 do — is the CP group's global token mean, exactly as one rank computes it on the whole row.
 One all-reduce over the CP group (``hyper_parallel.platform``) per call when the count changes.
+
+An MoE model whose config sets ``output_router_logits`` gets its router load-balancing loss over the
+CP group's whole micro-batch in TRL's SFTTrainer (:class:`CPRouterLoss`, the trainer's
+``router_loss`` statistics with one differentiable all-reduce), not over a shard.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -41,8 +46,69 @@ from .context import activate
 _NOT_TO_MODEL = ("attention_mask", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def wrap_forward(model) -> None:
-    """Install the CP forward on ``model`` (idempotent)."""
+def _scaled(x: torch.Tensor, value: float, grad: float) -> torch.Tensor:
+    """``value x x`` forward, ``grad x dx`` backward."""
+    return value * x.detach() + grad * (x - x.detach())
+
+
+class CPRouterLoss:
+    """The MoE router load-balancing loss of the CP group's whole micro-batch in TRL's SFTTrainer, in
+    place of the shard's own: the trainer's ``router_loss`` statistics and one differentiable
+    all-reduce over ``cp_group``, so every CP rank holds the ``aux`` one rank computes on its rows.
+
+    TRL's fused head computes ``aux_loss`` with Mixtral's ``load_balancing_loss_func`` (imported at
+    call time) and adds ``coef x aux_loss / GA`` to a token loss it multiplies by the ``W`` ranks. While
+    the forward runs, that function returns the CP group's aux with ``cp`` times its gradient: every
+    CP rank adds it, the group's gradients sum to its gradient (identity backward), and DDP's average
+    over ``W = cp x W_1`` ranks then gives CP=1's average over ``W_1``. In evaluation TRL divides by GA
+    only because :func:`wrap_compute_loss` supplies the count CP=1 does not have: the value is
+    multiplied back (``eval_steps``)."""
+
+    def __init__(self, spec, cp_group, cp_size: int, eval_steps):
+        self.spec, self.group, self.cp, self.eval_steps = spec, cp_group, cp_size, eval_steps
+
+    def aux(self, router_logits, meta, device):
+        from types import SimpleNamespace
+
+        from ...trainer.router_loss import local_router_stats, router_aux_from_stats, valid_input_mask
+
+        mask = valid_input_mask(SimpleNamespace(meta=meta), device)
+        return router_aux_from_stats(local_router_stats(router_logits, self.spec, mask), self.spec, self.group)[0]
+
+    @contextlib.contextmanager
+    def fused(self, meta, training: bool):
+        """The class doc's substitution of ``load_balancing_loss_func`` around one fused forward."""
+        import transformers.models.mixtral.modeling_mixtral as mixtral
+
+        value = 1.0 if training else float(self.eval_steps())
+
+        def global_aux(router_logits, num_experts=None, top_k=2, attention_mask=None):
+            return _scaled(self.aux(router_logits, meta, router_logits[0].device), value, float(self.cp))
+
+        own = mixtral.load_balancing_loss_func
+        mixtral.load_balancing_loss_func = global_aux
+        try:
+            yield
+        finally:
+            mixtral.load_balancing_loss_func = own
+
+
+def router_loss(base, cp_group, cp_size: int, trainer) -> CPRouterLoss | None:
+    """:class:`CPRouterLoss` for ``base`` in ``trainer``, or None when its config sets no
+    ``output_router_logits`` (:func:`~.checks.check_trainer` refuses the router loss outside TRL's
+    fused head)."""
+    from types import SimpleNamespace
+
+    from ...trainer.router_loss import router_loss_spec
+
+    spec = router_loss_spec(base, SimpleNamespace(router_loss=True, router_balance_domain="local_micro_batch"))
+    if spec is None:
+        return None
+    return CPRouterLoss(spec, cp_group, cp_size, lambda: trainer.current_gradient_accumulation_steps)
+
+
+def wrap_forward(model, router: "CPRouterLoss | None" = None) -> None:
+    """Install the CP forward on ``model`` (idempotent); ``router``: :func:`router_loss`'s or None."""
     if getattr(model, "_hyper_parallel_cp_forward", False):
         return
     inner = model.forward
@@ -58,7 +124,10 @@ def wrap_forward(model) -> None:
         for key in _NOT_TO_MODEL:
             kwargs.pop(key, None)
         if kwargs.get("fused_lm_head"):     # TRL's fused head scores shift_labels itself, unshifted
-            return inner(*args, **kwargs)
+            if router is None:
+                return inner(*args, **kwargs)
+            with router.fused(holder.meta, base.training):
+                return inner(*args, **kwargs)
         # transformers hands the forward's **kwargs down to every attention call, where the CP
         # attention refuses what it does not know: the loss is computed here, by the model's own
         # loss function, on the local logits and the globally shifted local targets
@@ -70,6 +139,8 @@ def wrap_forward(model) -> None:
             vocab = base.config.get_text_config().vocab_size
             out.loss = base.loss_function(out.logits, labels, vocab, num_items_in_batch=num_items,
                                           shift_labels=shift_labels)
+            if router is not None:      # refused by check_trainer: the aux would be the shard's
+                raise RuntimeError("the MoE router loss under CP is computed in TRL's fused head only")
         return out
 
     model.forward = forward
