@@ -13,7 +13,8 @@ from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
 from hyper_parallel.distributed.infrastructure import setup_distributed
 from hyper_parallel.distributed.plan import apply_sharding_plan
 
-from tests.wrappers._workers import ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch, build_from_config
+from tests.wrappers._workers import (ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch, build_from_config,
+                                     document_rows)
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
@@ -51,15 +52,9 @@ def _each_document_alone(ref, batch: dict, valid):
             n = int(valid[b, a:e].sum())
             if n:
                 docs.append((b, a, n))
-    n_max = max(n for _b, _a, n in docs)
-    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    for r, (b, a, n) in enumerate(docs):
-        ids[r, :n] = batch["input_ids"][b, a:a + n]
-        mask[r, :n] = 1
+    ids, mask = document_rows(batch, docs)
     out = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    rows = [torch.zeros(S, out.shape[-1]) for _ in range(B)]
-    full = torch.stack(rows)
+    full = torch.zeros(B, S, out.shape[-1])
     for r, (b, a, n) in enumerate(docs):
         full = full.index_put((torch.full((n,), b), torch.arange(a, a + n)), out[r, :n])
     return full

@@ -377,6 +377,18 @@ def cp_forward_backward(model, mesh, plan, batch: dict, valid, seed: int, **mode
     return full[:, :S], w[:, :S], meta
 
 
+def document_rows(batch: dict, docs: list):
+    """(input_ids, attention_mask) ``[len(docs), longest]``: every document ``(row, start, length)`` of
+    ``batch`` as its own right-padded row."""
+    n_max = max(n for _b, _s, n in docs)
+    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
+    for r, (b, s, n) in enumerate(docs):
+        ids[r, :n] = batch["input_ids"][b, s:s + n]
+        mask[r, :n] = 1
+    return ids, mask
+
+
 def document_parity(model, ref, mesh, plan, batch: dict, docs: list, seed: int) -> dict:
     """CP forward+backward of ``batch`` against a CP=1 reference that runs every document
     ``(row, start, length)`` of ``docs`` as its own right-padded row (attention_mask). Errors on
@@ -392,12 +404,7 @@ def document_parity(model, ref, mesh, plan, batch: dict, docs: list, seed: int) 
     full, w_valid, meta = cp_forward_backward(model, mesh, plan, batch, valid, seed)
     for p in ref.parameters():
         p.grad = None
-    n_max = max(n for _b, _s, n in docs)
-    ids = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    mask = torch.zeros(len(docs), n_max, dtype=torch.int64)
-    for r, (b, s, n) in enumerate(docs):
-        ids[r, :n] = batch["input_ids"][b, s:s + n]
-        mask[r, :n] = 1
+    ids, mask = document_rows(batch, docs)
     ref_logits = ref(input_ids=ids, attention_mask=mask).logits
     rows = torch.tensor([r for r, (_b, _s, n) in enumerate(docs) for _ in range(n)])
     cols = torch.tensor([j for _b, _s, n in docs for j in range(n)])
