@@ -60,6 +60,21 @@ def test_tp_or_hsdp_with_cp2_ep2_equals_one_rank(ranks, tp, dp_replicate):
     _check(res, f"qwen3_moe tp{tp} x dp_replicate{dp_replicate} x cp2 x ep2")
 
 
+@pytest.mark.parametrize("example", ["async_qwen3_moe_load_balance.yaml", "qwen3_next_cp2.yaml"])
+def test_ep_beside_async_cp_and_a_mixer_method(ranks, tmp_path, example):
+    """EP touches only the experts, so it combines with the other kinds of CP method: async Head-Tail
+    (the Qwen3-MoE adapter's handoff) and a hybrid model's Gated DeltaNet method beside attention
+    (Qwen3-Next, MoE with a shared expert). The shipped example at CP=2 x EP=2 gives the CP=1 losses."""
+    from tests.trainer.test_cp_examples import _cfg
+
+    ep2 = ranks(2).run(TW.train_losses, _cfg(example, tmp_path / "ep2", "accelerator.ep_size=2"), timeout=600)
+    [one] = ranks(1).run(TW.train_losses, _cfg(example, tmp_path / "cp1", "accelerator.cp_size=1"), timeout=600)
+    got, want = ep2[0]["losses"], one["losses"]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    print(f"{example}: cp2 x ep2 {got}\n  cp1 {want}\n  max rel {rel:.2e} (tol {LOSS_RTOL:g})")
+    assert len(got) == len(want) == 3 and rel <= LOSS_RTOL
+
+
 def test_trainer_cp2_ep2_same_losses_and_export_as_one_rank(ranks, tmp_path):
     """5 optimizer steps of the trainer (meta build, FSDP2, AdamW, router loss) at CP=2 x EP=2 against
     CP=1 / EP=1 on the same data; both HF exports load as plain transformers models with the same weights."""
