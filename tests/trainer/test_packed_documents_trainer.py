@@ -20,7 +20,10 @@ from tests.trainer.test_cp_examples import _cfg
 
 #: fp32, relative, per step: the same math, another summation order (measured ~1e-7)
 LOSS_RTOL = 2e-6
-SEQ_LEN, STEPS = 1024, 3
+SEQ_LEN = 1024
+#: optimizer steps per run: 2 (losses before and after one update); Llama 4's two meanings differ by only
+#: ~8e-6 after one update (its temperature rescale is small on these rows), so it takes 3
+STEPS = {"llama4_text_cp2.yaml": 3}
 EXAMPLES = ["qwen3_next_cp2.yaml", "qwen3_5_text_cp2.yaml", "llama4_text_cp2.yaml", "nemotron_h_cp2.yaml",
             "minimax_cp2.yaml", "kimi_linear_cp2.yaml"]
 
@@ -28,7 +31,7 @@ EXAMPLES = ["qwen3_next_cp2.yaml", "qwen3_5_text_cp2.yaml", "llama4_text_cp2.yam
 def _packed(example: str, path, semantics, cp: int, docs: str) -> dict:
     data = [f"data.{k}={v}" for k, v in D.data_cfg(docs, str(path.parent / "cache"), seq_len=SEQ_LEN,
                                                     micro_batch_size=1).items() if k != "files"]
-    cfg = _cfg(example, path, f"schedule.steps={STEPS}", f"accelerator.cp_size={cp}", *data,
+    cfg = _cfg(example, path, f"schedule.steps={STEPS.get(example, 2)}", f"accelerator.cp_size={cp}", *data,
                "model.config.vocab_size=4096")
     cfg["data"]["files"] = [docs]
     if semantics is not None:
@@ -50,7 +53,7 @@ def test_packed_example_cp2_same_losses_as_cp1(ranks, tmp_path, docs, example):
         cp2 = ranks(2).run(TW.train_losses, cfgs[0], timeout=600.0)
         cp1 = ranks(1).run(TW.train_losses, cfgs[1], timeout=600.0)
         l1, l2 = cp1[0]["losses"], cp2[0]["losses"]
-        assert cp2[1]["losses"] == l2 and len(l1) == len(l2) == STEPS
+        assert cp2[1]["losses"] == l2 and len(l1) == len(l2) == STEPS.get(example, 2)
         rel = [abs(a - b) / abs(a) for a, b in zip(l1, l2)]
         print(f"{example} {semantics}: cp1 {l1}\n  cp2 {l2}\n  max rel err {max(rel):.2e} (tol {LOSS_RTOL:g})")
         assert max(rel) <= LOSS_RTOL, (semantics, l1, l2)
