@@ -71,8 +71,8 @@ def one_step(ep: int) -> dict:
         out.logits.float().pow(2).mean().backward()
     rows = [r for r in records if r.tag.split(".bwd")[0] in ("ep.dispatch", "ep.combine")]
     sent = sum(r.bytes_sent for r in rows)
-    est = ep_cost(model, plan.ep_targets, ep, S // 2 * B, 4)
-    estimate = est.sent_per_layer * 2 * est.layers if est is not None else 0.0   # forward + backward
+    est = ep_cost(model, plan.ep_targets, ep, 4)
+    estimate = est.sent_per_layer(S // 2 * B) * 2 * est.layers if est is not None else 0.0   # forward + backward
     return {"ep": ep, "rank": dist.get_rank(), "experts_at_rest_bytes": at_rest,
             "experts_in_flight_bytes": max(seen), "without_ep_bytes": layer_bytes, "a2a_sent_bytes": sent, "a2a_estimate_bytes": estimate}
 

@@ -108,7 +108,7 @@ def explain(cfg, echo=print) -> dict:
     opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
     opt_rank = p_rank / elem * 4 * opt_factor
     unit = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0) / tp
-    ep_fig = ep_cost(model, plan.ep_targets, a.ep_size, 1, elem)
+    ep_fig = ep_cost(model, plan.ep_targets, a.ep_size, elem)
     if ep_fig is not None:      # a layer gathers only this rank's experts (over the ranks holding them)
         unit -= ep_fig.layer_expert_bytes * (1 - 1 / a.ep_size)
     echo("== parameters and optimizer (per rank) ==")
@@ -192,15 +192,15 @@ def explain(cfg, echo=print) -> dict:
         comm[m] = total
         echo(f"{title} ({n} layers): {_gb(total)} per step = " +
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in per.items()) + f" per layer per row x {n * B * ga}")
-    ep_step = ep_cost(model, plan.ep_targets, a.ep_size, s_local * B, elem)
-    if ep_step is not None:
-        per = ep_step.sent_per_layer
-        comm["ep"] = per * (1 + recompute) * ep_step.layers * ga
-        echo(f"expert all-to-all ({ep_step.layers} layers, uniform routing): {_gb(comm['ep'])} per step = "
-             f"{per / 1e6:.2f} MB per layer (dispatch + combine of {ep_step.rows} rows) x {1 + recompute} "
-             f"(forward{', recomputed' if recompute > 1 else ''}, backward) x {ep_step.layers * ga}; dropless: "
-             f"a rank may receive up to {ep_step.worst_recv_rows} rows per layer ({a.ep_size} x its share, "
-             f"{ep_step.worst_recv_rows * H * elem / 1e6:.2f} MB of rows)")
+    if ep_fig is not None:
+        tokens = s_local * B
+        per, worst = ep_fig.sent_per_layer(tokens), ep_fig.worst_recv_rows(tokens)
+        comm["ep"] = per * (1 + recompute) * ep_fig.layers * ga
+        echo(f"expert all-to-all ({ep_fig.layers} layers, uniform routing): {_gb(comm['ep'])} per step = "
+             f"{per / 1e6:.2f} MB per layer (dispatch + combine of {ep_fig.rows(tokens)} rows) x {1 + recompute} "
+             f"(forward{', recomputed' if recompute > 1 else ''}, backward) x {ep_fig.layers * ga}; dropless: "
+             f"a rank may receive up to {worst} rows per layer ({a.ep_size} x its share, "
+             f"{worst * H * elem / 1e6:.2f} MB of rows)")
     fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
     if fsdp:
         comm["fsdp"] = sum(fsdp.values()) * ga

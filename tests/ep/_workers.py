@@ -13,8 +13,8 @@ from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
 from hyper_parallel.distributed.infrastructure import setup_distributed
 from hyper_parallel.distributed.plan import apply_sharding_plan
 
-from tests.wrappers._workers import (ATTN_MATCH, METHODS, _COMMON, arch_config, attention_batch, build_from_config,
-                                     document_rows)
+from tests.wrappers._workers import (ATTN_MATCH, METHODS, _COMMON, _full, arch_config, attention_batch,
+                                     build_from_config, document_rows)
 
 MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 
@@ -58,10 +58,6 @@ def _each_document_alone(ref, batch: dict, valid):
     for r, (b, a, n) in enumerate(docs):
         full = full.index_put((torch.full((n,), b), torch.arange(a, a + n)), out[r, :n])
     return full
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def ep_step(arch: str, method: str, ep: int, dp_shard: int = 1, kind: str = "packed_padding", S: int = 24,

@@ -20,27 +20,12 @@ and gets zero expert gradients (never None), so no rank skips a collective.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn as nn
 
 from ... import platform as P
-from ..context_parallel.comm.primitives import AllToAllUneven
+from ..context_parallel.comm.primitives import AllToAllUneven, scale_grad
 from .targets import EPTarget
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
 
 
 def shard_experts(module: nn.Module, target: EPTarget, ep_mesh) -> None:
@@ -85,8 +70,7 @@ def ep_forward(module: nn.Module, target: EPTarget, ep_mesh):
     ep = ep_mesh.size()
     group = ep_mesh.get_group()
     n_local = target.num_experts // ep
-    arg_names = [p.name for p in inspect.signature(module.forward).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:3]
+    arg_names = target.args
 
     def forward(*args, **kwargs):
         bound = dict(zip(arg_names, args))
@@ -108,13 +92,13 @@ def ep_forward(module: nn.Module, target: EPTarget, ep_mesh):
         x = AllToAllUneven.apply(rows, group, send_l, recv_l, 0, "ep.dispatch", 1)
         local_ids = P.all_to_all_uneven(experts - dest * n_local, group, send_l, recv_l, 0, tag="ep.dispatch_ids",
                                         piece=1)
-        x = _ScaleGrad.apply(x, float(ep))
+        x = scale_grad(x, ep)
         ones = weights.new_ones(x.shape[0], 1)
         y = _run_local_experts(module, original, names, n_local, x, local_ids, ones)
         if x.shape[0] == 0:    # no rows here: keep the backward exchanges and the expert gradients on this rank
             params = _local_params(module, names).values()
             y = y + (x.sum() + sum(p.sum() for p in params)) * 0
-        y = _ScaleGrad.apply(y, 1.0 / ep)
+        y = scale_grad(y, 1.0 / ep)
         back = AllToAllUneven.apply(y, group, recv_l, send_l, 0, "ep.combine", 1)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)

@@ -24,11 +24,13 @@ DISPATCH_STYLE = "ep_dispatch_experts"
 
 @dataclasses.dataclass(frozen=True)
 class EPTarget:
-    """One experts module: its FQN, its expert count and the parameters indexed by expert (dim 0)."""
+    """One experts module: its FQN, its expert count, the parameters indexed by expert (dim 0) and the
+    names of its forward's three inputs (hidden states, top-k index, top-k weights)."""
 
     fqn: str
     num_experts: int
     params: tuple
+    args: tuple
 
 
 def declared_ep_plan(model: nn.Module) -> dict | None:
@@ -82,7 +84,7 @@ def _check_module(fqn: str, module: nn.Module, ep_size: int) -> EPTarget:
     if len(positional) < 3:
         raise CPConfigError(FIELD, f"{type(module).__name__}.forward does not take (hidden_states, top_k_index, "
                             "top_k_weights)", module=fqn, fix="accelerator.ep_size: 1")
-    return EPTarget(fqn, n, params)
+    return EPTarget(fqn, n, params, tuple(p.name for p in positional[:3]))
 
 
 def find_ep_targets(model: nn.Module, ep_size: int) -> list[EPTarget]:

@@ -105,11 +105,9 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
                                 "CP group only in TRL SFTTrainer's fused head", module=type(base).__name__,
                                 fix="train with TRL's SFTTrainer (without compute_loss_func), or turn the router "
                                     "aux loss off at cp > 1: model.config.output_router_logits=False")
-        from types import SimpleNamespace
+        from .forward import router_spec
 
-        from ...trainer.router_loss import router_loss_spec
-
-        router_loss_spec(base, SimpleNamespace(router_loss=True, router_balance_domain="local_micro_batch"))
+        router_spec(base)       # a router loss the trainer cannot reproduce (a z-loss, ...) is refused here
     name = collator_name(trainer.data_collator)
     if not accept_collator and name not in KNOWN_COLLATORS:
         raise CPConfigError("Trainer.data_collator",

@@ -39,16 +39,12 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ...distributed.context_parallel.comm import scale_grad
 from ...platform import all_reduce
 from .batch import META_KEY, CPMetaHolder
 from .context import activate
 
 _NOT_TO_MODEL = ("attention_mask", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def _scaled(x: torch.Tensor, value: float, grad: float) -> torch.Tensor:
-    """``value x x`` forward, ``grad x dx`` backward."""
-    return value * x.detach() + grad * (x - x.detach())
 
 
 class CPRouterLoss:
@@ -83,7 +79,7 @@ class CPRouterLoss:
         value = 1.0 if training else float(self.eval_steps())
 
         def global_aux(router_logits, num_experts=None, top_k=2, attention_mask=None):
-            return _scaled(self.aux(router_logits, meta, router_logits[0].device), value, float(self.cp))
+            return value * scale_grad(self.aux(router_logits, meta, router_logits[0].device), self.cp / value)
 
         own = mixtral.load_balancing_loss_func
         mixtral.load_balancing_loss_func = global_aux
@@ -93,15 +89,21 @@ class CPRouterLoss:
             mixtral.load_balancing_loss_func = own
 
 
-def router_loss(base, cp_group, cp_size: int, trainer) -> CPRouterLoss | None:
-    """:class:`CPRouterLoss` for ``base`` in ``trainer``, or None when its config sets no
-    ``output_router_logits`` (:func:`~.checks.check_trainer` refuses the router loss outside TRL's
-    fused head)."""
+def router_spec(base):
+    """The router loss ``base``'s config asks for, balanced over a CP group's micro-batch (the domain one
+    rank's rows have at CP=1), or None; a config the trainer cannot reproduce raises ``CPConfigError``."""
     from types import SimpleNamespace
 
     from ...trainer.router_loss import router_loss_spec
 
-    spec = router_loss_spec(base, SimpleNamespace(router_loss=True, router_balance_domain="local_micro_batch"))
+    return router_loss_spec(base, SimpleNamespace(router_loss=True, router_balance_domain="local_micro_batch"))
+
+
+def router_loss(base, cp_group, cp_size: int, trainer) -> CPRouterLoss | None:
+    """:class:`CPRouterLoss` for ``base`` in ``trainer``, or None when its config sets no
+    ``output_router_logits`` (:func:`~.checks.check_trainer` refuses the router loss outside TRL's
+    fused head)."""
+    spec = router_spec(base)
     if spec is None:
         return None
     return CPRouterLoss(spec, cp_group, cp_size, lambda: trainer.current_gradient_accumulation_steps)

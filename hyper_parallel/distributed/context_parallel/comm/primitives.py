@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .... import platform as P
 
-__all__ = ["CPCollectiveError", "all_gather_seq", "all_reduce_sum_replicated", "group_desc", "resolve_group"]
+__all__ = ["CPCollectiveError", "all_gather_seq", "all_reduce_sum_replicated", "group_desc", "resolve_group",
+           "scale_grad"]
 
 
 class CPCollectiveError(ValueError):
@@ -145,6 +146,27 @@ def all_gather_seq(x: torch.Tensor, cp_mesh, dim: int = 1, tag: str = "cp.allgat
     if P.group_size(group) == 1:
         return x
     return _AllGather.apply(x, group, d, tag)
+
+
+# ----------------------------------------------------------------------------- gradient scale
+class _ScaleGrad(torch.autograd.Function):
+    """fwd: identity; bwd: the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged forward, ``factor x`` its gradient backward: where a rank's share of a gradient
+    must count ``factor`` times in a reduction that averages (EP's expert gradients, a replicated aux
+    loss under DDP's average)."""
+    return _ScaleGrad.apply(x, float(factor))
 
 
 # ----------------------------------------------------------------------------- replicated sums
