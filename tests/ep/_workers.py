@@ -16,9 +16,6 @@ from hyper_parallel.distributed.plan import apply_sharding_plan
 from tests.wrappers._workers import (ATTN_MATCH, METHODS, _COMMON, _full, arch_config, attention_batch,
                                      build_from_config, document_rows)
 
-MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
-
-
 def moe_config(arch: str):
     import transformers as T
 
