@@ -159,9 +159,10 @@ def trace_run(arch: str, method: str, S: int = 32) -> list:
     return [(e, n) for e, n, _t in trace]
 
 
-def custom_adapter_parity(S: int = 16) -> dict:
+def custom_adapter_parity(S: int = 16, wrapper=None) -> dict:
     """The docs' worked example (examples/cp/async_custom_adapter_example.py) at cp 2: its attention's
-    output and every gradient (summed over CP) equal the same module on the whole sequence."""
+    output and every gradient (summed over CP) equal the same module on the whole sequence.
+    ``wrapper``: an async Target for that attention (default: the example's own)."""
     import transformers as T
 
     from examples.cp.async_custom_adapter_example import TinyAttention, tiny_async_colossal_cp_wrapper
@@ -176,8 +177,9 @@ def custom_adapter_parity(S: int = 16) -> dict:
     attn.load_state_dict(ref.state_dict())
     rope = T.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
     mesh = mesh_ctx(2)
-    tiny_async_colossal_cp_wrapper.__hp_inner_wrapper__.validate(attn, cp_size=2)
-    attn.forward = tiny_async_colossal_cp_wrapper(attn, mesh, None, mesh.cp_mesh, None)
+    wrapper = wrapper or tiny_async_colossal_cp_wrapper
+    wrapper.__hp_inner_wrapper__.validate(attn, cp_size=2)
+    attn.forward = wrapper(attn, mesh, None, mesh.cp_mesh, None)
     h = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(3))
     dout = torch.randn(2, S, 64, generator=torch.Generator().manual_seed(4))
     pos = torch.arange(S)[None].expand(2, -1)

@@ -151,13 +151,14 @@ def test_async_balanced_refuses_a_batch_without_the_permutation():
 
 
 def test_async_methods_are_the_catalogue_rows():
-    """The handoff tensors of each async method (async_protocol) cover exactly the catalogue's async rows."""
+    """The handoff tensors of each async method (async_protocol) are read off its row: the balanced
+    split's equal the contiguous layout's, and a row without async variants has none."""
     from hyper_parallel.distributed.context_parallel import catalogue
-    from hyper_parallel.distributed.context_parallel.wrappers.async_protocol import ASYNC_METHODS
+    from hyper_parallel.distributed.context_parallel.wrappers.async_protocol import handoff_comm
 
-    assert set(ASYNC_METHODS) == {m.name for m in catalogue.async_methods()}
-    assert ASYNC_METHODS["balanced"] == ASYNC_METHODS["colossal"]
-    assert ASYNC_METHODS["hybrid_balanced"] == ASYNC_METHODS["hybrid"]
+    assert handoff_comm("balanced") == handoff_comm("colossal") == ("k", "v")
+    assert handoff_comm("hybrid_balanced") == handoff_comm("hybrid") == ("q", "k", "v")
+    assert {m for m in catalogue.METHODS if handoff_comm(m)} == {m.name for m in catalogue.async_methods()}
 
 
 def test_hybrid_balanced_plans_the_balanced_policy_and_is_not_mixed():

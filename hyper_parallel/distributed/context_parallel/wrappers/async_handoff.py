@@ -23,13 +23,13 @@ from ..interception import (AttentionCall, CPInterceptionError, current_apply_co
 from ..meta import current_cp_batch_meta
 from ..async_plan import AsyncPlan, chunk_name, q_chunk_count
 from .async_pipeline import _Call, _launch_kv_chunk, make_plan
-from .async_protocol import (ASYNC_METHODS, HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs,
+from .async_protocol import (HANDOFF_KEYS, AttnWait, HandoffPoint, _compute_modules, get_handoffs, handoff_comm,
                              probe_handoffs, validate_async)
 from .preflight import check_call
 from .validate_mode import compare, hf_module_reference, rank_group, valid_query_rows
 
 __all__ = ["HANDOFF_KEYS", "HandoffPoint", "AttnWait", "get_handoffs", "probe_handoffs", "validate_async",
-           "install_async", "ASYNC_METHODS", "DEFAULT_Q_CHUNKS", "DEFAULT_KV_CHUNKS", "q_chunk_count",
+           "install_async", "handoff_comm", "DEFAULT_Q_CHUNKS", "DEFAULT_KV_CHUNKS", "q_chunk_count",
            "check_q_chunks", "check_kv_chunks"]
 
 # query-side pipeline depth G of async Ulysses / Hybrid / Head-Tail when the wrapper names none
@@ -109,7 +109,8 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     CP forward (elsewhere, e.g. with CP disabled for the preflight proof's reference, they are
     inert). ``__hp_undo__`` restores the module's config.
     """
-    if method not in ASYNC_METHODS:
+    comm_keys = handoff_comm(method)
+    if not comm_keys:
         raise ValueError(f"{who}: no async variant of method {method!r}")
     catalogue.check_degree(method, None, ulysses_degree, who)
     q_chunks = check_q_chunks(q_chunks, who)
@@ -118,7 +119,6 @@ def install_async(method: str, target_module: nn.Module, mesh, cp_mesh, who: str
     owner = ctx.fqn or type(target_module).__name__
     handoffs = get_handoffs(target_module, who)
     plan = make_plan(method, mesh, cp_mesh, ulysses_degree)
-    comm_keys = ASYNC_METHODS[method]
     original = forward or target_module.forward
     groups = getattr(target_module, "num_key_value_groups", 1)
     state: list = []          # the _Call of the forward in progress (one at a time per module)

@@ -34,19 +34,19 @@ from .preflight import check_features, check_module_position_semantics
 HANDOFF_KEYS = ("q", "k", "v", "wait")
 
 
-def _handoff_comm(row) -> tuple:
-    """The tensors an async method communicates at its handoffs, read off its catalogue row: K/V
-    alone when the K/V AllGather is its only exchange, K/V then Q for Head-Tail (queries
-    dispatched), Q/K/V when the heads are split over a Ulysses group."""
+def handoff_comm(method: str) -> tuple:
+    """The tensors async ``method`` communicates at its handoffs, read off its catalogue row live (a
+    row added later counts): K/V alone when the K/V AllGather is its only exchange, K/V then Q for
+    Head-Tail (queries dispatched), Q/K/V when the heads are split over a Ulysses group; () for a
+    method without async variants."""
+    row = catalogue.METHODS.get(method)
+    if row is None or row not in catalogue.async_methods():
+        return ()
     if catalogue.gathers_kv_only(row):
         return ("k", "v")
     if catalogue.gathers_kv(row):
         return ("k", "v", "q")
     return ("q", "k", "v")
-
-
-# which tensors each async method communicates at its handoffs
-ASYNC_METHODS = {m.name: _handoff_comm(m) for m in catalogue.async_methods()}
 
 
 class HandoffPoint(nn.Module):
@@ -187,12 +187,12 @@ def check_probe_record(rec: ProbeRecord, module: nn.Module, method: str, who: st
         if len(rec.wait_args) != 3 or rec.wait_args[i] is not t:
             raise ValueError(f"{who}: {name} does not pass its '{key}' handoff output to cp_attn_wait unchanged; "
                              "the wait must receive exactly the launched tensors (no reshape/copy in between)")
-    launches = [calls[k][0] for k in ASYNC_METHODS[method]]
+    launches = [calls[k][0] for k in handoff_comm(method)]
     first = min(launches)
     if not any(e[0] == "compute" for e in rec.events[first:w]):
         order = [e[1] if e[0] != "attention" else "attention" for e in rec.events]
         raise ValueError(
-            f"{who}: {name} launches its {'/'.join(ASYNC_METHODS[method])} collectives and waits for them with no "
+            f"{who}: {name} launches its {'/'.join(handoff_comm(method))} collectives and waits for them with no "
             f"compute in between (probe order {order}): that is launch-then-wait, pseudo-async with no overlap. "
             "Place the handoffs at the last safe point before the remaining projections, or use the sync wrapper")
 
