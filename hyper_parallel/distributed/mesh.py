@@ -1,7 +1,10 @@
 """MeshContext: the root DeviceMesh and every CP-related sub-mesh, built once at set-up.
 
-Root mesh dims (outer -> inner): ``dp_replicate, dp_shard, cp, tp`` with
-``world = pp * dp_replicate * dp_shard * cp * tp`` (pp fixed at 1). Derived meshes:
+Root mesh dims (outer -> inner): ``pp, dp_replicate, dp_shard, cp, tp`` with
+``world = pp * dp_replicate * dp_shard * cp * tp``. Every derived mesh below is a slice of the root
+without ``pp``: a pipeline stage's ranks hold their own CP / DP / TP groups. Derived meshes:
+
+  pp_mesh        root["pp"]                       pipeline stages (point-to-point activations; docs/pipeline_parallel.md)
 
   cp_mesh        root["cp"]                       attention AllGather / Ulysses A2A
   dp_cp_mesh     flatten(dp_replicate,dp_shard,cp) loss / valid-token reduction
@@ -29,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..platform import Platform, default_timeout, get_platform, on_release
 
-ROOT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+ROOT_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class MeshConfigError(ValueError):
@@ -54,8 +57,6 @@ class MeshSizes:
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1:
                 raise MeshConfigError(f"accelerator.{name}_size must be an integer >= 1, got {val!r}")
-        if self.pp != 1:
-            raise MeshConfigError(f"accelerator.pp_size={self.pp}: pipeline parallelism is fixed at 1 in Phase 1")
         prod = self.product()
         if prod != world_size:
             raise MeshConfigError(
@@ -93,12 +94,13 @@ class MeshContext:
         world = dist.get_world_size() if dist.is_initialized() else 1
         sizes.check(world)
         self.world_size = world
-        shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
+        shape = (sizes.pp, sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
         # every sub-group gets the collective timeout (platform.default_timeout), not torch's
         # 30-minute default: FSDP2 / DTensor / DCP collectives on them must not hang either
         self._opts = self.platform.group_options(default_timeout())
         self.root: DeviceMesh = init_device_mesh(self.platform.device_type, shape, mesh_dim_names=ROOT_DIMS,
                                                  backend_override=self._override(ROOT_DIMS))
+        self.pp_mesh: DeviceMesh = self.root["pp"]
         self.cp_mesh: DeviceMesh = self.root["cp"]
         self.tp_mesh: DeviceMesh = self.root["tp"]
         self.dp_cp_mesh: DeviceMesh = self._flatten(self.root["dp_replicate", "dp_shard", "cp"], "dp_cp")
@@ -227,7 +229,8 @@ class MeshContext:
         s = self.sizes
         lines = [
             f"mesh: world={self.world_size} device={self.platform.device_type} backend={self.platform.backend}",
-            f"  root dims dp_replicate={s.dp_replicate} dp_shard={s.dp_shard} cp={s.cp} tp={s.tp} (pp={s.pp}, ep={s.ep} derived)",
+            f"  root dims {'pp=%d ' % s.pp if s.pp > 1 else ''}dp_replicate={s.dp_replicate} dp_shard={s.dp_shard} "
+            f"cp={s.cp} tp={s.tp} ({'' if s.pp > 1 else 'pp=1, '}ep={s.ep} derived)",
             f"  cp_mesh ranks={self.cp_mesh.mesh.tolist()}  dp_cp_mesh ranks={self.dp_cp_mesh.mesh.tolist()}",
             f"  fsdp_mesh dims={self.fsdp_mesh.mesh_dim_names} ranks={self.fsdp_mesh.mesh.tolist()}",
         ]

@@ -95,8 +95,8 @@ def decoder_layers_from_declaration(model: nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList):
             continue
-        for i, child in enumerate(mod):
-            fqn = f"{name}.{i}" if name else str(i)
+        for key, child in mod.named_children():      # the keys, not positions (a pipeline stage keeps its layers' indices)
+            fqn = f"{name}.{key}" if name else key
             if type(child).__name__ in classes and not any(fqn.startswith(o + ".") for o in out):
                 out.append(fqn)
     return out
@@ -115,7 +115,7 @@ def find_decoder_layers(model: nn.Module) -> list[str]:
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and all(
                 type(c).__name__.endswith(("DecoderLayer", "Block")) or hasattr(c, "self_attn") for c in mod):
-            return [f"{name}.{i}" if name else str(i) for i in range(len(mod))]
+            return [f"{name}.{key}" if name else key for key, _c in mod.named_children()]
     return [n for n, m in model.named_modules() if n and type(m).__name__.endswith("DecoderLayer")]
 
 

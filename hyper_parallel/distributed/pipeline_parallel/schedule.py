@@ -1,0 +1,162 @@
+"""One optimizer step's forward and backward through a pipeline of stages, CP inside each stage.
+
+:class:`PipelineStep` drives ``torch.distributed.pipelining`` (``PipelineStage`` with static shapes and a
+schedule chosen by name: :data:`SCHEDULES`); it writes no scheduler. Per step:
+
+1. every microbatch is sharded for this rank's CP group (``shard_batch_for_cp``: global positions,
+   labels shifted globally then sharded, document metadata) and all must have one local shape;
+2. the valid-token count of the whole step (every microbatch, every DP x CP rank of the stage) is
+   summed before the schedule runs, and the last stage's loss is ``sum / that count x grad_scale``:
+   the schedule's own per-microbatch scaling is off (``scale_grads=False``), so the gradients are
+   those of one big batch at CP=1;
+3. the schedule runs; each microbatch's forward and backward run inside its own CP batch context
+   (``cp_batch_context(meta of that microbatch)``), activations pass between stages as the CP-local
+   shard ``[b, L, H]`` over ``mesh.pp_mesh`` (rank ``(pp, …, cp=i)`` to ``(pp+1, …, cp=i)``);
+4. the loss value (every rank) is the global token mean, summed over the pp group from the last stage.
+
+Gradients are then the CP=1 gradients once reduced over the stage's DP x CP ranks: FSDP2 on the
+stage (``grad_scale`` = its mesh size, as the trainer) or :func:`reduce_stage_grads` without it.
+docs/pipeline_parallel.md.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from ... import platform as P
+from ..context_parallel import shard_batch_for_cp
+from ..context_parallel.meta import cp_batch_context
+from ..errors import CPConfigError
+from .stages import StageModule
+
+__all__ = ["SCHEDULES", "PipelineStep", "check_schedule", "reduce_stage_grads"]
+
+#: ``schedule.pipeline`` names -> torch's schedule class (one stage per rank)
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def check_schedule(name: str, pp_size: int, microbatches: int) -> type:
+    """The schedule class for ``name``; CPConfigError (before any collective) for an unknown name or a
+    microbatch count the schedule cannot run (1F1B needs at least ``pp_size`` microbatches)."""
+    if name not in SCHEDULES:
+        raise CPConfigError("schedule.pipeline", f"unknown pipeline schedule {name!r}",
+                            fix=f"use one of {sorted(SCHEDULES)} (interleaved and zero-bubble schedules are not offered)")
+    if microbatches < 1 or (name == "1f1b" and microbatches < pp_size):
+        raise CPConfigError("schedule.grad_accum_steps", f"{name} with pp_size={pp_size} needs at least "
+                            f"{pp_size if name == '1f1b' else 1} microbatches per step, got {microbatches}",
+                            fix=f"use at least {pp_size} microbatches (the gradient-accumulation count)")
+    return SCHEDULES[name]
+
+
+class PipelineStep:
+    """Runs steps of ``stage`` (a :class:`~.stages.StageModule`, CP applied, optionally FSDP2) under
+    schedule ``schedule`` on ``mesh`` (a :class:`~..mesh.MeshContext` with ``pp`` = the stage count).
+
+    ``policy`` / ``packed_documents``: the CP batch policy of the stage's plan and what a packed row
+    means (as for ``shard_batch_for_cp``). ``grad_scale``: the factor the gradient reduction divides
+    by (FSDP2's mean over the stage's DP x CP ranks: its size; 1 with :func:`reduce_stage_grads`)."""
+
+    def __init__(self, stage: StageModule, mesh, schedule: str = "1f1b", *, policy="all_gather",
+                 packed_documents: Optional[str] = None, grad_scale: float = 1.0, device=None):
+        self.stage, self.mesh, self.name = stage, mesh, schedule
+        self.policy, self.documents, self.grad_scale = policy, packed_documents, float(grad_scale)
+        self.device = torch.device(device or "cpu")
+        self._pipes: dict = {}
+
+    def _pipe(self, n: int, b: int, L: int, dtype: torch.dtype):
+        """(PipelineStage, schedule) for ``n`` microbatches of ``b`` rows of ``L`` local tokens (static
+        shapes: no shape-inference run); cached per shape."""
+        key = (n, b, L, dtype)
+        if key not in self._pipes:
+            cls = check_schedule(self.name, self.stage.pp_size, n)
+            H = self.stage.config.hidden_size
+            # requires_grad: the received activations must carry their gradient back to the previous stage
+            hidden = torch.empty(b, L, H, dtype=dtype, device=self.device, requires_grad=True)
+            inp = torch.empty(b, L, dtype=torch.long, device=self.device) if self.stage.is_first else hidden
+            out = torch.empty((), dtype=torch.float32, device=self.device, requires_grad=True) if self.stage.is_last else hidden
+            pipe = PipelineStage(self.stage, self.stage.pp_rank, self.stage.pp_size, self.device, input_args=inp,
+                                 output_args=out, group=self.mesh.pp_mesh.get_group())
+            sched = cls(pipe, n_microbatches=n, loss_fn=lambda loss, _target: loss, scale_grads=False)
+            self._pipes[key] = (pipe, sched)
+        return self._pipes[key]
+
+    def __call__(self, micro_batches: list) -> torch.Tensor:
+        """Forward and backward of one step over ``micro_batches`` (global collated batches ``[b, S]``
+        of this DP rank, one per microbatch); returns the step's global mean loss (fp32 scalar, every
+        rank). Gradients accumulate into the stage's parameters."""
+        local = []
+        for mb in micro_batches:
+            x = shard_batch_for_cp(mb, self.mesh.cp_mesh, self.policy, packed_documents=self.documents)
+            local.append({"input_ids": x["input_ids"], "position_ids": x["position_ids"],
+                          "shift_labels": x["shift_labels"], "meta": x.meta,
+                          "num_valid_tokens": x.num_valid_tokens_local})
+        return self.run(local)
+
+    def run(self, local: list, n_global=None) -> torch.Tensor:
+        """:meth:`__call__` on microbatches already sharded for this CP rank: dicts of ``input_ids``,
+        ``position_ids``, ``shift_labels`` (``[b, L]``), ``meta`` (the CP batch meta) and
+        ``num_valid_tokens``; ``n_global``: the step's valid-token count over the stage's DP x CP ranks
+        (None: counted here, one all-reduce)."""
+        mesh = self.mesh
+        shapes = {tuple(x["position_ids"].shape[-2:]) for x in local}
+        if len(shapes) != 1:
+            raise CPConfigError("data", f"pipeline microbatches must share one [rows, local length]; got {sorted(shapes)}",
+                                fix="collate every microbatch of a step to the same rows and sequence length")
+        (b, L), = shapes
+        dtype = next(self.stage.parameters()).dtype
+        pipe, sched = self._pipe(len(local), b, L, dtype)
+        if n_global is None:
+            n_local = torch.tensor(sum(int(x["num_valid_tokens"]) for x in local), dtype=torch.int64, device=self.device)
+            n_global = P.all_reduce(n_local, mesh.dp_cp_mesh.get_group())
+        n_global = max(int(n_global), 1)
+        self.stage.loss_scale = self.grad_scale / n_global
+        cat = {k: torch.cat([x[k] for x in local]).to(self.device) for k in ("input_ids", "position_ids",
+                                                                             "shift_labels")}
+        losses: list = []
+        with _per_microbatch(pipe, [x["meta"] for x in local]):
+            args = (cat["input_ids"],) if self.stage.is_first else ()
+            target = torch.zeros(len(local), device=self.device) if self.stage.is_last else None
+            sched.step(*args, target=target, losses=losses, return_outputs=False, position_ids=cat["position_ids"],
+                       shift_labels=cat["shift_labels"])
+        # the loss value: the last stage's (scaled) sums, back to sum / n_global, shared over pp and dp x cp
+        value = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.stage.is_last:
+            value = torch.stack([x.detach().float() for x in losses]).sum() / self.grad_scale
+        value = P.all_reduce(value, mesh.dp_cp_mesh.get_group())
+        return P.all_reduce(value, mesh.pp_mesh.get_group())
+
+
+@contextlib.contextmanager
+def _per_microbatch(pipe: PipelineStage, metas: list):
+    """Run each microbatch's forward and backward of ``pipe`` inside its own CP batch context."""
+    fwd, bwd = pipe.forward_one_chunk, pipe.backward_one_chunk
+
+    def context(i: int):     # no meta: CP=1 with no method installed (the model's own forward)
+        return contextlib.nullcontext() if metas[i] is None else cp_batch_context(metas[i])
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        with context(fwd_chunk_id):
+            return fwd(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        with context(bwd_chunk_id):
+            return bwd(bwd_chunk_id, *args, **kwargs)
+
+    pipe.forward_one_chunk, pipe.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    try:
+        yield
+    finally:
+        del pipe.forward_one_chunk, pipe.backward_one_chunk
+
+
+def reduce_stage_grads(stage: torch.nn.Module, mesh) -> None:
+    """Without FSDP: sum every gradient of the stage over its DP x CP ranks (``mesh.dp_cp_mesh``)."""
+    group = mesh.dp_cp_mesh.get_group()
+    if P.group_size(group) == 1:
+        return
+    for p in stage.parameters():
+        if p.grad is not None:
+            p.grad.copy_(P.all_reduce(p.grad, group))

@@ -1,0 +1,142 @@
+"""One pipeline stage of a Hugging Face causal LM, cut where transformers' ``base_model_pp_plan`` says.
+
+:func:`build_stage` keeps, of ``model.model``, the embedding on the first stage, a contiguous block of
+decoder layers on every stage and the final norm with the LM head on the last, and drops the rest.
+Parameter names stay the full model's (``model.layers.<i>.…`` with the original ``i``, ``lm_head.weight``),
+so a stage's state dict is a slice of the whole model's. The stage runs the model's own forward
+(``inputs_embeds`` from the previous stage after the first), so rotary embeddings and masks are computed
+in every stage from the microbatch's ``position_ids``. A model this cannot cut exactly is refused by
+:func:`check_pipelinable` before anything is built. docs/pipeline_parallel.md.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...ops.tiled_loss import tiled_lm_loss
+from ..errors import CPConfigError
+
+__all__ = ["StageModule", "build_stage", "check_pipelinable", "stage_layers"]
+
+#: the cut points every supported model declares in ``config.base_model_pp_plan``
+PP_PLAN_KEYS = ("embed_tokens", "layers", "norm")
+#: head post-processing the stage's loss does not reproduce (refused rather than computed differently)
+_HEAD_POST = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers of stage ``pp_rank``: contiguous blocks, the first ``num_layers % pp_size``
+    stages one layer longer."""
+    base, extra = divmod(num_layers, pp_size)
+    lo = pp_rank * base + min(pp_rank, extra)
+    return range(lo, lo + base + (pp_rank < extra))
+
+
+def _fail(field: str, msg: str, fix: str):
+    raise CPConfigError(field, msg, fix=fix)
+
+
+def check_pipelinable(model: nn.Module, pp_size: int) -> None:
+    """Raise CPConfigError (nothing built, no collective) when ``model`` cannot be cut into
+    ``pp_size`` stages that compute what the whole model computes: no ``base_model_pp_plan`` or not
+    its three cut points, fewer layers than stages, tied input/output embeddings, a MoE router loss
+    (``output_router_logits``), a parameter shared by two layers (Zamba2's shared block), a head
+    post-processing, or a model-level transformation of
+    ``inputs_embeds`` (the later stages' input) that is not the identity."""
+    cfg = getattr(model, "config", None)
+    kind = f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
+    plan = getattr(cfg, "base_model_pp_plan", None)
+    inner = getattr(model, "model", None)
+    if not plan or tuple(plan) != PP_PLAN_KEYS or inner is None or not all(hasattr(inner, k) for k in PP_PLAN_KEYS):
+        _fail("accelerator.pp_size", f"{kind} declares no pipeline cut points (config.base_model_pp_plan = {plan!r}; "
+              f"expected {PP_PLAN_KEYS} on model.model)", "set accelerator.pp_size: 1 for this model")
+    layers = inner.layers
+    if len(layers) < pp_size:
+        _fail("accelerator.pp_size", f"{kind} has {len(layers)} decoder layers, fewer than pp_size={pp_size} stages",
+              f"use accelerator.pp_size <= {len(layers)}")
+    if getattr(cfg, "tie_word_embeddings", False) and pp_size > 1:
+        _fail("model.config.tie_word_embeddings", f"{kind} ties its input and output embeddings, which live on the "
+              "first and the last stage", "untie them (model.config.tie_word_embeddings: false) or pp_size: 1")
+    if getattr(cfg, "output_router_logits", False):
+        _fail("model.config.output_router_logits", f"{kind}: the MoE router loss is computed by the whole model's "
+              "forward, which no pipeline stage runs", "set output_router_logits: false or pp_size: 1")
+    post = [k for k in _HEAD_POST if getattr(cfg, k, None) not in (None, 1, 1.0)]
+    if post:
+        _fail(f"model.config.{post[0]}", f"{kind}: the pipeline's last stage computes plain cross-entropy of "
+              f"lm_head, not the model's head post-processing {post}", "set accelerator.pp_size: 1 for this model")
+    owner: dict = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) in owner and owner[id(p)][0] != i:
+                _fail("accelerator.pp_size", f"{kind}: layers {owner[id(p)][0]} and {i} share parameter "
+                      f"{owner[id(p)][1]!r}; a stage cannot hold a layer another stage updates",
+                      "set accelerator.pp_size: 1 for this model")
+            owner.setdefault(id(p), (i, name))
+    _check_identity_path(model, kind)
+
+
+@torch.no_grad()
+def _check_identity_path(model: nn.Module, kind: str) -> None:
+    """The model's forward with no decoder layer and no final norm must return its ``inputs_embeds``
+    unchanged: a later stage feeds the previous stage's hidden states in as ``inputs_embeds``, so any
+    model-level scaling there (Gemma's normalizer) would be applied once per stage."""
+    inner = model.model
+    saved = inner.layers, inner.norm
+    inner.layers, inner.norm = nn.ModuleList(), nn.Identity()
+    try:
+        p = next(model.parameters())
+        x = torch.randn(1, 4, model.config.hidden_size, dtype=p.dtype, device=p.device)
+        out = inner(inputs_embeds=x, position_ids=torch.arange(4, device=p.device)[None], use_cache=False)
+        same = torch.equal(out.last_hidden_state, x)
+    finally:
+        inner.layers, inner.norm = saved
+    if not same:
+        _fail("accelerator.pp_size", f"{kind} transforms inputs_embeds in its own forward (outside the embedding and "
+              "the layers), which every stage after the first would apply again", "set accelerator.pp_size: 1 for "
+              "this model")
+
+
+class StageModule(nn.Module):
+    """Stage ``pp_rank`` of ``pp_size`` of a causal LM (its ``model`` pruned in place; names kept).
+
+    ``forward(x, position_ids, shift_labels)``: ``x`` is ``input_ids [b, L]`` on the first stage and the
+    previous stage's hidden states ``[b, L, H]`` after it; ``L`` is the CP-local length. Returns the
+    hidden states ``[b, L, H]``, or on the last stage the scalar ``loss_scale * sum`` of the token
+    cross-entropies of ``shift_labels`` (``ignore_index`` -100 counts 0), tiled so that no
+    ``[L, vocab]`` logits exist; ``loss_scale`` is set per step by the schedule (1 / the global token
+    count x the gradient domain's factor)."""
+
+    def __init__(self, causal_lm: nn.Module, pp_rank: int, pp_size: int):
+        super().__init__()
+        self.config = causal_lm.config
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        inner = causal_lm.model
+        keep = stage_layers(len(inner.layers), pp_size, pp_rank)
+        layers = nn.ModuleList()
+        for i in keep:                        # original indices as the child names: model.layers.<i>.…
+            layers.add_module(str(i), inner.layers[i])
+        inner.layers = layers
+        if not self.is_first:
+            inner.embed_tokens = None
+        if not self.is_last:
+            inner.norm = nn.Identity()
+        self.model = inner
+        self.lm_head = causal_lm.lm_head if self.is_last else None
+        self.layer_range = keep
+        self.loss_scale = 1.0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        feed = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+        h = self.model(position_ids=position_ids, use_cache=False, **feed).last_hidden_state
+        if not self.is_last:
+            return h
+        head = self.lm_head
+        token_loss = tiled_lm_loss(h.reshape(-1, h.shape[-1]), head.weight, head.bias, shift_labels.reshape(-1))
+        return token_loss.float().sum() * self.loss_scale
+
+
+def build_stage(model: nn.Module, pp_rank: int, pp_size: int) -> StageModule:
+    """Check ``model`` (:func:`check_pipelinable`) and cut stage ``pp_rank`` out of it, in place."""
+    check_pipelinable(model, pp_size)
+    return StageModule(model, pp_rank, pp_size)
