@@ -48,12 +48,8 @@ class AcceleratorConfig:
                                         "declared in plan_overrides)")
     ep_size: int = option(1, ge=1, help="expert-parallel degree: each MoE layer's experts split over groups of this "
                           "many dense ranks (must divide dp_shard x cp and the experts; docs/expert_parallel.md)")
-    pp_size: int = option(1, ge=1, fixed=1,
-                          fixed_reason="pipeline parallelism is fixed at 1 in the trainer; PP beside CP runs through "
-                                       "the library API (hyper_parallel.distributed.pipeline_parallel, "
-                                       "docs/pipeline_parallel.md)",
-                          help="pipeline-parallel degree (fixed at 1 in the trainer; the library API runs PP beside "
-                               "CP: docs/pipeline_parallel.md)")
+    pp_size: int = option(1, ge=1, help="pipeline-parallel degree: the model's decoder layers split into this many "
+                          "stages, CP inside each (docs/pipeline_parallel.md)")
     sequence_parallel: bool = option(False, help="TP sequence parallel")
     loss_parallel: bool = option(False, help="TP loss parallel")
     device_type: str | None = option(None, choices=("cpu", "cuda", "npu"), shown_default="null (auto)",

@@ -4,7 +4,10 @@ Order matters for fail-fast: the process group is initialized first, then every 
 inside :func:`agree_or_raise` (no collective inside a check), so a bad config on any rank
 fails all ranks together before the first real collective. The plan is built once per run,
 here (:class:`~.plan.ShardingPlanner`), and the meshes — including every Hybrid sub-mesh a
-declared wrapper needs — are derived from it; the trainer applies this same plan.
+declared wrapper needs — are derived from it; the trainer applies this same plan. With
+``pp_size > 1`` the model is checked for cutting with the plan, this rank's stage is cut once the
+mesh gives its pipeline rank, and the plan is made again for the stage (agreed too):
+:attr:`DistributedSetup.stage` is then the module to parallelize (docs/pipeline_parallel.md).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from ..platform import Platform, get_platform, init_distributed, set_default_tim
 from .config import AcceleratorConfig
 from .errors import CPConfigError
 from .mesh import MeshConfigError, MeshContext
+from .pipeline_parallel import build_stage, check_pipelinable
 from .plan import ShardingPlan, ShardingPlanner
 from .preflight import agree_or_raise
 
@@ -29,9 +33,15 @@ class DistributedSetup:
     platform: Platform
     mesh: MeshContext
     plan: ShardingPlan
+    stage: nn.Module | None = None    # pp_size > 1: this rank's pipeline stage (the plan is the stage's)
 
     def summary(self) -> str:
-        return f"{self.mesh.summary()}\n{self.plan.summary()}"
+        lines = [self.mesh.summary()]
+        if self.stage is not None:
+            r = self.stage.layer_range
+            lines.append(f"pipeline: stage {self.stage.pp_rank} of {self.stage.pp_size} holds layers {r.start}-{r.stop - 1}"
+                         " (the plan below is this stage's)")
+        return "\n".join(lines + [self.plan.summary()])
 
 
 def check_world(accel: AcceleratorConfig) -> None:
@@ -57,15 +67,24 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
         set_default_timeout(accel.comm_timeout_s)
     init_distributed(platform)
 
+    def make_plan(module) -> ShardingPlan:
+        return ShardingPlanner(plan_overrides, packed_documents, documents_field).plan(
+            module, tp_size=accel.tp_size, cp_size=accel.cp_size, ep_size=accel.ep_size,
+            sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel, packed_rows=packed_rows)
+
     def check() -> ShardingPlan:
         check_world(accel)
-        return ShardingPlanner(plan_overrides, packed_documents, documents_field).plan(
-            model, tp_size=accel.tp_size, cp_size=accel.cp_size, ep_size=accel.ep_size,
-            sequence_parallel=accel.sequence_parallel, loss_parallel=accel.loss_parallel, packed_rows=packed_rows)
+        if accel.pp_size > 1:
+            check_pipelinable(model, accel.pp_size)
+        return make_plan(model)
 
     plan = agree_or_raise(check, what="sharding plan")
     mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
-    setup = DistributedSetup(platform, mesh, plan)
+    stage = None
+    if accel.pp_size > 1:
+        stage = build_stage(model, mesh.pp_mesh.get_local_rank(), accel.pp_size)
+        plan = agree_or_raise(lambda: make_plan(stage), what="sharding plan of the pipeline stage")
+    setup = DistributedSetup(platform, mesh, plan, stage)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(setup.summary(), flush=True)
     return setup

@@ -41,6 +41,7 @@ from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_d
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, check_fsdp_dtypes, head_probe_model, is_meta_model, materialize
 from .nonfinite import NonFiniteError, NonFiniteGuard
+from .pipeline import adopt_stage, check_pipeline_run, make_pipeline
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
 from .token_id_checks import checked_token_ids
@@ -83,6 +84,7 @@ class BaseTrainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         check_activation_offload(cfg.schedule, cfg.accelerator.tp_size)   # local: the same error on every rank
+        check_pipeline_run(cfg)                                            # local too
         if self.is_main:
             for line in config_warnings(cfg, self.platform.device_type):
                 log.warning("%s", line)
@@ -100,6 +102,8 @@ class BaseTrainer:
                                                          packed_rows=cfg.data.packing)
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
+        if self.setup.stage is not None:      # pp_size > 1: this rank trains its stage (cut in setup_distributed)
+            model = adopt_stage(self.setup, model, cfg.accelerator.pp_size)
         # fail fast on a topology mismatch, before parallelizing; called on every rank even
         # without resume_from so that the ranks' agreement steps stay paired
         self.ckpt_root = (Path(cfg.schedule.checkpoint_dir) if cfg.schedule.checkpoint_dir
@@ -113,7 +117,8 @@ class BaseTrainer:
         self.meta_build = is_meta_model(model)
         if not self.meta_build:
             model = model.to(self.device)
-        self.tiled_head = self.install_loss_head(model)
+        # a pipeline's last stage computes the tiled loss itself (pipeline_parallel/stages.py)
+        self.tiled_head = self.install_loss_head(model) if self.setup.stage is None else None
         self.tiled_mlp = (install_tiled_mlp(model, self.cfg.schedule.tiled_mlp_chunk_size,
                                             tp_size=self.cfg.accelerator.tp_size)
                           if self.cfg.schedule.tiled_mlp else [])
@@ -125,6 +130,7 @@ class BaseTrainer:
         self.tp_partial_params = tp_partial_params(self.model, self.sharding_plan, self.tp_grad_info)
         self.grad_scale = float(self.mesh.fsdp_mesh.size()) if self.uses_fsdp else 1.0
         self.optimizer = self.build_optimizer()
+        self.pipeline = make_pipeline(self) if self.setup.stage is not None else None
         self.scheduler = self.build_scheduler()
         self.data = self.build_data()
         self.step = 0
@@ -185,8 +191,9 @@ class BaseTrainer:
             check_fsdp_dtypes(model, self.cfg.model.dtype)
         # CP preflight proof (accelerator.cp_preflight_proof): before FSDP, on the probe batch
         # sharded by this trainer's batch contract; a refusal fails every rank before the first step
+        # (a pipeline stage is not a whole model: the proof does not run on it, docs/pipeline_parallel.md)
         proof = ({"pad_token_id": self.cfg.data.pad_token_id, "ignore_index": self.cfg.data.ignore_index}
-                 if self.cfg.accelerator.cp_preflight_proof else False)
+                 if self.cfg.accelerator.cp_preflight_proof and self.setup.stage is None else False)
         model, tp_grad_info = apply_sharding_plan(
             model, plan, self.mesh, mode="production", fsdp=True if bf16 else self.fsdp,
             mp_policy=_bf16_policy() if bf16 else None, activation_checkpointing=ac, preflight_proof=proof,

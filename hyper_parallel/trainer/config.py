@@ -29,6 +29,7 @@ from ..distributed.config import AcceleratorConfig
 from ..distributed.config_schema import FieldInfo, check_section, describe_fields, load_section, option
 from ..distributed.context_parallel.meta import PACKED_DOCUMENTS
 from ..distributed.errors import CPConfigError
+from ..distributed.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
 from ..distributed.plan.spec import parse_plan_overrides
 from .yaml_text import SECTIONS, apply_overrides, blame_override, load_yaml_text
 
@@ -162,7 +163,10 @@ class OptimizerConfig:
 class ScheduleConfig:
     steps: int = option(10, ge=0, help="total optimizer steps (a resumed run continues up to this number)")
     warmup_steps: int = option(0, ge=0, help="linear warm-up steps")
-    grad_accum_steps: int = option(1, ge=1, help="micro-batches per optimizer step")
+    grad_accum_steps: int = option(1, ge=1, help="micro-batches per optimizer step (with pp_size > 1: the "
+                                   "pipeline's microbatches)")
+    pipeline: str = option("1f1b", choices=tuple(PIPELINE_SCHEDULES),
+                           help="pipeline schedule when accelerator.pp_size > 1 (torch.distributed.pipelining)")
     seed: int = option(0, help="global torch seed")
     activation_checkpointing: bool = option(False, help="recompute each decoder layer in backward")
     activation_offload: bool = option(False, help="keep the activations saved at activation-checkpoint boundaries "

@@ -10,6 +10,7 @@ from ..distributed.errors import CPConfigError
 from ..distributed.plan.resolver import check_plan_targets
 from .config import TrainerConfig
 from .hf_config_keys import check_config_keys
+from .pipeline import check_pipeline_run
 from .token_id_checks import check_token_ids
 from .vocab_rule import vocab_choice
 
@@ -41,7 +42,9 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
       pad/bos/eos ids and (``data.source: files``) the tokenizer's eos id are below the model's
       vocabulary (:mod:`.token_id_checks`);
     * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
-      ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`).
+      ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`);
+    * ``accelerator.pp_size > 1``: what the pipeline does not combine with yet, and a schedule the
+      sizes cannot run (:func:`.pipeline.check_pipeline_run`).
     """
     _check_device(cfg.accelerator.device_type)
     if cfg.logging.tensorboard:
@@ -62,6 +65,7 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
             note = f": model.path's {text.vocab_size} resized up to the data's ids"
         check_token_ids(cfg, text, given, tok, data_rows=choice.rows, note=note)
     check_plan_targets(cfg.plan_overrides, cfg.source)
+    check_pipeline_run(cfg)
     return cfg
 
 

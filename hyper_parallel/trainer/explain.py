@@ -22,6 +22,7 @@ import torch
 from ..distributed.expert_parallel import ep_cost
 from .explain_estimates import fsdp_bytes, saved_bytes_per_token
 from .explain_features import method_name, offload_split, tiled_mlp_transient
+from .explain_pipeline import pipeline_figures
 
 GB = 1e9
 
@@ -31,20 +32,21 @@ def _gb(x: float) -> str:
 
 
 def mesh_lines(sizes) -> list[str]:
-    """Every group of every mesh dimension (ranks laid out dp_replicate x dp_shard x cp x tp)."""
-    shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
-    world = sizes.dp_replicate * sizes.dp_shard * sizes.cp * sizes.tp
+    """Every group of every mesh dimension (ranks laid out pp x dp_replicate x dp_shard x cp x tp)."""
+    shape = (sizes.pp, sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
+    world = sizes.pp * sizes.dp_replicate * sizes.dp_shard * sizes.cp * sizes.tp
     grid = torch.arange(world).reshape(shape)
 
     def groups(dims):
-        keep = [i for i in range(4) if i not in dims]
+        keep = [i for i in range(5) if i not in dims]
         g = grid.permute(*keep, *dims).reshape(-1, int(torch.tensor([shape[d] for d in dims]).prod()))
         return g.tolist()
 
-    lines = [f"world {world} = dp_replicate {sizes.dp_replicate} x dp_shard {sizes.dp_shard} x cp {sizes.cp} "
+    pp = f"pp {sizes.pp} x " if sizes.pp > 1 else ""
+    lines = [f"world {world} = {pp}dp_replicate {sizes.dp_replicate} x dp_shard {sizes.dp_shard} x cp {sizes.cp} "
              f"x tp {sizes.tp} (ep {sizes.ep} derived)"]
-    for name, dims in (("cp", (2,)), ("tp", (3,)), ("dp (dp_replicate x dp_shard)", (0, 1)),
-                       ("fsdp (dp_shard x cp)", (1, 2))):
+    for name, dims in ((("pp (stages)", (0,)),) if sizes.pp > 1 else ()) + (
+            ("cp", (3,)), ("tp", (4,)), ("dp (dp_replicate x dp_shard)", (1, 2)), ("fsdp (dp_shard x cp)", (2, 3))):
         lines.append(f"  {name}: groups {groups(dims)}")
     return lines
 
@@ -92,6 +94,8 @@ def explain(cfg, echo=print) -> dict:
         echo(line)
     echo("== plan ==")
     echo(plan.summary())
+    S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
+    S += (-S) % (a.cp_size if plan.batch_policy is None else policy_multiple(plan.batch_policy, a.cp_size)[1])
 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     H, V, L = text.hidden_size, text.vocab_size, text.num_hidden_layers
@@ -103,6 +107,15 @@ def explain(cfg, echo=print) -> dict:
     n_fsdp = sizes.dp_shard * cp
     p_total = sum(p.numel() * p.element_size() for p in model.parameters())
     layers = [m for n, m in model.named_modules() if n in set(plan.decoder_layers)]
+    pipe = None
+    if a.pp_size > 1:     # per rank: the stage with the most parameters (explain_pipeline.py)
+        pipe = pipeline_figures(model, plan.decoder_layers, a.pp_size, s.pipeline, s.grad_accum_steps,
+                                S // cp * d.micro_batch_size * H * elem)
+        echo("== pipeline ==")
+        for line in pipe.lines(s.pipeline, s.grad_accum_steps):
+            echo(line)
+        p_total = pipe.stages[pipe.largest]["param_bytes"]
+        layers = [layers[i] for i in pipe.stages[pipe.largest]["layers"]]
     p_layers = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     p_rank = ((p_total - p_layers) + p_layers / tp) / n_fsdp
     opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
@@ -121,8 +134,6 @@ def explain(cfg, echo=print) -> dict:
              f"per rank at rest; one layer's experts in flight {_gb(ep_fig.layer_expert_bytes / a.ep_size)} "
              f"(without EP {_gb(ep_fig.layer_expert_bytes)})")
 
-    S = d.seq_len + ((-d.seq_len) % (d.pad_to_multiple or 1))
-    S += (-S) % (cp if plan.batch_policy is None else policy_multiple(plan.batch_policy, cp)[1])
     s_local, B = S // cp, d.micro_batch_size
     mlps = []
     if s.tiled_mlp:   # the MLPs tiled as a run tiles them: autograd then saves only their inputs
@@ -131,7 +142,11 @@ def explain(cfg, echo=print) -> dict:
         mlps = install_tiled_mlp(model, s.tiled_mlp_chunk_size, tp_size=tp)
     per_token = saved_bytes_per_token(model, s_local)
     act = per_token * s_local * B
-    names = {id(t): method_name(t) for t in plan.cp_targets}
+    cp_targets = plan.cp_targets
+    if pipe is not None:     # the boundaries of the stage the per-rank figures are for
+        mine = tuple(f"{plan.decoder_layers[i]}." for i in pipe.stages[pipe.largest]["layers"])
+        cp_targets = [t for t in cp_targets if t.fqn.startswith(mine)]
+    names = {id(t): method_name(t) for t in cp_targets}
     methods = sorted(set(names.values()))
     permuted = any(uses_balanced_permutation(METHODS[m]) for m in methods if m in METHODS)
 
@@ -141,19 +156,23 @@ def explain(cfg, echo=print) -> dict:
                           elem=elem, B=B, module=t.inner_module, params=t.params,
                           recomputed=bool(s.activation_checkpointing), permuted=permuted)
 
-    costs = {id(t): cost_model(names[id(t)]) for t in plan.cp_targets}   # each row's own cost model
-    passing = sum(costs[id(t)].extra_saved(shape(t)) for t in plan.cp_targets)
+    costs = {id(t): cost_model(names[id(t)]) for t in cp_targets}   # each row's own cost model
+    passing = sum(costs[id(t)].extra_saved(shape(t)) for t in cp_targets)
     act += passing
-    gathered = float(sum(costs[id(t)].kept_for_backward(shape(t, full=True)) for t in plan.cp_targets))
+    gathered = float(sum(costs[id(t)].kept_for_backward(shape(t, full=True)) for t in cp_targets))
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
         gathered = gathered / max(L, 1)
+    if pipe is not None:     # stage 0's layers, for every microbatch it holds at once (the most of any stage)
+        first = pipe.stages[0]
+        act = act * len(first["layers"]) / max(L, 1) * first["in_flight"]
+        passing = passing * len(first["layers"]) / max(L, 1) * first["in_flight"]
     host = 0.0
     if s.activation_offload:    # the layer inputs live in host buffers, two at a time on the device
         kept, host = offload_split(L, s_local, B, H, elem)
         act += kept - host
     if plan.batch_policy is not None and cp > 1:   # one layer's gathered K/V while it runs
-        gathered += max((costs[id(t)].in_flight(shape(t, full=True)) for t in plan.cp_targets), default=0.0)
+        gathered += max((costs[id(t)].in_flight(shape(t, full=True)) for t in cp_targets), default=0.0)
     transient = tiled_mlp_transient(model, mlps, s.tiled_mlp_chunk_size, s_local, B, elem)
     if cfg.loss.tiled:
         loss_buf = 2 * min(cfg.loss.chunk_size, s_local * B) * V * 4 + s_local * B * (H * elem + 8)
@@ -179,7 +198,7 @@ def explain(cfg, echo=print) -> dict:
     ga, recompute = s.grad_accum_steps, 2 if s.activation_checkpointing else 1
     comm = {}
     for m in methods:
-        targets = [t for t in plan.cp_targets if names[id(t)] == m]
+        targets = [t for t in cp_targets if names[id(t)] == m]
         n, per = len(targets), {}
         for t in targets:
             for k, v in (costs[id(t)].comm(shape(t)) if cp > 1 else {}).items():
@@ -201,6 +220,9 @@ def explain(cfg, echo=print) -> dict:
              f"(forward{', recomputed' if recompute > 1 else ''}, backward) x {ep_fig.layers * ga}; dropless: "
              f"a rank may receive up to {worst} rows per layer ({a.ep_size} x its share, "
              f"{worst * H * elem / 1e6:.2f} MB of rows)")
+    if pipe is not None:
+        comm["pipeline"] = pipe.p2p_bytes
+        echo(f"pipeline point-to-point: {_gb(pipe.p2p_bytes)} per step")
     fsdp = fsdp_bytes(p_rank * n_fsdp, n_fsdp)
     if fsdp:
         comm["fsdp"] = sum(fsdp.values()) * ga

@@ -47,19 +47,21 @@ def named_full(model: torch.nn.Module, what: str) -> dict:
     return out
 
 
-def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | None = None, *,
+                          across=None) -> torch.Tensor:
     """Clip by the global 2-norm over every gradient; return the (pre-clip) total norm.
 
     Plain tensors: exactly ``torch.nn.utils.clip_grad_norm_`` (``max_norm=None``: norm only).
     DTensors (FSDP/TP): norms are computed per (mesh, placements) group and reduced with
     ``full_tensor()``, so shards are summed and replicas counted once — the norm of the full
-    gradient, identical on all ranks.
+    gradient, identical on all ranks. ``across`` (a mesh or group: the pipeline's stages): the
+    squared norms of the ranks there are summed, each holding different parameters.
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
-    if not grads:
-        return torch.tensor(0.0)
-    if not any(is_dtensor(g) for g in grads):
+    if across is None and not any(is_dtensor(g) for g in grads):
+        if not grads:
+            return torch.tensor(0.0)
         if max_norm is None:
             return torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
@@ -67,13 +69,17 @@ def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | No
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else ("local",)
         groups.setdefault(key, []).append(g)
-    squares = []
+    squares = [torch.zeros(())]
     for key in sorted(groups, key=str):
         norm = torch.nn.utils.get_total_norm(groups[key], 2.0, False, foreach)
         if is_dtensor(norm):
             norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+        squares.append(norm.float().cpu() ** 2)
+    total_sq = torch.stack(squares).sum()
+    if across is not None:
+        group = across.get_group() if hasattr(across, "get_group") else across
+        total_sq = all_reduce(total_sq.to(grads[0].device if grads else "cpu"), group).cpu()
+    total = total_sq.sqrt()
     if max_norm is not None:
         coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         if coef < 1.0:

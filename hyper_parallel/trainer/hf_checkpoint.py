@@ -248,6 +248,10 @@ def save_hf(trainer_or_model, out_dir: str | Path, *, tokenizer_dir: str | Path 
     state = {n: (t.detach().to(dtype) if dtype is not None else t.detach()) for n, t in tensors.items()}
     save_dtype = dtype or next(iter(state.values())).dtype
     sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    if world > 1:      # pipeline stages hold different tensors: the file plan covers every rank's
+        from ..platform import all_gather_object
+
+        sizes = {n: b for part in all_gather_object(sizes) for n, b in part.items()}
     mapping = _file_plan(sizes, world)
     tmp = out / _SHARDED_TMP
 

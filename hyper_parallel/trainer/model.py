@@ -323,10 +323,15 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
     # a tensor shared by several units (tied weights) takes the values of its first unit in the
     # canonical order, whatever order the units are materialized in
     owner_of: dict = {}
+    # a pipeline stage holds some units of the whole model (under the whole model's names): the rest are skipped
+    units = [u for u in units if any((f"{u[0]}.{n}" if u[0] else n) in real for n, _t in
+                                     list(u[1].named_parameters(recurse=u[2])) + list(u[1].named_buffers(recurse=u[2])))]
     for fqn, unit, recurse in units:
         for name, t in list(unit.named_parameters(recurse=recurse, remove_duplicate=False)) + list(
                 unit.named_buffers(recurse=recurse)):
-            owner_of.setdefault(id(real[f"{fqn}.{name}" if fqn else name]), fqn)
+            key = f"{fqn}.{name}" if fqn else name
+            if key in real:
+                owner_of.setdefault(id(real[key]), fqn)
     # largest twin first: it is built while few of this rank's shard pages are touched yet, so the
     # peak is the shards plus a small twin rather than the shards plus the largest one (each unit
     # draws from its own seed, so the order does not change any value)
@@ -345,8 +350,8 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
                 list(twin.named_parameters(remove_duplicate=False)) + list(twin.named_buffers()))
             for name, full in items:
                 key = f"{fqn}.{name}" if fqn else name
-                dst = real[key]
-                if owner_of.get(id(dst), fqn) != fqn:      # a tied parameter: its first owner's values
+                dst = real.get(key)
+                if dst is None or owner_of.get(id(dst), fqn) != fqn:   # not on this stage, or tied      # a tied parameter: its first owner's values
                     continue
                 copy_into_local(dst, full)
             full = items = twin = None    # no reference left: the twin's pages go back before the next unit

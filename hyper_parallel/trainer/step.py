@@ -24,6 +24,7 @@ from ..platform.faults import maybe_inject_fault
 from .grad_utils import clip_grad_norm_global
 from .loss import global_token_count, mean_global_loss, reduce_loss_value
 from .nonfinite import agree_nonfinite
+from .pipeline import pipeline_forward_backward
 from .router_loss import router_aux_from_stats, router_spec
 
 __all__ = ["StepProbe", "StepResult", "run_step"]
@@ -111,7 +112,11 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
         router_total = torch.zeros((), dtype=torch.float32, device=trainer.device)
         counts_total = torch.zeros(spec.num_experts, dtype=torch.float32, device=trainer.device)
     logits_out = [] if probe and probe.logits else None
-    for p in prepared:
+    # pp_size > 1: the schedule runs every micro-batch's forward and backward (trainer/pipeline.py)
+    pipelined = trainer.pipeline is not None
+    if pipelined:
+        pipeline_loss = pipeline_forward_backward(trainer, prepared, n_global)   # the global mean, every rank
+    for p in ([] if pipelined else prepared):
         # forward -> local loss -> backward, all inside the batch's CP context
         with trainer.batch_context(p):
             with trainer.autocast():
@@ -136,7 +141,7 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     # reductions
     trainer.sync_gradients()
     trainer.sync_tp_partial_grads()
-    loss_value = reduce_loss_value(loss_sum_total, n_global, mesh.dp_cp_mesh)
+    loss_value = pipeline_loss if pipelined else reduce_loss_value(loss_sum_total, n_global, mesh.dp_cp_mesh)
     router_value = expert_load = None
     if spec is not None:
         if local_domain:   # each DP rank's aux (already / dp): sum over dp_cp, each counted cp times
@@ -154,7 +159,8 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     grads = trainer.named_full("grad") if probe and probe.grads else None
     # clip -> optimizer step
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm_global(params, cfg.optimizer.grad_clip, cfg.optimizer.foreach)
+    grad_norm = clip_grad_norm_global(params, cfg.optimizer.grad_clip, cfg.optimizer.foreach,
+                                      across=mesh.pp_mesh if pipelined else None)   # every stage's gradients
     lr = float(trainer.optimizer.param_groups[0]["lr"])
     nonfinite = agree_nonfinite(loss_value, grad_norm, trainer.device)   # the same on every rank
     if not nonfinite:

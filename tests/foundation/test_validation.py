@@ -63,7 +63,7 @@ def test_forbidden_accelerator_keys_point_to_plan_overrides(tmp_path, key, value
 
 @pytest.mark.parametrize("body,field,fragment", [
     ("  cp_sise: 2\n", "accelerator.cp_sise", "unknown key"),
-    ("  pp_size: 2\n", "accelerator.pp_size", "fixed at 1"),
+    ("  pp_size: 0\n", "accelerator.pp_size", "integer >= 1"),
     ("  tp_size: 0\n", "accelerator.tp_size", "integer >= 1"),
     ("trainer: {}\n", "trainer", "unknown top-level key"),
     ("schedule: {stepz: 3}\n", "schedule.stepz", "unknown key"),

@@ -15,7 +15,7 @@ def test_cp2_resume_continues_the_loss_curve_exactly(ranks, tmp_path):
     path = first[0]["path"]
     assert first[0]["step"] == 2 and first[1]["path"] == path
     meta = json.loads(open(os.path.join(path, "hyper_meta.json")).read())
-    assert meta["topology"] == {"cp_size": 2, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "world_size": 2}
+    assert meta["topology"] == {"pp": 1, "cp_size": 2, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "world_size": 2}
     second = ranks(2).run(W.train_losses, W.make_cfg("llama", out_dir=str(tmp_path / "b"),
                                                      schedule__resume_from=path, **kw))
     assert second[0]["step"] == 4 and second[0]["position"] == 4

@@ -79,7 +79,10 @@ def check_pipelinable(model: nn.Module, pp_size: int) -> None:
 def _check_identity_path(model: nn.Module, kind: str) -> None:
     """The model's forward with no decoder layer and no final norm must return its ``inputs_embeds``
     unchanged: a later stage feeds the previous stage's hidden states in as ``inputs_embeds``, so any
-    model-level scaling there (Gemma's normalizer) would be applied once per stage."""
+    model-level scaling there (Gemma's normalizer) would be applied once per stage. A model on the
+    meta device is probed through a twin of its class with no layer and a vocabulary of 8."""
+    if any(t.is_meta for t in model.parameters()):
+        model = _layerless_twin(model)
     inner = model.model
     saved = inner.layers, inner.norm
     inner.layers, inner.norm = nn.ModuleList(), nn.Identity()
@@ -94,6 +97,18 @@ def _check_identity_path(model: nn.Module, kind: str) -> None:
         _fail("accelerator.pp_size", f"{kind} transforms inputs_embeds in its own forward (outside the embedding and "
               "the layers), which every stage after the first would apply again", "set accelerator.pp_size: 1 for "
               "this model")
+
+
+def _layerless_twin(model: nn.Module) -> nn.Module:
+    """``type(model)`` built on the CPU from a copy of its config with no decoder layer and 8 tokens."""
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers, cfg.vocab_size = 0, 8
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = []
+    with torch.device("cpu"):
+        return type(model)(cfg).float()
 
 
 class StageModule(nn.Module):

@@ -37,14 +37,15 @@ def _shape(size) -> str:
     return "[" + ", ".join(str(int(d)) for d in size) + "]"
 
 
-def check_structure(path: str | Path, meta: dict, state: dict, optimizer) -> None:
+def check_structure(path: str | Path, meta: dict, state: dict, optimizer, held=None) -> None:
     """Local (no collective): this run's model and optimizer state fit the checkpoint.
 
     Compares the optimizer class recorded in ``hyper_meta.json``, then every entry of ``state``
     (flattened the way DCP names them: ``model.<fqn>``, ``optim.state.<fqn>.<field>``,
     ``optim.param_groups.<i>.<field>``) with the DCP index ``.metadata``: present, a tensor where
     a tensor is expected, the same global shape; then the checkpoint's ``model.``/``optim.``
-    entries this run lacks. Raises :class:`CPConfigError` naming the first mismatch (model order)."""
+    entries this run lacks (``held``: the keys of every rank, for a pipeline stage holding part of the
+    model). Raises :class:`CPConfigError` naming the first mismatch (model order)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -79,7 +80,7 @@ def check_structure(path: str | Path, meta: dict, state: dict, optimizer) -> Non
                 refuse(key, f"has shape {_shape(rec.size)} in the checkpoint but {_shape(value.shape)} in this "
                             f"{'model' if key.startswith('model.') else 'optimizer'}")
     for key in saved:
-        if key.startswith(("model.", "optim.")) and key not in flat:
+        if key.startswith(("model.", "optim.")) and key not in (flat if held is None else held):
             rec = saved[key]
             shape = f" (shape {_shape(rec.size)})" if isinstance(rec, TensorStorageMetadata) else ""
             refuse(key, f"is in the checkpoint{shape} but not in this "
@@ -94,16 +95,30 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
     Returns the checkpoint metadata (step, data_position, scheduler state, ...).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = Path(path)
     if meta is None:
         meta = validate_resume(path, topology, allow_unverified=allow_unverified)
-    msd, osd = get_state_dict(model, optimizer)
+    # checkpoints of this version keep the optimizer state flattened per parameter name (save.py)
+    options = StateDictOptions(flatten_optimizer_state_dict=meta.get("optimizer_layout") == "flat")
+    msd, osd = get_state_dict(model, optimizer, options=options)
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(-1, dtype=torch.int64),
                          "data_position": torch.tensor(-1, dtype=torch.int64)}}
-    agree_or_raise(lambda: check_structure(path, meta, state, optimizer), what="checkpoint structure",
+    held = None
+    if topology.get("pp", 1) > 1 and not options.flatten_optimizer_state_dict:
+        raise CPConfigError("schedule.resume_from", f"checkpoint {path} keeps its optimizer state by parameter "
+                            "group (saved by an older version), which a pipeline stage cannot read its part of",
+                            fix="resume it at accelerator.pp_size: 1 once; its next checkpoint reads at any PP size")
+    if topology.get("pp", 1) > 1:      # each stage holds part of the model: the entries of all of them
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        from ...platform import all_gather_object
+
+        mine = list(flatten_state_dict({"model": state["model"], "optim": state["optim"]})[0])
+        held = set().union(*all_gather_object(mine))
+    agree_or_raise(lambda: check_structure(path, meta, state, optimizer, held), what="checkpoint structure",
                    same_error=True)
     reshard = meta.get("reshard")
     if reshard and _is_main():
@@ -111,7 +126,7 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
                  "position (%s micro-batches per DP rank) carries over", path, describe_reshard(reshard),
                  meta.get("data_position"))
     dcp.load(state, checkpoint_id=str(path), process_group=timed_world_group())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     step = int(state["trainer"]["step"])
     pos = int(state["trainer"]["data_position"])
     if step != meta["step"] or pos != meta["data_position"]:

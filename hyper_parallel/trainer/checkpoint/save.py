@@ -38,7 +38,7 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
     ``path`` (replacing an older ``path``) once every rank's files are written and checksummed;
     then, with ``keep_last``, the oldest complete checkpoints beside ``path`` are removed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     path = Path(path)
     final, path = path, path.with_name(path.name + PARTIAL)
@@ -48,7 +48,9 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
             shutil.rmtree(path)
 
     agree_or_raise(clear, what="checkpoint save (clearing the temporary directory)", same_error=True)
-    msd, osd = get_state_dict(model, optimizer)
+    # optimizer state flattened per parameter name (hyperparameters too): a resume at another PP size
+    # finds each parameter's state and group settings whichever stage saved it
+    msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     state = {"model": msd, "optim": osd,
              "trainer": {"step": torch.tensor(step, dtype=torch.int64),
                          "data_position": torch.tensor(data_position, dtype=torch.int64)}}
@@ -68,7 +70,7 @@ def save_checkpoint(path: str | Path, model, optimizer, *, step: int, data_posit
         files.update(part)
     if _is_main():
         write_meta(path, {"format": FORMAT, "step": step, "data_position": data_position, "topology": topology,
-                          "scheduler": scheduler_state, "optimizer": type(optimizer).__name__,
+                          "scheduler": scheduler_state, "optimizer": type(optimizer).__name__, "optimizer_layout": "flat",
                           "checksum": CHECKSUM, "files": dict(sorted(files.items())), **(extra or {})})
 
     def publish():

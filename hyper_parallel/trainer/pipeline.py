@@ -1,0 +1,67 @@
+"""The trainer's pipeline-parallel path (``accelerator.pp_size > 1``): what it does not combine with yet
+(:func:`check_pipeline_run`, local, before anything is built) and the step's forward and backward
+through :mod:`hyper_parallel.distributed.pipeline_parallel` (:func:`pipeline_forward_backward`).
+
+Each rank holds one stage (cut in ``setup_distributed``); a step's micro-batches are the schedule's
+microbatches (``schedule.grad_accum_steps``), each sharded for the stage's CP group by the trainer's
+batch contract; the gradient norm is taken over every stage. docs/pipeline_parallel.md.
+"""
+from __future__ import annotations
+
+from ..distributed.errors import CPConfigError
+from ..distributed.pipeline_parallel import PipelineStep, check_schedule
+
+__all__ = ["adopt_stage", "check_pipeline_run", "check_pipeline_plan", "make_pipeline", "pipeline_forward_backward"]
+
+
+def check_pipeline_run(cfg) -> None:
+    """CPConfigError naming the field for what ``pp_size > 1`` does not run with yet, and for a schedule
+    the declared sizes cannot run (:func:`~...pipeline_parallel.check_schedule`)."""
+    pp = cfg.accelerator.pp_size
+    if pp == 1:
+        return
+    acc, sch = cfg.accelerator, cfg.schedule
+    for field, on in (("accelerator.tp_size", acc.tp_size > 1), ("accelerator.ep_size", acc.ep_size > 1),
+                      ("schedule.mixed_precision", sch.mixed_precision == "bf16"),
+                      ("schedule.activation_offload", sch.activation_offload),
+                      ("schedule.tiled_mlp", sch.tiled_mlp), ("data.eval_every", cfg.data.eval_every is not None)):
+        if on:
+            raise CPConfigError(field, f"is not combined with accelerator.pp_size={pp} yet (docs/pipeline_parallel.md, "
+                                "'Not yet')", fix=f"set accelerator.pp_size: 1, or leave {field} at its default")
+    check_schedule(sch.pipeline, pp, sch.grad_accum_steps)
+
+
+def check_pipeline_plan(plan, pp: int) -> None:
+    """An async CP wrapper inside a stage is not combined with the pipeline's point-to-point sends yet."""
+    for t in plan.cp_targets:
+        if t.info is not None and t.info.is_async:
+            raise CPConfigError("plan_overrides", f"an async CP wrapper is not combined with accelerator.pp_size={pp} "
+                                "yet", module=t.fqn, fix="declare its sync variant, or pp_size: 1")
+
+
+def adopt_stage(setup, model, pp: int):
+    """The stage ``setup_distributed`` cut from ``model``, checked against the trainer's pipeline rules
+    (agreed: a refusal fails every rank) and carrying ``model``'s build source (``_hp_*``: the meta
+    build's materialisation reads it, by the whole model's names)."""
+    from ..distributed.preflight import agree_or_raise
+
+    agree_or_raise(lambda: check_pipeline_plan(setup.plan, pp), what="pipeline plan")
+    setup.stage.__dict__.update({k: v for k, v in model.__dict__.items() if k.startswith("_hp_")})
+    return setup.stage
+
+
+def make_pipeline(trainer) -> PipelineStep:
+    """The trainer's :class:`~...pipeline_parallel.PipelineStep` (its stage, schedule, batch policy)."""
+    cfg = trainer.cfg
+    return PipelineStep(trainer.model, trainer.mesh, cfg.schedule.pipeline, policy=trainer.cp_policy,
+                        packed_documents=cfg.data.packed_documents, grad_scale=trainer.grad_scale,
+                        device=trainer.device)
+
+
+def pipeline_forward_backward(trainer, prepared: list, n_global):
+    """Forward and backward of the step's prepared micro-batches through the schedule; returns the
+    step's global mean loss (every rank)."""
+    items = [{"input_ids": p.inputs["input_ids"], "position_ids": p.inputs["position_ids"],
+              "shift_labels": p.shift_labels, "meta": p.meta, "num_valid_tokens": p.num_valid_tokens}
+             for p in prepared]
+    return trainer.pipeline.run(items, n_global)
