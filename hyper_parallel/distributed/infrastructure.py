@@ -38,9 +38,9 @@ class DistributedSetup:
     def summary(self) -> str:
         lines = [self.mesh.summary()]
         if self.stage is not None:
-            r = self.stage.layer_range
-            lines.append(f"pipeline: stage {self.stage.pp_rank} of {self.stage.pp_size} holds layers {r.start}-{r.stop - 1}"
-                         " (the plan below is this stage's)")
+            st = self.stage
+            held = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in zip(st.stage_ids, st.layer_chunks))
+            lines.append(f"pipeline: pp rank {st.pp_rank} of {st.pp_size} holds {held} (the plan below is its own)")
         return "\n".join(lines + [self.plan.summary()])
 
 
@@ -55,12 +55,14 @@ def check_world(accel: AcceleratorConfig) -> None:
 
 def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.Module,
                       platform: Platform | None = None, *, packed_documents: str | None = None,
-                      packed_rows: bool = False, documents_field: str = "data.packed_documents") -> DistributedSetup:
+                      packed_rows: bool = False, documents_field: str = "data.packed_documents",
+                      virtual_stages: int = 1) -> DistributedSetup:
     """Plan (agreed across ranks), then build the meshes the plan needs. Prints both on rank 0.
 
     ``accel.comm_timeout_s`` (when set) becomes the collective timeout first, so the preflight
     agreement, every later hyper_parallel collective and every mesh sub-group use it.
     ``packed_documents`` / ``packed_rows``: :class:`~.plan.planner.ShardingPlanner`'s.
+    ``virtual_stages``: pipeline stages per rank (``accel.pp_size > 1``; 2 or more interleaved).
     """
     platform = platform or get_platform(accel.device_type)
     if accel.comm_timeout_s is not None:
@@ -75,14 +77,14 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
     def check() -> ShardingPlan:
         check_world(accel)
         if accel.pp_size > 1:
-            check_pipelinable(model, accel.pp_size)
+            check_pipelinable(model, accel.pp_size * virtual_stages)
         return make_plan(model)
 
     plan = agree_or_raise(check, what="sharding plan")
     mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
     stage = None
     if accel.pp_size > 1:
-        stage = build_stage(model, mesh.pp_mesh.get_local_rank(), accel.pp_size)
+        stage = build_stage(model, mesh.pp_mesh.get_local_rank(), accel.pp_size, virtual_stages)
         plan = agree_or_raise(lambda: make_plan(stage), what="sharding plan of the pipeline stage")
     setup = DistributedSetup(platform, mesh, plan, stage)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -167,6 +167,8 @@ class ScheduleConfig:
                                    "pipeline's microbatches)")
     pipeline: str = option("1f1b", choices=tuple(PIPELINE_SCHEDULES),
                            help="pipeline schedule when accelerator.pp_size > 1 (torch.distributed.pipelining)")
+    virtual_stages: int | None = option(None, ge=1, shown_default="null (2 with interleaved_1f1b, else 1)",
+                                        help="pipeline stages per rank (interleaved_1f1b: 2 or more)")
     seed: int = option(0, help="global torch seed")
     activation_checkpointing: bool = option(False, help="recompute each decoder layer in backward")
     activation_offload: bool = option(False, help="keep the activations saved at activation-checkpoint boundaries "

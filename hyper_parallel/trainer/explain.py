@@ -23,6 +23,7 @@ from ..distributed.expert_parallel import ep_cost
 from .explain_estimates import fsdp_bytes, saved_bytes_per_token
 from .explain_features import method_name, offload_split, tiled_mlp_transient
 from .explain_pipeline import pipeline_figures
+from .pipeline import virtual_stages
 
 GB = 1e9
 
@@ -110,12 +111,12 @@ def explain(cfg, echo=print) -> dict:
     pipe = None
     if a.pp_size > 1:     # per rank: the stage with the most parameters (explain_pipeline.py)
         pipe = pipeline_figures(model, plan.decoder_layers, a.pp_size, s.pipeline, s.grad_accum_steps,
-                                S // cp * d.micro_batch_size * H * elem)
+                                S // cp * d.micro_batch_size * H * elem, virtual_stages(s))
         echo("== pipeline ==")
         for line in pipe.lines(s.pipeline, s.grad_accum_steps):
             echo(line)
-        p_total = pipe.stages[pipe.largest]["param_bytes"]
-        layers = [layers[i] for i in pipe.stages[pipe.largest]["layers"]]
+        p_total = pipe.ranks[pipe.largest]["param_bytes"]
+        layers = [layers[i] for i in pipe.ranks[pipe.largest]["layers"]]
     p_layers = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
     p_rank = ((p_total - p_layers) + p_layers / tp) / n_fsdp
     opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
@@ -144,7 +145,7 @@ def explain(cfg, echo=print) -> dict:
     act = per_token * s_local * B
     cp_targets = plan.cp_targets
     if pipe is not None:     # the boundaries of the stage the per-rank figures are for
-        mine = tuple(f"{plan.decoder_layers[i]}." for i in pipe.stages[pipe.largest]["layers"])
+        mine = tuple(f"{plan.decoder_layers[i]}." for i in pipe.ranks[pipe.largest]["layers"])
         cp_targets = [t for t in cp_targets if t.fqn.startswith(mine)]
     names = {id(t): method_name(t) for t in cp_targets}
     methods = sorted(set(names.values()))
@@ -163,10 +164,10 @@ def explain(cfg, echo=print) -> dict:
     if s.activation_checkpointing:
         act = L * s_local * B * H * elem + act / max(L, 1)
         gathered = gathered / max(L, 1)
-    if pipe is not None:     # stage 0's layers, for every microbatch it holds at once (the most of any stage)
-        first = pipe.stages[0]
-        act = act * len(first["layers"]) / max(L, 1) * first["in_flight"]
-        passing = passing * len(first["layers"]) / max(L, 1) * first["in_flight"]
+    if pipe is not None:     # pp rank 0's stage layers, for every stage-microbatch it holds at once (the most)
+        first = pipe.ranks[0]
+        act = act * first["chunk_layers"] / max(L, 1) * first["in_flight"]
+        passing = passing * first["chunk_layers"] / max(L, 1) * first["in_flight"]
     host = 0.0
     if s.activation_offload:    # the layer inputs live in host buffers, two at a time on the device
         kept, host = offload_split(L, s_local, B, H, elem)

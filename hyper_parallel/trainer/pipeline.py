@@ -9,9 +9,16 @@ batch contract; the gradient norm is taken over every stage. docs/pipeline_paral
 from __future__ import annotations
 
 from ..distributed.errors import CPConfigError
-from ..distributed.pipeline_parallel import PipelineStep, check_schedule
+from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, check_schedule
 
-__all__ = ["adopt_stage", "check_pipeline_run", "check_pipeline_plan", "make_pipeline", "pipeline_forward_backward"]
+__all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "check_pipeline_plan", "make_pipeline", "pipeline_forward_backward"]
+
+
+def virtual_stages(schedule) -> int:
+    """``schedule.virtual_stages``, its default resolved: 2 for an interleaved schedule, else 1."""
+    if schedule.virtual_stages is not None:
+        return schedule.virtual_stages
+    return 2 if schedule.pipeline in INTERLEAVED else 1
 
 
 def check_pipeline_run(cfg) -> None:
@@ -28,7 +35,7 @@ def check_pipeline_run(cfg) -> None:
         if on:
             raise CPConfigError(field, f"is not combined with accelerator.pp_size={pp} yet (docs/pipeline_parallel.md, "
                                 "'Not yet')", fix=f"set accelerator.pp_size: 1, or leave {field} at its default")
-    check_schedule(sch.pipeline, pp, sch.grad_accum_steps)
+    check_schedule(sch.pipeline, pp, sch.grad_accum_steps, virtual_stages(sch))
 
 
 def check_pipeline_plan(plan, pp: int) -> None:

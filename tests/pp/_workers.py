@@ -85,7 +85,7 @@ def pp_cp_train(arch: str, method: str = "colossal", pp: int = 2, dp_shard: int 
     model, ref = build_from_config(cfg, impl)
     mesh = MeshContext.shared(MeshSizes(pp=pp, dp_shard=dp_shard, cp=cp))
     pp_rank = mesh.pp_mesh.get_local_rank()
-    stage = build_stage(model, pp_rank, pp)
+    stage = build_stage(model, pp_rank, pp, virtual=2 if schedule == "interleaved_1f1b" else 1)
     entry = [{"match": ATTN_MATCH.get(arch, "*.self_attn"), "when": "cp", "region_dispatch": False,
               "inner_target": "self", "inner_wrapper": wrapper}]
     if arch == "qwen3_next":
@@ -121,4 +121,4 @@ def pp_cp_train(arch: str, method: str = "colossal", pp: int = 2, dp_shard: int 
         if e >= err:
             err, worst = e, name
     return {"losses": losses, "ref_losses": ref_losses, "params": err / moved, "params_abs": err, "worst": worst,
-            "layers": list(stage.layer_range), "names": len(names), "pp_rank": pp_rank}
+            "layers": [i for r in stage.layer_chunks for i in r], "names": len(names), "pp_rank": pp_rank}

@@ -23,7 +23,8 @@ from tests.pp._workers import pp_cp_train
 from tests.wrappers._workers import _COMMON
 
 TOL = 1e-5
-CASES = [("llama", "1f1b"), ("llama", "gpipe"), ("qwen3", "1f1b"), ("mistral", "1f1b"), ("qwen3_next", "1f1b")]
+CASES = [("llama", "1f1b"), ("llama", "gpipe"), ("llama", "interleaved_1f1b"), ("qwen3", "1f1b"), ("mistral", "1f1b"),
+         ("qwen3_next", "1f1b")]
 
 
 def _check(res, what: str) -> None:
@@ -39,7 +40,8 @@ def _check(res, what: str) -> None:
 @pytest.mark.parametrize("arch,schedule", CASES, ids=[f"{a}-{s}" for a, s in CASES])
 def test_pp2_cp2_trains_like_one_rank(ranks, arch, schedule):
     """Llama, Qwen3, Mistral (sliding window 5 < every document) and Qwen3-Next (Gated DeltaNet + attention
-    + MoE on each stage) under 1f1b; Llama under gpipe too."""
+    + MoE on each stage) under 1f1b; Llama under gpipe and interleaved 1F1B (2 stages per rank: layers
+    0 and 2 on pp rank 0, 1 and 3 on pp rank 1) too."""
     _check(ranks(4).run(pp_cp_train, arch, schedule=schedule, timeout=600), f"{arch}/{schedule}")
 
 
@@ -114,7 +116,14 @@ def test_a_schedule_that_cannot_run_is_refused():
         check_schedule("zero_bubble", 2, 4)
     with pytest.raises(CPConfigError, match="needs at least 2 microbatches"):
         check_schedule("1f1b", 2, 1)
+    with pytest.raises(CPConfigError, match=r"\[schedule.virtual_stages\] interleaved_1f1b runs 2 or more stages"):
+        check_schedule("interleaved_1f1b", 2, 4)
+    with pytest.raises(CPConfigError, match=r"\[schedule.virtual_stages\] 1f1b runs one stage per rank"):
+        check_schedule("1f1b", 2, 4, virtual=2)
+    with pytest.raises(CPConfigError, match="needs a multiple of max"):
+        check_schedule("interleaved_1f1b", 2, 5, virtual=2)
     assert check_schedule("gpipe", 2, 1).__name__ == "ScheduleGPipe"
+    assert check_schedule("interleaved_1f1b", 2, 6, virtual=2).__name__ == "ScheduleInterleaved1F1B"
 
 
 def test_the_mesh_takes_a_pipeline_dimension():

@@ -44,6 +44,12 @@ def test_trainer_pp2_cp2_equals_one_rank_exports_and_resumes_at_another_pp_size(
     werr = max((exported[k] - reference[k]).abs().max().item() for k in reference)
     print(f"HF export of the stages vs one rank's: {len(exported)} tensors, max abs difference {werr:.2e}")
     assert werr <= 1e-5
+    # interleaved 1F1B: 2 stages per rank (layers 0 and 2 on pp rank 0, 1 and 3 on pp rank 1)
+    inter = ranks(4).run(train_export, _cfg(2, tmp_path / "inter", schedule__pipeline="interleaved_1f1b",
+                                            schedule__steps=2), timeout=600)
+    rel = _rel(inter[0]["losses"], one["losses"][:2])
+    print(f"interleaved_1f1b (2 stages per rank): {inter[0]['losses']} (max rel {rel:.2e})")
+    assert len(inter[0]["losses"]) == 2 and rel <= RTOL
     step2 = tmp_path / "pp2" / "checkpoints" / "step_2"
     for pp, world in ((1, 1), (2, 4)):
         res = ranks(world).run(TW.train_losses, _cfg(pp, tmp_path / f"resume{pp}", schedule__resume_from=str(step2)),

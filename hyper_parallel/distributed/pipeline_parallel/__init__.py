@@ -1,8 +1,8 @@
 """Pipeline parallelism beside CP: a causal LM cut into stages from transformers' ``base_model_pp_plan``
 (:mod:`.stages`), run by ``torch.distributed.pipelining`` schedules with CP inside each stage
 (:mod:`.schedule`). docs/pipeline_parallel.md."""
-from .schedule import SCHEDULES, PipelineStep, check_schedule, reduce_stage_grads
+from .schedule import INTERLEAVED, SCHEDULES, PipelineStep, check_schedule, reduce_stage_grads
 from .stages import StageModule, build_stage, check_pipelinable, stage_layers
 
-__all__ = ["SCHEDULES", "PipelineStep", "StageModule", "build_stage", "check_pipelinable", "check_schedule",
+__all__ = ["INTERLEAVED", "SCHEDULES", "PipelineStep", "StageModule", "build_stage", "check_pipelinable", "check_schedule",
            "reduce_stage_grads", "stage_layers"]

@@ -24,7 +24,7 @@ import contextlib
 from typing import Optional
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ... import platform as P
 from ..context_parallel import shard_batch_for_cp
@@ -34,20 +34,30 @@ from .stages import StageModule
 
 __all__ = ["SCHEDULES", "PipelineStep", "check_schedule", "reduce_stage_grads"]
 
-#: ``schedule.pipeline`` names -> torch's schedule class (one stage per rank)
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+#: ``schedule.pipeline`` names -> torch's schedule class; the interleaved one runs several stages per rank
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+INTERLEAVED = ("interleaved_1f1b",)
 
 
-def check_schedule(name: str, pp_size: int, microbatches: int) -> type:
-    """The schedule class for ``name``; CPConfigError (before any collective) for an unknown name or a
-    microbatch count the schedule cannot run (1F1B needs at least ``pp_size`` microbatches)."""
+def check_schedule(name: str, pp_size: int, microbatches: int, virtual: int = 1) -> type:
+    """The schedule class for ``name``; CPConfigError (before any collective) for an unknown name, a
+    number of stages per rank (``virtual``) the schedule does not take (2 or more for the interleaved
+    one, 1 otherwise), or a microbatch count it cannot run (1F1B: at least ``pp_size``; interleaved:
+    a multiple of its rounds, ``max(1, microbatches // pp_size)``)."""
     if name not in SCHEDULES:
         raise CPConfigError("schedule.pipeline", f"unknown pipeline schedule {name!r}",
-                            fix=f"use one of {sorted(SCHEDULES)} (interleaved and zero-bubble schedules are not offered)")
-    if microbatches < 1 or (name == "1f1b" and microbatches < pp_size):
-        raise CPConfigError("schedule.grad_accum_steps", f"{name} with pp_size={pp_size} needs at least "
-                            f"{pp_size if name == '1f1b' else 1} microbatches per step, got {microbatches}",
-                            fix=f"use at least {pp_size} microbatches (the gradient-accumulation count)")
+                            fix=f"use one of {sorted(SCHEDULES)} (zero-bubble schedules are not offered)")
+    if (virtual >= 2) != (name in INTERLEAVED):
+        raise CPConfigError("schedule.virtual_stages", f"{name} runs {'2 or more stages' if name in INTERLEAVED else 'one stage'} "
+                            f"per rank, got virtual_stages={virtual}",
+                            fix="virtual_stages >= 2 with interleaved_1f1b, 1 with 1f1b / gpipe")
+    rounds = max(1, microbatches // pp_size)
+    if microbatches < 1 or (name == "1f1b" and microbatches < pp_size) or (name in INTERLEAVED and microbatches % rounds):
+        need = (f"at least {pp_size}" if name == "1f1b" else f"a multiple of max(1, microbatches // {pp_size})"
+                if name in INTERLEAVED else "at least 1")
+        raise CPConfigError("schedule.grad_accum_steps", f"{name} with pp_size={pp_size} needs {need} microbatches "
+                            f"per step, got {microbatches}",
+                            fix=f"use {pp_size} or a multiple of it as the microbatch count (the gradient-accumulation count)")
     return SCHEDULES[name]
 
 
@@ -67,20 +77,26 @@ class PipelineStep:
         self._pipes: dict = {}
 
     def _pipe(self, n: int, b: int, L: int, dtype: torch.dtype):
-        """(PipelineStage, schedule) for ``n`` microbatches of ``b`` rows of ``L`` local tokens (static
-        shapes: no shape-inference run); cached per shape."""
+        """(PipelineStages of this rank, schedule) for ``n`` microbatches of ``b`` rows of ``L`` local
+        tokens (static shapes: no shape-inference run); cached per shape."""
         key = (n, b, L, dtype)
         if key not in self._pipes:
-            cls = check_schedule(self.name, self.stage.pp_size, n)
-            H = self.stage.config.hidden_size
+            st = self.stage
+            cls = check_schedule(self.name, st.pp_size, n, st.virtual)
+            H, total = st.config.hidden_size, st.pp_size * st.virtual
             # requires_grad: the received activations must carry their gradient back to the previous stage
             hidden = torch.empty(b, L, H, dtype=dtype, device=self.device, requires_grad=True)
-            inp = torch.empty(b, L, dtype=torch.long, device=self.device) if self.stage.is_first else hidden
-            out = torch.empty((), dtype=torch.float32, device=self.device, requires_grad=True) if self.stage.is_last else hidden
-            pipe = PipelineStage(self.stage, self.stage.pp_rank, self.stage.pp_size, self.device, input_args=inp,
-                                 output_args=out, group=self.mesh.pp_mesh.get_group())
-            sched = cls(pipe, n_microbatches=n, loss_fn=lambda loss, _target: loss, scale_grads=False)
-            self._pipes[key] = (pipe, sched)
+            loss = torch.empty((), dtype=torch.float32, device=self.device, requires_grad=True)
+            pipes = []
+            for call, sid in zip(st.stages(), st.stage_ids):
+                inp = torch.empty(b, L, dtype=torch.long, device=self.device) if sid == 0 else hidden
+                pipes.append(PipelineStage(call, sid, total, self.device, input_args=inp,
+                                           output_args=loss if sid == total - 1 else hidden,
+                                           group=self.mesh.pp_mesh.get_group()))
+            loss_fn = lambda loss, _target: loss     # noqa: E731 - the last stage returns the scaled loss
+            sched = (cls(pipes, n_microbatches=n, loss_fn=loss_fn, scale_grads=False) if st.virtual > 1 else
+                     cls(pipes[0], n_microbatches=n, loss_fn=loss_fn, scale_grads=False))
+            self._pipes[key] = (pipes, sched)
         return self._pipes[key]
 
     def __call__(self, micro_batches: list) -> torch.Tensor:
@@ -107,7 +123,7 @@ class PipelineStep:
                                 fix="collate every microbatch of a step to the same rows and sequence length")
         (b, L), = shapes
         dtype = next(self.stage.parameters()).dtype
-        pipe, sched = self._pipe(len(local), b, L, dtype)
+        pipes, sched = self._pipe(len(local), b, L, dtype)
         if n_global is None:
             n_local = torch.tensor(sum(int(x["num_valid_tokens"]) for x in local), dtype=torch.int64, device=self.device)
             n_global = P.all_reduce(n_local, mesh.dp_cp_mesh.get_group())
@@ -116,7 +132,9 @@ class PipelineStep:
         cat = {k: torch.cat([x[k] for x in local]).to(self.device) for k in ("input_ids", "position_ids",
                                                                              "shift_labels")}
         losses: list = []
-        with _per_microbatch(pipe, [x["meta"] for x in local]):
+        with contextlib.ExitStack() as stack:
+            for pipe in pipes:
+                stack.enter_context(_per_microbatch(pipe, [x["meta"] for x in local]))
             args = (cat["input_ids"],) if self.stage.is_first else ()
             target = torch.zeros(len(local), device=self.device) if self.stage.is_last else None
             sched.step(*args, target=target, losses=losses, return_outputs=False, position_ids=cat["position_ids"],

@@ -112,25 +112,33 @@ def _layerless_twin(model: nn.Module) -> nn.Module:
 
 
 class StageModule(nn.Module):
-    """Stage ``pp_rank`` of ``pp_size`` of a causal LM (its ``model`` pruned in place; names kept).
+    """Rank ``pp_rank``'s part of a causal LM cut in ``pp_size x virtual`` stages (its ``model`` pruned in
+    place; names kept): stages ``pp_rank + k * pp_size`` for ``k < virtual`` (one per rank without
+    interleaving), their layers together under the whole model's names.
 
-    ``forward(x, position_ids, shift_labels)``: ``x`` is ``input_ids [b, L]`` on the first stage and the
-    previous stage's hidden states ``[b, L, H]`` after it; ``L`` is the CP-local length. Returns the
-    hidden states ``[b, L, H]``, or on the last stage the scalar ``loss_scale * sum`` of the token
-    cross-entropies of ``shift_labels`` (``ignore_index`` -100 counts 0), tiled so that no
-    ``[L, vocab]`` logits exist; ``loss_scale`` is set per step by the schedule (1 / the global token
-    count x the gradient domain's factor)."""
+    ``forward(x, position_ids, shift_labels, chunk=0)`` runs stage ``chunk`` of this rank: ``x`` is
+    ``input_ids [b, L]`` for stage 0 and the previous stage's hidden states ``[b, L, H]`` otherwise;
+    ``L`` is the CP-local length. Returns the hidden states ``[b, L, H]``, or for the last stage the scalar
+    ``loss_scale * sum`` of the token cross-entropies of ``shift_labels`` (``ignore_index`` -100 counts
+    0), tiled so that no ``[L, vocab]`` logits exist; ``loss_scale`` is set per step by the schedule (1 /
+    the global token count x the gradient domain's factor). Every stage runs through this module's own
+    call (FSDP2's hooks on it unshard what the stage needs); :meth:`stages` gives the module the
+    pipeline schedule calls for each."""
 
-    def __init__(self, causal_lm: nn.Module, pp_rank: int, pp_size: int):
+    def __init__(self, causal_lm: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1):
         super().__init__()
         self.config = causal_lm.config
-        self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        self.pp_rank, self.pp_size, self.virtual = pp_rank, pp_size, virtual
+        total = pp_size * virtual
+        self.stage_ids = [pp_rank + k * pp_size for k in range(virtual)]
+        self.is_first, self.is_last = self.stage_ids[0] == 0, self.stage_ids[-1] == total - 1
         inner = causal_lm.model
-        keep = stage_layers(len(inner.layers), pp_size, pp_rank)
-        layers = nn.ModuleList()
-        for i in keep:                        # original indices as the child names: model.layers.<i>.…
-            layers.add_module(str(i), inner.layers[i])
+        n = len(inner.layers)
+        chunks = [stage_layers(n, total, s) for s in self.stage_ids]
+        whole, layers = inner.layers, nn.ModuleList()
+        for r in chunks:                      # original indices as the child names: model.layers.<i>.…
+            for i in r:
+                layers.add_module(str(i), whole[i])
         inner.layers = layers
         if not self.is_first:
             inner.embed_tokens = None
@@ -138,20 +146,55 @@ class StageModule(nn.Module):
             inner.norm = nn.Identity()
         self.model = inner
         self.lm_head = causal_lm.lm_head if self.is_last else None
-        self.layer_range = keep
+        self.layer_range = range(chunks[0].start, chunks[-1].stop) if virtual == 1 else None
+        self.layer_chunks = chunks
+        # per stage: its layers as a list of its own (not registered: the modules are model.layers')
+        self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
         self.loss_scale = 1.0
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
-        feed = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        h = self.model(position_ids=position_ids, use_cache=False, **feed).last_hidden_state
-        if not self.is_last:
+    def stages(self) -> list:
+        """One module per stage of this rank (in stage order) whose call is ``self(..., chunk=k)``."""
+        return [_StageCall(self, k) for k in range(self.virtual)]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
+                chunk: int = 0) -> torch.Tensor:
+        stage = self.stage_ids[chunk]
+        first, last = stage == 0, stage == self.pp_size * self.virtual - 1
+        feed = {"input_ids": x} if first else {"inputs_embeds": x}
+        inner = self.model
+        saved = inner._modules["layers"], inner._modules["norm"]
+        inner._modules["layers"] = self._chunk_layers[chunk]     # the model's own forward over this stage's layers
+        if not last:
+            inner._modules["norm"] = _IDENTITY
+        try:
+            h = inner(position_ids=position_ids, use_cache=False, **feed).last_hidden_state
+        finally:
+            inner._modules["layers"], inner._modules["norm"] = saved
+        if not last:
             return h
         head = self.lm_head
         token_loss = tiled_lm_loss(h.reshape(-1, h.shape[-1]), head.weight, head.bias, shift_labels.reshape(-1))
         return token_loss.float().sum() * self.loss_scale
 
 
-def build_stage(model: nn.Module, pp_rank: int, pp_size: int) -> StageModule:
-    """Check ``model`` (:func:`check_pipelinable`) and cut stage ``pp_rank`` out of it, in place."""
-    check_pipelinable(model, pp_size)
-    return StageModule(model, pp_rank, pp_size)
+_IDENTITY = nn.Identity()
+
+
+class _StageCall(nn.Module):
+    """Stage ``chunk`` of a :class:`StageModule` as the module a ``PipelineStage`` runs (holds no
+    parameter of its own: the stage module's are updated through its call)."""
+
+    def __init__(self, owner: StageModule, chunk: int):
+        super().__init__()
+        self.__dict__["owner"] = owner       # not a child: its parameters stay the owner's
+        self.chunk = chunk
+
+    def forward(self, x, position_ids, shift_labels):
+        return self.owner(x, position_ids, shift_labels, chunk=self.chunk)
+
+
+def build_stage(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> StageModule:
+    """Check ``model`` (:func:`check_pipelinable`, for ``pp_size x virtual`` stages) and cut rank
+    ``pp_rank``'s stages out of it, in place."""
+    check_pipelinable(model, pp_size * virtual)
+    return StageModule(model, pp_rank, pp_size, virtual)
