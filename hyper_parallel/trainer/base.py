@@ -104,7 +104,7 @@ class BaseTrainer:
         self.mesh = self.setup.mesh
         self.cp_size = cfg.accelerator.cp_size
         if self.setup.stage is not None:      # pp_size > 1: this rank trains its stage (cut in setup_distributed)
-            model = adopt_stage(self.setup, model, cfg.accelerator.pp_size)
+            model = adopt_stage(self.setup, model)
         # fail fast on a topology mismatch, before parallelizing; called on every rank even
         # without resume_from so that the ranks' agreement steps stay paired
         self.ckpt_root = (Path(cfg.schedule.checkpoint_dir) if cfg.schedule.checkpoint_dir

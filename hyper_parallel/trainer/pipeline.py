@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..distributed.errors import CPConfigError
 from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, check_schedule
 
-__all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "check_pipeline_plan", "make_pipeline", "pipeline_forward_backward"]
+__all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "make_pipeline", "pipeline_forward_backward"]
 
 
 def virtual_stages(schedule) -> int:
@@ -29,7 +29,6 @@ def check_pipeline_run(cfg) -> None:
         return
     acc, sch = cfg.accelerator, cfg.schedule
     for field, on in (("accelerator.tp_size", acc.tp_size > 1), ("accelerator.ep_size", acc.ep_size > 1),
-                      ("schedule.mixed_precision", sch.mixed_precision == "bf16"),
                       ("schedule.activation_offload", sch.activation_offload),
                       ("schedule.tiled_mlp", sch.tiled_mlp), ("data.eval_every", cfg.data.eval_every is not None)):
         if on:
@@ -38,21 +37,9 @@ def check_pipeline_run(cfg) -> None:
     check_schedule(sch.pipeline, pp, sch.grad_accum_steps, virtual_stages(sch))
 
 
-def check_pipeline_plan(plan, pp: int) -> None:
-    """An async CP wrapper inside a stage is not combined with the pipeline's point-to-point sends yet."""
-    for t in plan.cp_targets:
-        if t.info is not None and t.info.is_async:
-            raise CPConfigError("plan_overrides", f"an async CP wrapper is not combined with accelerator.pp_size={pp} "
-                                "yet", module=t.fqn, fix="declare its sync variant, or pp_size: 1")
-
-
-def adopt_stage(setup, model, pp: int):
-    """The stage ``setup_distributed`` cut from ``model``, checked against the trainer's pipeline rules
-    (agreed: a refusal fails every rank) and carrying ``model``'s build source (``_hp_*``: the meta
-    build's materialisation reads it, by the whole model's names)."""
-    from ..distributed.preflight import agree_or_raise
-
-    agree_or_raise(lambda: check_pipeline_plan(setup.plan, pp), what="pipeline plan")
+def adopt_stage(setup, model):
+    """The stage ``setup_distributed`` cut from ``model``, carrying ``model``'s build source (``_hp_*``:
+    the meta build's materialisation reads it, by the whole model's names)."""
     setup.stage.__dict__.update({k: v for k, v in model.__dict__.items() if k.startswith("_hp_")})
     return setup.stage
 
@@ -60,9 +47,12 @@ def adopt_stage(setup, model, pp: int):
 def make_pipeline(trainer) -> PipelineStep:
     """The trainer's :class:`~...pipeline_parallel.PipelineStep` (its stage, schedule, batch policy)."""
     cfg = trainer.cfg
+    import torch
+
+    bf16 = cfg.schedule.mixed_precision == "bf16"      # FSDP2's policy computes (and passes on) bf16
     return PipelineStep(trainer.model, trainer.mesh, cfg.schedule.pipeline, policy=trainer.cp_policy,
                         packed_documents=cfg.data.packed_documents, grad_scale=trainer.grad_scale,
-                        device=trainer.device)
+                        device=trainer.device, activation_dtype=torch.bfloat16 if bf16 else None)
 
 
 def pipeline_forward_backward(trainer, prepared: list, n_global):

@@ -20,6 +20,13 @@ from hyper_parallel.distributed.plan import ShardingPlanner, apply_sharding_plan
 from tests.wrappers._workers import ATTN_MATCH, METHODS, _COMMON, _full, arch_config, attention_batch, build_from_config
 
 
+#: async CP inside a stage: the model adapters' Targets (cp, inner_wrapper)
+ASYNC = {"async_colossal": (2, {"_target_": "hyper_parallel.models.llama.adapter.distributed.context_parallel_async."
+                                            "llama_async_colossal_cp_wrapper"}),
+         "async_ulysses": (2, {"_target_": "hyper_parallel.models.llama.adapter.distributed.context_parallel_async."
+                                           "llama_async_ulysses_cp_wrapper"})}
+
+
 def _config(arch: str, layers: int):
     import transformers as T
 
@@ -80,7 +87,7 @@ def _ref_loss(ref, batches: list) -> torch.Tensor:
 def pp_cp_train(arch: str, method: str = "colossal", pp: int = 2, dp_shard: int = 1, schedule: str = "1f1b",
                 micro: int = 2, steps: int = 2, layers: int = 4, S: int = 24, kind: str = "packed",
                 fsdp: bool = True, seed: int = 5, optim: str = "sgd") -> dict:
-    cp, wrapper = METHODS[method]
+    cp, wrapper = METHODS[method] if method in METHODS else ASYNC[method]
     cfg, impl = _config(arch, layers)
     model, ref = build_from_config(cfg, impl)
     mesh = MeshContext.shared(MeshSizes(pp=pp, dp_shard=dp_shard, cp=cp))

@@ -23,8 +23,9 @@ from tests.pp._workers import pp_cp_train
 from tests.wrappers._workers import _COMMON
 
 TOL = 1e-5
-CASES = [("llama", "1f1b"), ("llama", "gpipe"), ("llama", "interleaved_1f1b"), ("qwen3", "1f1b"), ("mistral", "1f1b"),
-         ("qwen3_next", "1f1b")]
+CASES = [("llama", "1f1b", "colossal"), ("llama", "gpipe", "colossal"), ("llama", "interleaved_1f1b", "colossal"),
+         ("qwen3", "1f1b", "colossal"), ("mistral", "1f1b", "colossal"), ("qwen3_next", "1f1b", "colossal"),
+         ("llama", "1f1b", "async_colossal"), ("llama", "interleaved_1f1b", "async_ulysses")]
 
 
 def _check(res, what: str) -> None:
@@ -37,12 +38,14 @@ def _check(res, what: str) -> None:
     assert {got["pp_rank"] for got in res} == {0, 1}
 
 
-@pytest.mark.parametrize("arch,schedule", CASES, ids=[f"{a}-{s}" for a, s in CASES])
-def test_pp2_cp2_trains_like_one_rank(ranks, arch, schedule):
+@pytest.mark.parametrize("arch,schedule,method", CASES, ids=[f"{a}-{s}-{m}" for a, s, m in CASES])
+def test_pp2_cp2_trains_like_one_rank(ranks, arch, schedule, method):
     """Llama, Qwen3, Mistral (sliding window 5 < every document) and Qwen3-Next (Gated DeltaNet + attention
     + MoE on each stage) under 1f1b; Llama under gpipe and interleaved 1F1B (2 stages per rank: layers
-    0 and 2 on pp rank 0, 1 and 3 on pp rank 1) too."""
-    _check(ranks(4).run(pp_cp_train, arch, schedule=schedule, timeout=600), f"{arch}/{schedule}")
+    0 and 2 on pp rank 0, 1 and 3 on pp rank 1) too; async CP inside the stages (the Llama adapter's
+    Colossal and Ulysses Targets, the handoffs' collectives on the comm thread beside the pipeline's sends)."""
+    _check(ranks(4).run(pp_cp_train, arch, method=method, schedule=schedule, timeout=600),
+           f"{arch}/{schedule}/{method}")
 
 
 def test_pp2_cp2_dp_shard2_trains_like_one_rank(ranks):

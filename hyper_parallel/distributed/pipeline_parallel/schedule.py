@@ -67,11 +67,15 @@ class PipelineStep:
 
     ``policy`` / ``packed_documents``: the CP batch policy of the stage's plan and what a packed row
     means (as for ``shard_batch_for_cp``). ``grad_scale``: the factor the gradient reduction divides
-    by (FSDP2's mean over the stage's DP x CP ranks: its size; 1 with :func:`reduce_stage_grads`)."""
+    by (FSDP2's mean over the stage's DP x CP ranks: its size; 1 with :func:`reduce_stage_grads`).
+    ``activation_dtype``: the dtype of the hidden states passed between stages (default: the
+    parameters'; bf16 under FSDP2's bf16 mixed-precision policy)."""
 
     def __init__(self, stage: StageModule, mesh, schedule: str = "1f1b", *, policy="all_gather",
-                 packed_documents: Optional[str] = None, grad_scale: float = 1.0, device=None):
+                 packed_documents: Optional[str] = None, grad_scale: float = 1.0, device=None,
+                 activation_dtype: Optional[torch.dtype] = None):
         self.stage, self.mesh, self.name = stage, mesh, schedule
+        self.activation_dtype = activation_dtype
         self.policy, self.documents, self.grad_scale = policy, packed_documents, float(grad_scale)
         self.device = torch.device(device or "cpu")
         self._pipes: dict = {}
@@ -122,7 +126,7 @@ class PipelineStep:
             raise CPConfigError("data", f"pipeline microbatches must share one [rows, local length]; got {sorted(shapes)}",
                                 fix="collate every microbatch of a step to the same rows and sequence length")
         (b, L), = shapes
-        dtype = next(self.stage.parameters()).dtype
+        dtype = self.activation_dtype or next(self.stage.parameters()).dtype
         pipes, sched = self._pipe(len(local), b, L, dtype)
         if n_global is None:
             n_local = torch.tensor(sum(int(x["num_valid_tokens"]) for x in local), dtype=torch.int64, device=self.device)
