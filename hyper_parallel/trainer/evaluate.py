@@ -27,6 +27,8 @@ def evaluate(trainer, stream) -> dict:
     trainer.capture_logits = False
     loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
     n_local = 0
+    if getattr(trainer, "pipeline", None) is not None:     # pp_size > 1: forward through the schedule
+        return _evaluate_pipeline(trainer, batches, was_training)
     try:
         with torch.no_grad():
             for b in batches:
@@ -41,5 +43,20 @@ def evaluate(trainer, stream) -> dict:
         trainer.model.train(was_training)
     n_global = global_token_count(n_local, trainer.mesh.dp_cp_mesh, trainer.device)
     value = float(reduce_loss_value(loss_sum, n_global, trainer.mesh.dp_cp_mesh))
+    return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),
+            "eval_tokens": int(n_global)}
+
+
+def _evaluate_pipeline(trainer, batches: list, was_training: bool) -> dict:
+    from .pipeline import pipeline_forward_backward
+
+    try:
+        with torch.no_grad():
+            prepared = [trainer.prepare_batch(b) for b in batches]
+            n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), trainer.mesh.dp_cp_mesh,
+                                          trainer.device)
+            value = float(pipeline_forward_backward(trainer, prepared, n_global, train=False))
+    finally:
+        trainer.model.train(was_training)
     return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),
             "eval_tokens": int(n_global)}

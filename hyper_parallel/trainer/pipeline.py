@@ -1,6 +1,7 @@
-"""The trainer's pipeline-parallel path (``accelerator.pp_size > 1``): what it does not combine with yet
-(:func:`check_pipeline_run`, local, before anything is built) and the step's forward and backward
-through :mod:`hyper_parallel.distributed.pipeline_parallel` (:func:`pipeline_forward_backward`).
+"""The trainer's pipeline-parallel path (``accelerator.pp_size > 1``): a schedule the sizes cannot run is
+refused (:func:`check_pipeline_run`, local, before anything is built); the step's forward and backward,
+and an evaluation's forward, go through :mod:`hyper_parallel.distributed.pipeline_parallel`
+(:func:`pipeline_forward_backward`).
 
 Each rank holds one stage (cut in ``setup_distributed``); a step's micro-batches are the schedule's
 microbatches (``schedule.grad_accum_steps``), each sharded for the stage's CP group by the trainer's
@@ -8,7 +9,6 @@ batch contract; the gradient norm is taken over every stage. docs/pipeline_paral
 """
 from __future__ import annotations
 
-from ..distributed.errors import CPConfigError
 from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, check_schedule
 
 __all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "make_pipeline", "pipeline_forward_backward"]
@@ -22,19 +22,16 @@ def virtual_stages(schedule) -> int:
 
 
 def check_pipeline_run(cfg) -> None:
-    """CPConfigError naming the field for what ``pp_size > 1`` does not run with yet, and for a schedule
-    the declared sizes cannot run (:func:`~...pipeline_parallel.check_schedule`)."""
+    """CPConfigError naming the field for a schedule the declared sizes cannot run
+    (:func:`~...pipeline_parallel.check_schedule`): the step's micro-batches and, with evaluation on,
+    an evaluation's."""
     pp = cfg.accelerator.pp_size
     if pp == 1:
         return
     acc, sch = cfg.accelerator, cfg.schedule
-    for field, on in (("accelerator.tp_size", acc.tp_size > 1), ("accelerator.ep_size", acc.ep_size > 1),
-                      ("schedule.activation_offload", sch.activation_offload),
-                      ("schedule.tiled_mlp", sch.tiled_mlp), ("data.eval_every", cfg.data.eval_every is not None)):
-        if on:
-            raise CPConfigError(field, f"is not combined with accelerator.pp_size={pp} yet (docs/pipeline_parallel.md, "
-                                "'Not yet')", fix=f"set accelerator.pp_size: 1, or leave {field} at its default")
     check_schedule(sch.pipeline, pp, sch.grad_accum_steps, virtual_stages(sch))
+    if cfg.data.eval_every is not None:     # an evaluation runs its micro-batches through the same schedule
+        check_schedule(sch.pipeline, pp, cfg.data.eval_batches, virtual_stages(sch), field="data.eval_batches")
 
 
 def adopt_stage(setup, model):
@@ -55,10 +52,10 @@ def make_pipeline(trainer) -> PipelineStep:
                         device=trainer.device, activation_dtype=torch.bfloat16 if bf16 else None)
 
 
-def pipeline_forward_backward(trainer, prepared: list, n_global):
-    """Forward and backward of the step's prepared micro-batches through the schedule; returns the
-    step's global mean loss (every rank)."""
+def pipeline_forward_backward(trainer, prepared: list, n_global, train: bool = True):
+    """Forward and backward (``train=False``: forward only, an evaluation) of the prepared micro-batches
+    through the schedule; returns their global mean loss (every rank)."""
     items = [{"input_ids": p.inputs["input_ids"], "position_ids": p.inputs["position_ids"],
               "shift_labels": p.shift_labels, "meta": p.meta, "num_valid_tokens": p.num_valid_tokens}
              for p in prepared]
-    return trainer.pipeline.run(items, n_global)
+    return trainer.pipeline.run(items, n_global, train=train)

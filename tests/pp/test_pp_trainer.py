@@ -1,8 +1,9 @@
 """The trainer at accelerator.pp_size > 1 (trainer/pipeline.py): PP=2 x CP=2 on 4 ranks against one rank,
 the same YAML otherwise (meta build, FSDP2 on each stage, AdamW, gradient clipping, 2 microbatches per
-step; activation checkpointing inside the stages): every step's loss, the HF export (one plain transformers directory), a checkpoint written at
-PP=2 resumed at PP=1 and at PP=2 with the next losses of the uninterrupted run; and what the trainer
-refuses with a pipeline, before anything is built."""
+step): every step's loss with activation checkpointing, interleaved 1F1B, bf16, TP, EP, the tiled MLP
+with activation offload, and evaluation; the HF export (one plain transformers directory); a
+checkpoint written at PP=2 resumed at PP=1 and at PP=2 with the next losses of the uninterrupted run;
+and a schedule the sizes cannot run, refused before anything is built."""
 from __future__ import annotations
 
 import pytest
@@ -74,16 +75,50 @@ def test_trainer_pp2_cp2_bf16_equals_one_rank_bf16(ranks, tmp_path):
     assert len(one["losses"]) == 3 and rel <= BF16_LOSS_RTOL
 
 
-NOT_YET = [("accelerator.tp_size", {"accelerator__tp_size": 2}),
-           ("schedule.tiled_mlp", {"schedule__tiled_mlp": True}),
-           ("schedule.activation_offload", {"schedule__activation_offload": True, "schedule__activation_checkpointing": True})]
+COMBOS = [  # (name, world, arch, overrides): PP2 x CP2 with another parallelism or memory feature
+    ("tp2", 8, "llama", {"accelerator__tp_size": 2}),
+    ("ep2", 4, "qwen3_moe", {"accelerator__ep_size": 2}),
+    ("tiled_mlp_offload", 4, "llama", {"schedule__tiled_mlp": True, "schedule__tiled_mlp_chunk_size": 16,
+                                      "schedule__activation_checkpointing": True, "schedule__activation_offload": True}),
+]
 
 
-@pytest.mark.parametrize("field,extra", NOT_YET, ids=[f for f, _e in NOT_YET])
-def test_what_the_pipeline_does_not_run_with_yet_is_refused_by_name(field, extra, tmp_path):
-    cfg = TrainerConfig.from_dict(_cfg(2, tmp_path, **extra))
-    with pytest.raises(CPConfigError, match=rf"\[{field}\] is not combined with accelerator.pp_size=2 yet"):
-        check_pipeline_run(cfg)
+@pytest.mark.parametrize("name,world,arch,extra", COMBOS, ids=[c[0] for c in COMBOS])
+def test_trainer_pp2_cp2_beside_tp_ep_and_memory_features_equals_one_rank(ranks, tmp_path, name, world, arch, extra):
+    """TP 2 inside each stage (8 ranks), EP 2 over each stage's dense ranks (Qwen3-MoE), the tiled MLP
+    with activation offload: 3 AdamW steps against the same model on one rank."""
+    def cfg(pp, out, **kw):
+        return TW.make_cfg(arch, cp=2 if pp > 1 else 1, steps=3, ga=2, out_dir=str(out), accelerator__pp_size=pp,
+                           model__config=dict(LAYERS), **kw)
+
+    [one] = ranks(1).run(TW.train_losses, cfg(1, tmp_path / "one"), timeout=600)
+    got = ranks(world).run(TW.train_losses, cfg(2, tmp_path / "pp2", **extra), timeout=600)
+    rel = _rel(got[0]["losses"], one["losses"])
+    print(f"{name} ({arch}): pp1 {one['losses']}\n  pp2 x cp2 {got[0]['losses']}\n  max rel {rel:.2e} (tol {RTOL:g})")
+    assert all(r["losses"] == got[0]["losses"] for r in got) and len(one["losses"]) == 3 and rel <= RTOL
+
+
+def test_trainer_pp2_cp2_evaluates_like_one_rank(ranks, tmp_path):
+    """Held-out evaluation through the schedule's forward (packed documents from files): the same eval
+    losses as one rank, beside the training losses."""
+    from tests.trainer import _data_workers as D
+
+    docs = D.short_docs_jsonl(str(tmp_path / "docs.jsonl"), n_docs=24, lo=10, hi=150)
+    data = D.data_cfg(docs, str(tmp_path / "cache"), seq_len=64, micro_batch_size=2, eval_fraction=0.1,
+                      eval_every=2, eval_batches=2)
+
+    def cfg(pp, name):
+        c = D.trainer_cfg(data, steps=4, ga=2, cp=2 if pp > 1 else 1, out_dir=str(tmp_path / name),
+                          accelerator__pp_size=pp)
+        c["model"]["config"].update(LAYERS)
+        return c
+
+    [one] = ranks(1).run(D.resume_run, cfg(1, "one"), 4, timeout=600)
+    got = ranks(4).run(D.resume_run, cfg(2, "pp2"), 4, timeout=600)
+    ev = max(abs(got[0]["eval"][k] - v) / abs(v) for k, v in one["eval"].items())
+    rel = _rel(got[0]["losses"], one["losses"])
+    print(f"evaluation: pp1 {one['eval']} vs pp2 x cp2 {got[0]['eval']} (max rel {ev:.2e}); losses max rel {rel:.2e}")
+    assert sorted(one["eval"]) == sorted(got[0]["eval"]) == [2, 4] and ev <= RTOL and rel <= RTOL
 
 
 def test_a_schedule_the_sizes_cannot_run_is_refused_by_name(tmp_path):
@@ -94,4 +129,11 @@ def test_a_schedule_the_sizes_cannot_run_is_refused_by_name(tmp_path):
                                                     schedule__pipeline="gpipe")))
     with pytest.raises(CPConfigError, match=r"schedule\.pipeline"):
         TrainerConfig.from_dict(_cfg(2, tmp_path, schedule__pipeline="zero_bubble"))
+    from tests.trainer import _data_workers as D     # an evaluation's micro-batches run the same schedule
+
+    data = D.data_cfg(D.short_docs_jsonl(str(tmp_path / "d.jsonl"), n_docs=8), str(tmp_path / "c"),
+                      eval_fraction=0.2, eval_every=2, eval_batches=1)
+    ev = D.trainer_cfg(data, ga=2, cp=2, accelerator__pp_size=2, out_dir=str(tmp_path / "e"))
+    with pytest.raises(CPConfigError, match=r"\[data\.eval_batches\] 1f1b with pp_size=2 needs at least 2"):
+        check_pipeline_run(TrainerConfig.from_dict(ev))
 

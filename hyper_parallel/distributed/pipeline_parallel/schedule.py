@@ -39,7 +39,8 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": S
 INTERLEAVED = ("interleaved_1f1b",)
 
 
-def check_schedule(name: str, pp_size: int, microbatches: int, virtual: int = 1) -> type:
+def check_schedule(name: str, pp_size: int, microbatches: int, virtual: int = 1,
+                   field: str = "schedule.grad_accum_steps") -> type:
     """The schedule class for ``name``; CPConfigError (before any collective) for an unknown name, a
     number of stages per rank (``virtual``) the schedule does not take (2 or more for the interleaved
     one, 1 otherwise), or a microbatch count it cannot run (1F1B: at least ``pp_size``; interleaved:
@@ -55,7 +56,7 @@ def check_schedule(name: str, pp_size: int, microbatches: int, virtual: int = 1)
     if microbatches < 1 or (name == "1f1b" and microbatches < pp_size) or (name in INTERLEAVED and microbatches % rounds):
         need = (f"at least {pp_size}" if name == "1f1b" else f"a multiple of max(1, microbatches // {pp_size})"
                 if name in INTERLEAVED else "at least 1")
-        raise CPConfigError("schedule.grad_accum_steps", f"{name} with pp_size={pp_size} needs {need} microbatches "
+        raise CPConfigError(field, f"{name} with pp_size={pp_size} needs {need} microbatches "
                             f"per step, got {microbatches}",
                             fix=f"use {pp_size} or a multiple of it as the microbatch count (the gradient-accumulation count)")
     return SCHEDULES[name]
@@ -115,11 +116,12 @@ class PipelineStep:
                           "num_valid_tokens": x.num_valid_tokens_local})
         return self.run(local)
 
-    def run(self, local: list, n_global=None) -> torch.Tensor:
+    def run(self, local: list, n_global=None, *, train: bool = True) -> torch.Tensor:
         """:meth:`__call__` on microbatches already sharded for this CP rank: dicts of ``input_ids``,
         ``position_ids``, ``shift_labels`` (``[b, L]``), ``meta`` (the CP batch meta) and
         ``num_valid_tokens``; ``n_global``: the step's valid-token count over the stage's DP x CP ranks
-        (None: counted here, one all-reduce)."""
+        (None: counted here, one all-reduce). ``train=False``: forward only (the schedule's ``eval``;
+        evaluation), nothing accumulated."""
         mesh = self.mesh
         shapes = {tuple(x["position_ids"].shape[-2:]) for x in local}
         if len(shapes) != 1:
@@ -141,8 +143,9 @@ class PipelineStep:
                 stack.enter_context(_per_microbatch(pipe, [x["meta"] for x in local]))
             args = (cat["input_ids"],) if self.stage.is_first else ()
             target = torch.zeros(len(local), device=self.device) if self.stage.is_last else None
-            sched.step(*args, target=target, losses=losses, return_outputs=False, position_ids=cat["position_ids"],
-                       shift_labels=cat["shift_labels"])
+            run = sched.step if train else sched.eval
+            run(*args, target=target, losses=losses, return_outputs=False, position_ids=cat["position_ids"],
+                shift_labels=cat["shift_labels"])
         # the loss value: the last stage's (scaled) sums, back to sum / n_global, shared over pp and dp x cp
         value = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.stage.is_last:

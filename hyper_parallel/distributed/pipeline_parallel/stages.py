@@ -152,6 +152,12 @@ class StageModule(nn.Module):
         self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
         self.loss_scale = 1.0
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The decoder (``model``), as transformers names it: the TP / EP plans declared under the base
+        model's prefix (``config.base_model_tp_plan`` / ``base_model_ep_plan``) resolve on a stage too."""
+        return self.model
+
     def stages(self) -> list:
         """One module per stage of this rank (in stage order) whose call is ``self(..., chunk=k)``."""
         return [_StageCall(self, k) for k in range(self.virtual)]
