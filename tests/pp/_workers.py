@@ -129,3 +129,17 @@ def pp_cp_train(arch: str, method: str = "colossal", pp: int = 2, dp_shard: int 
             err, worst = e, name
     return {"losses": losses, "ref_losses": ref_losses, "params": err / moved, "params_abs": err, "worst": worst,
             "layers": [i for r in stage.layer_chunks for i in r], "names": len(names), "pp_rank": pp_rank}
+
+
+def pp_setup(layers: int) -> list:
+    """Plan and cut a PP=2 x CP=2 tiny Llama of ``layers`` decoder layers (this rank's value) through
+    setup_distributed; -> the layers of this rank's stage."""
+    from hyper_parallel.distributed.config import AcceleratorConfig
+    from hyper_parallel.distributed.infrastructure import setup_distributed
+
+    cfg, impl = _config("llama", layers)
+    model, _ref = build_from_config(cfg, impl)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": METHODS["colossal"][1]}]
+    setup = setup_distributed(AcceleratorConfig(cp_size=2, pp_size=2), entry, model)
+    return [i for r in setup.stage.layer_chunks for i in r]

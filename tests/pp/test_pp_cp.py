@@ -133,3 +133,17 @@ def test_the_mesh_takes_a_pipeline_dimension():
     MeshSizes(pp=2, cp=2).check(4)
     with pytest.raises(ValueError, match=r"pp\(2\) x dp_replicate\(1\) x dp_shard\(1\) x cp\(2\) x tp\(1\) = 4"):
         MeshSizes(pp=2, cp=2).check(8)
+
+
+def test_a_model_one_rank_cannot_cut_fails_every_rank_before_any_collective(ranks):
+    """One rank's model has a single layer (fewer than the 2 stages): every rank fails in the agreed plan
+    step, the others naming that rank; with 4 layers everywhere each pp rank gets its two."""
+    from hyper_parallel.distributed.errors import PreflightError
+
+    from tests.pp._workers import pp_setup
+
+    pool = ranks(4)
+    outs = pool.outcomes(pp_setup, rank_args=[(4,), (4,), (4,), (1,)], timeout=120)
+    assert isinstance(outs[3], CPConfigError) and "fewer than pp_size=2" in str(outs[3]), outs
+    assert all(isinstance(o, PreflightError) and "rank 3" in str(o) for o in outs[:3]), outs
+    assert pool.run(pp_setup, 4) == [[0, 1], [0, 1], [2, 3], [2, 3]]
