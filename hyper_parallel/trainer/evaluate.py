@@ -55,7 +55,7 @@ def _evaluate_pipeline(trainer, batches: list, was_training: bool) -> dict:
             prepared = [trainer.prepare_batch(b) for b in batches]
             n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), trainer.mesh.dp_cp_mesh,
                                           trainer.device)
-            value = float(pipeline_forward_backward(trainer, prepared, n_global, train=False))
+            value = float(pipeline_forward_backward(trainer, prepared, n_global, train=False)[0])
     finally:
         trainer.model.train(was_training)
     return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),

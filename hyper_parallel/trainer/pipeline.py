@@ -9,7 +9,8 @@ batch contract; the gradient norm is taken over every stage. docs/pipeline_paral
 """
 from __future__ import annotations
 
-from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, check_schedule
+from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, StageRouterLoss, check_schedule
+from .router_loss import router_spec, stage_router_stats, valid_input_mask
 
 __all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "make_pipeline", "pipeline_forward_backward"]
 
@@ -42,20 +43,52 @@ def adopt_stage(setup, model):
 
 
 def make_pipeline(trainer) -> PipelineStep:
-    """The trainer's :class:`~...pipeline_parallel.PipelineStep` (its stage, schedule, batch policy)."""
-    cfg = trainer.cfg
+    """The trainer's :class:`~...pipeline_parallel.PipelineStep` (its stage, schedule, batch policy), with
+    the MoE router loss across stages when the model's objective has it (:mod:`.router_loss`'s domain)."""
     import torch
 
+    cfg, mesh = trainer.cfg, trainer.mesh
+    spec = router_spec(trainer)
+    trainer.router_masks = []                       # valid-token masks of the step's micro-batches
+    if spec is not None:
+        local = spec.domain == "local_micro_batch"
+        domain = (mesh.cp_mesh if trainer.cp_size > 1 else None) if local else mesh.dp_cp_mesh
+        trainer.model.router = StageRouterLoss(spec.num_experts, stage_router_stats(spec, domain, trainer.router_masks))
     bf16 = cfg.schedule.mixed_precision == "bf16"      # FSDP2's policy computes (and passes on) bf16
-    return PipelineStep(trainer.model, trainer.mesh, cfg.schedule.pipeline, policy=trainer.cp_policy,
+    return PipelineStep(trainer.model, mesh, cfg.schedule.pipeline, policy=trainer.cp_policy,
                         packed_documents=cfg.data.packed_documents, grad_scale=trainer.grad_scale,
-                        device=trainer.device, activation_dtype=torch.bfloat16 if bf16 else None)
+                        device=trainer.device, activation_dtype=torch.bfloat16 if bf16 else None,
+                        without_router_loss=spec is None)
 
 
-def pipeline_forward_backward(trainer, prepared: list, n_global, train: bool = True):
-    """Forward and backward (``train=False``: forward only, an evaluation) of the prepared micro-batches
-    through the schedule; returns their global mean loss (every rank)."""
+def pipeline_forward_backward(trainer, prepared: list, n_global, train: bool = True, router_weight=None):
+    """Forward and backward (``train=False``: forward only, an evaluation, without the router loss) of
+    the prepared micro-batches through the schedule. Returns ``(loss, router)``: their global mean
+    token loss (every rank) and, with the router loss (``router_weight``: a micro-batch's weight in the
+    step's, as :func:`.step.run_step` forms it), ``(sum over micro-batches of weight x aux, the token
+    counts per expert summed over them)`` on every rank (else None)."""
+    import torch
+
+    from ..platform import all_reduce
+
     items = [{"input_ids": p.inputs["input_ids"], "position_ids": p.inputs["position_ids"],
               "shift_labels": p.shift_labels, "meta": p.meta, "num_valid_tokens": p.num_valid_tokens}
              for p in prepared]
-    return trainer.pipeline.run(items, n_global, train=train)
+    stage, spec = trainer.model, router_spec(trainer)
+    router = stage.router
+    if router_weight is None or not train:
+        stage.router = None
+        try:
+            return trainer.pipeline.run(items, n_global, train=train), None
+        finally:
+            stage.router = router
+    weight = router_weight
+    router.scale, router.values[:] = spec.coef * weight * trainer.grad_scale, []
+    trainer.router_masks[:] = [valid_input_mask(p, trainer.device) for p in prepared]
+    loss = trainer.pipeline.run(items, n_global)
+    E = spec.num_experts
+    total = torch.zeros(E + 1, dtype=torch.float32, device=trainer.device)
+    for aux, counts in router.values:               # the last stage's record of each micro-batch
+        total += torch.cat([(aux * weight).reshape(1), counts.float()]).to(total.device)
+    total = all_reduce(total, trainer.mesh.pp_mesh.get_group())
+    return loss, (total[0], total[1:])

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..distributed.errors import CPConfigError
 
 __all__ = ["RouterLossSpec", "router_loss_spec", "router_spec", "RouterStats", "local_router_stats", "router_aux_from_stats",
-           "DOMAINS"]
+           "stage_router_stats", "DOMAINS"]
 
 DOMAINS = ("global_micro_batch", "local_micro_batch")
 
@@ -171,6 +171,23 @@ def _group(mesh):
         return None
     group = mesh.get_group() if hasattr(mesh, "get_group") else mesh
     return None if dist.get_world_size(group) == 1 else group
+
+
+def stage_router_stats(spec: RouterLossSpec, mesh, masks: list):
+    """For a pipeline stage (``pipeline_parallel.router``): ``stats(router_logits, microbatch)`` -> the
+    ``(counts, prob_sum, rows)`` of the stage's layers summed over the domain ``mesh`` (``prob_sum``
+    with the identity-backward sum, as :func:`router_aux_from_stats`), over the valid tokens of
+    ``masks[microbatch]`` (:func:`valid_input_mask` of each micro-batch of the step, filled per step)."""
+    from ..distributed.context_parallel.collectives import all_reduce_sum_replicated
+
+    E = spec.num_experts
+
+    def stats(router_logits, microbatch: int):
+        st = local_router_stats(router_logits, spec, masks[microbatch])
+        packed = torch.cat([st.counts.detach(), st.prob_sum, st.rows.detach().reshape(1)])
+        total = all_reduce_sum_replicated(packed, _group(mesh), tag="router_loss.stage_stats")
+        return total[:E].detach(), total[E:2 * E], total[2 * E].detach()
+    return stats
 
 
 def router_aux_from_stats(stats: RouterStats, spec: RouterLossSpec, mesh) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,8 +114,11 @@ def run_step(trainer, micro_batches: list[dict], probe: StepProbe | None = None)
     logits_out = [] if probe and probe.logits else None
     # pp_size > 1: the schedule runs every micro-batch's forward and backward (trainer/pipeline.py)
     pipelined = trainer.pipeline is not None
-    if pipelined:
-        pipeline_loss = pipeline_forward_backward(trainer, prepared, n_global)   # the global mean, every rank
+    if pipelined:     # the global mean (every rank); the router loss formed across the stages
+        pipeline_loss, router = pipeline_forward_backward(trainer, prepared, n_global,
+                                                          router_weight=weight if spec is not None else None)
+        if router is not None:
+            router_total, counts_total = router
     for p in ([] if pipelined else prepared):
         # forward -> local loss -> backward, all inside the batch's CP context
         with trainer.batch_context(p):

@@ -143,3 +143,13 @@ def pp_setup(layers: int) -> list:
               "inner_wrapper": METHODS["colossal"][1]}]
     setup = setup_distributed(AcceleratorConfig(cp_size=2, pp_size=2), entry, model)
     return [i for r in setup.stage.layer_chunks for i in r]
+
+
+def train_router(cfg: dict) -> dict:
+    """The trainer's per-step losses, router losses and tokens per expert over ``schedule.steps``."""
+    from hyper_parallel.trainer.config import TrainerConfig
+    from hyper_parallel.trainer.text import TextTrainer
+
+    res = TextTrainer(TrainerConfig.from_dict(cfg)).train()
+    return {"losses": [r.loss for r in res], "router": [r.router_loss for r in res],
+            "tokens": res[-1].expert_load["tokens_per_expert"]}

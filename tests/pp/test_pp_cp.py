@@ -96,9 +96,6 @@ REFUSED = [
     ("fewer layers", lambda: T.LlamaForCausalLM(T.LlamaConfig(**dict(_COMMON, num_hidden_layers=1,
                                                                       tie_word_embeddings=False))), "fewer than"),
     ("shared layers", _shared_layers, "share parameter"),
-    ("router loss", lambda: T.MixtralForCausalLM(T.MixtralConfig(**dict(_COMMON, tie_word_embeddings=False),
-                                                                 num_local_experts=2, output_router_logits=True)),
-     "output_router_logits"),
     ("softcap", lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**dict(_COMMON, head_dim=16, tie_word_embeddings=False))),
      "final_logit_softcapping"),
     ("embeds scaled in forward", lambda: _scaled_inputs_embeds(), "transforms inputs_embeds"),
@@ -147,3 +144,15 @@ def test_a_model_one_rank_cannot_cut_fails_every_rank_before_any_collective(rank
     assert isinstance(outs[3], CPConfigError) and "fewer than pp_size=2" in str(outs[3]), outs
     assert all(isinstance(o, PreflightError) and "rank 3" in str(o) for o in outs[:3]), outs
     assert pool.run(pp_setup, 4) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_a_router_loss_the_stage_cannot_compute_is_refused_before_any_collective():
+    """Through the API, a MoE model whose objective has the router loss needs the stage's StageRouterLoss
+    (the trainer sets it): without it a step is refused, not run without the loss."""
+    from hyper_parallel.distributed.pipeline_parallel import PipelineStep
+
+    model = T.MixtralForCausalLM(T.MixtralConfig(**dict(_COMMON, tie_word_embeddings=False), num_local_experts=2,
+                                                 output_router_logits=True))
+    step = PipelineStep(build_stage(model, 0, 2), mesh=None)
+    with pytest.raises(CPConfigError, match=r"\[model.config.output_router_logits\] .* no StageRouterLoss"):
+        step.run([])

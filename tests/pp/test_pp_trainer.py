@@ -98,6 +98,26 @@ def test_trainer_pp2_cp2_beside_tp_ep_and_memory_features_equals_one_rank(ranks,
     assert all(r["losses"] == got[0]["losses"] for r in got) and len(one["losses"]) == 3 and rel <= RTOL
 
 
+def test_trainer_pp2_cp2_moe_router_loss_equals_one_rank(ranks, tmp_path):
+    """Qwen3-MoE with its router load-balancing loss (output_router_logits): the statistics of every
+    stage's routers travel with the hidden states and the totals come back with the gradients
+    (pipeline_parallel/router.py), under 1f1b and interleaved 1F1B: losses, router losses and tokens
+    per expert of one rank."""
+    from tests.pp._workers import train_router
+
+    def cfg(pp, out, **kw):
+        return TW.make_cfg("qwen3_moe", cp=2 if pp > 1 else 1, steps=3, ga=2, out_dir=str(out), accelerator__pp_size=pp,
+                           model__config=dict(LAYERS, output_router_logits=True), **kw)
+
+    [one] = ranks(1).run(train_router, cfg(1, tmp_path / "one"), timeout=600)
+    for pipeline in ("1f1b", "interleaved_1f1b"):
+        got = ranks(4).run(train_router, cfg(2, tmp_path / pipeline, schedule__pipeline=pipeline), timeout=600)
+        rel, rrel = _rel(got[0]["losses"], one["losses"]), _rel(got[0]["router"], one["router"])
+        print(f"router loss, {pipeline}: losses {got[0]['losses']} vs {one['losses']} (max rel {rel:.2e}); router "
+              f"{got[0]['router']} vs {one['router']} (max rel {rrel:.2e}); tokens per expert {got[0]['tokens']}")
+        assert all(r == got[0] for r in got) and rel <= RTOL and rrel <= RTOL and got[0]["tokens"] == one["tokens"]
+
+
 def test_trainer_pp2_cp2_evaluates_like_one_rank(ranks, tmp_path):
     """Held-out evaluation through the schedule's forward (packed documents from files): the same eval
     losses as one rank, beside the training losses."""

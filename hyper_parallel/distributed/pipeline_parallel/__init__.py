@@ -2,7 +2,8 @@
 (:mod:`.stages`), run by ``torch.distributed.pipelining`` schedules with CP inside each stage
 (:mod:`.schedule`). docs/pipeline_parallel.md."""
 from .schedule import INTERLEAVED, SCHEDULES, PipelineStep, check_schedule, reduce_stage_grads
+from .router import StageRouterLoss
 from .stages import StageModule, build_stage, check_pipelinable, stage_layers
 
-__all__ = ["INTERLEAVED", "SCHEDULES", "PipelineStep", "StageModule", "build_stage", "check_pipelinable", "check_schedule",
+__all__ = ["INTERLEAVED", "SCHEDULES", "PipelineStep", "StageModule", "StageRouterLoss", "build_stage", "check_pipelinable", "check_schedule",
            "reduce_stage_grads", "stage_layers"]

@@ -70,13 +70,15 @@ class PipelineStep:
     means (as for ``shard_batch_for_cp``). ``grad_scale``: the factor the gradient reduction divides
     by (FSDP2's mean over the stage's DP x CP ranks: its size; 1 with :func:`reduce_stage_grads`).
     ``activation_dtype``: the dtype of the hidden states passed between stages (default: the
-    parameters'; bf16 under FSDP2's bf16 mixed-precision policy)."""
+    parameters'; bf16 under FSDP2's bf16 mixed-precision policy). A model whose objective has the MoE
+    router loss (``output_router_logits``) needs ``stage.router`` (router.py), unless the caller trains
+    without it on purpose (``without_router_loss``)."""
 
     def __init__(self, stage: StageModule, mesh, schedule: str = "1f1b", *, policy="all_gather",
                  packed_documents: Optional[str] = None, grad_scale: float = 1.0, device=None,
-                 activation_dtype: Optional[torch.dtype] = None):
+                 activation_dtype: Optional[torch.dtype] = None, without_router_loss: bool = False):
         self.stage, self.mesh, self.name = stage, mesh, schedule
-        self.activation_dtype = activation_dtype
+        self.activation_dtype, self.without_router_loss = activation_dtype, without_router_loss
         self.policy, self.documents, self.grad_scale = policy, packed_documents, float(grad_scale)
         self.device = torch.device(device or "cpu")
         self._pipes: dict = {}
@@ -84,7 +86,7 @@ class PipelineStep:
     def _pipe(self, n: int, b: int, L: int, dtype: torch.dtype):
         """(PipelineStages of this rank, schedule) for ``n`` microbatches of ``b`` rows of ``L`` local
         tokens (static shapes: no shape-inference run); cached per shape."""
-        key = (n, b, L, dtype)
+        key = (n, b, L, dtype, self.stage.router is not None)
         if key not in self._pipes:
             st = self.stage
             cls = check_schedule(self.name, st.pp_size, n, st.virtual)
@@ -92,11 +94,14 @@ class PipelineStep:
             # requires_grad: the received activations must carry their gradient back to the previous stage
             hidden = torch.empty(b, L, H, dtype=dtype, device=self.device, requires_grad=True)
             loss = torch.empty((), dtype=torch.float32, device=self.device, requires_grad=True)
+            # with the router loss, the router statistics [2E + 1] travel beside the hidden states (router.py)
+            carried = (hidden,) if st.router is None else (
+                hidden, torch.empty(2 * st.router.num_experts + 1, device=self.device, requires_grad=True))
             pipes = []
             for call, sid in zip(st.stages(), st.stage_ids):
-                inp = torch.empty(b, L, dtype=torch.long, device=self.device) if sid == 0 else hidden
+                inp = (torch.empty(b, L, dtype=torch.long, device=self.device),) if sid == 0 else carried
                 pipes.append(PipelineStage(call, sid, total, self.device, input_args=inp,
-                                           output_args=loss if sid == total - 1 else hidden,
+                                           output_args=loss if sid == total - 1 else carried,
                                            group=self.mesh.pp_mesh.get_group()))
             loss_fn = lambda loss, _target: loss     # noqa: E731 - the last stage returns the scaled loss
             sched = (cls(pipes, n_microbatches=n, loss_fn=loss_fn, scale_grads=False) if st.virtual > 1 else
@@ -122,6 +127,12 @@ class PipelineStep:
         ``num_valid_tokens``; ``n_global``: the step's valid-token count over the stage's DP x CP ranks
         (None: counted here, one all-reduce). ``train=False``: forward only (the schedule's ``eval``;
         evaluation), nothing accumulated."""
+        if self.stage.router is None and getattr(self.stage.config, "output_router_logits", False) \
+                and train and not self.without_router_loss:
+            raise CPConfigError("model.config.output_router_logits", "the model's objective has the MoE router loss, "
+                                "but the stage has no StageRouterLoss to compute it across stages",
+                                fix="set stage.router (pipeline_parallel.router.StageRouterLoss), or "
+                                    "output_router_logits: false")
         mesh = self.mesh
         shapes = {tuple(x["position_ids"].shape[-2:]) for x in local}
         if len(shapes) != 1:
@@ -140,7 +151,7 @@ class PipelineStep:
         losses: list = []
         with contextlib.ExitStack() as stack:
             for pipe in pipes:
-                stack.enter_context(_per_microbatch(pipe, [x["meta"] for x in local]))
+                stack.enter_context(_per_microbatch(pipe, [x["meta"] for x in local], self.stage.router))
             args = (cat["input_ids"],) if self.stage.is_first else ()
             target = torch.zeros(len(local), device=self.device) if self.stage.is_last else None
             run = sched.step if train else sched.eval
@@ -148,21 +159,27 @@ class PipelineStep:
                 shift_labels=cat["shift_labels"])
         # the loss value: the last stage's (scaled) sums, back to sum / n_global, shared over pp and dp x cp
         value = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.stage.is_last:
-            value = torch.stack([x.detach().float() for x in losses]).sum() / self.grad_scale
+        if self.stage.is_last:      # the token loss only: the router loss (router.py) is reported apart
+            total = torch.stack([x.detach().float() for x in losses]).sum()
+            if self.stage.router is not None and train:
+                total = total - sum(aux for aux, _counts in self.stage.router.values) * self.stage.router.scale
+            value = total / self.grad_scale
         value = P.all_reduce(value, mesh.dp_cp_mesh.get_group())
         return P.all_reduce(value, mesh.pp_mesh.get_group())
 
 
 @contextlib.contextmanager
-def _per_microbatch(pipe: PipelineStage, metas: list):
-    """Run each microbatch's forward and backward of ``pipe`` inside its own CP batch context."""
+def _per_microbatch(pipe: PipelineStage, metas: list, router=None):
+    """Run each microbatch's forward and backward of ``pipe`` inside its own CP batch context (and
+    tell the router loss which microbatch a forward is)."""
     fwd, bwd = pipe.forward_one_chunk, pipe.backward_one_chunk
 
     def context(i: int):     # no meta: CP=1 with no method installed (the model's own forward)
         return contextlib.nullcontext() if metas[i] is None else cp_batch_context(metas[i])
 
     def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        if router is not None:
+            router.microbatch = fwd_chunk_id
         with context(fwd_chunk_id):
             return fwd(fwd_chunk_id, *args, **kwargs)
 

@@ -10,11 +10,14 @@ in every stage from the microbatch's ``position_ids``. A model this cannot cut e
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 from ...ops.tiled_loss import tiled_lm_loss
 from ..errors import CPConfigError
+from .router import StageRouterLoss, carry_router_stats, check_router_logits, router_aux, routers_in
 
 __all__ = ["StageModule", "build_stage", "check_pipelinable", "stage_layers"]
 
@@ -39,8 +42,7 @@ def _fail(field: str, msg: str, fix: str):
 def check_pipelinable(model: nn.Module, pp_size: int) -> None:
     """Raise CPConfigError (nothing built, no collective) when ``model`` cannot be cut into
     ``pp_size`` stages that compute what the whole model computes: no ``base_model_pp_plan`` or not
-    its three cut points, fewer layers than stages, tied input/output embeddings, a MoE router loss
-    (``output_router_logits``), a parameter shared by two layers (Zamba2's shared block), a head
+    its three cut points, fewer layers than stages, tied input/output embeddings, a parameter shared by two layers (Zamba2's shared block), a head
     post-processing, or a model-level transformation of
     ``inputs_embeds`` (the later stages' input) that is not the identity."""
     cfg = getattr(model, "config", None)
@@ -57,9 +59,6 @@ def check_pipelinable(model: nn.Module, pp_size: int) -> None:
     if getattr(cfg, "tie_word_embeddings", False) and pp_size > 1:
         _fail("model.config.tie_word_embeddings", f"{kind} ties its input and output embeddings, which live on the "
               "first and the last stage", "untie them (model.config.tie_word_embeddings: false) or pp_size: 1")
-    if getattr(cfg, "output_router_logits", False):
-        _fail("model.config.output_router_logits", f"{kind}: the MoE router loss is computed by the whole model's "
-              "forward, which no pipeline stage runs", "set output_router_logits: false or pp_size: 1")
     post = [k for k in _HEAD_POST if getattr(cfg, k, None) not in (None, 1, 1.0)]
     if post:
         _fail(f"model.config.{post[0]}", f"{kind}: the pipeline's last stage computes plain cross-entropy of "
@@ -116,12 +115,14 @@ class StageModule(nn.Module):
     place; names kept): stages ``pp_rank + k * pp_size`` for ``k < virtual`` (one per rank without
     interleaving), their layers together under the whole model's names.
 
-    ``forward(x, position_ids, shift_labels, chunk=0)`` runs stage ``chunk`` of this rank: ``x`` is
-    ``input_ids [b, L]`` for stage 0 and the previous stage's hidden states ``[b, L, H]`` otherwise;
-    ``L`` is the CP-local length. Returns the hidden states ``[b, L, H]``, or for the last stage the scalar
-    ``loss_scale * sum`` of the token cross-entropies of ``shift_labels`` (``ignore_index`` -100 counts
-    0), tiled so that no ``[L, vocab]`` logits exist; ``loss_scale`` is set per step by the schedule (1 /
-    the global token count x the gradient domain's factor). Every stage runs through this module's own
+    ``forward(x, stats=None, *, position_ids, shift_labels, chunk=0)`` runs stage ``chunk`` of this rank:
+    ``x`` is ``input_ids [b, L]`` for stage 0 and the previous stage's hidden states ``[b, L, H]``
+    otherwise; ``L`` is the CP-local length. Returns the hidden states ``[b, L, H]``, or for the last
+    stage the scalar ``loss_scale * sum`` of the token cross-entropies of ``shift_labels``
+    (``ignore_index`` -100 counts 0), tiled so that no ``[L, vocab]`` logits exist; ``loss_scale`` is set
+    per step by the schedule (1 / the global token count x the gradient domain's factor). With
+    :attr:`router` set (the MoE router loss), ``stats`` / the second output are the router statistics
+    passed between stages and the last stage adds the loss (router.py). Every stage runs through this module's own
     call (FSDP2's hooks on it unshard what the stage needs); :meth:`stages` gives the module the
     pipeline schedule calls for each."""
 
@@ -145,12 +146,15 @@ class StageModule(nn.Module):
         if not self.is_last:
             inner.norm = nn.Identity()
         self.model = inner
+        _install_output_hooks(inner)          # on every layer of the rank, before a forward runs on a subset
         self.lm_head = causal_lm.lm_head if self.is_last else None
         self.layer_range = range(chunks[0].start, chunks[-1].stop) if virtual == 1 else None
         self.layer_chunks = chunks
         # per stage: its layers as a list of its own (not registered: the modules are model.layers')
         self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
         self.loss_scale = 1.0
+        #: the MoE router loss across stages (router.py), set by the caller when the model's objective has it
+        self.router: Optional[StageRouterLoss] = None
 
     @property
     def base_model(self) -> nn.Module:
@@ -162,28 +166,48 @@ class StageModule(nn.Module):
         """One module per stage of this rank (in stage order) whose call is ``self(..., chunk=k)``."""
         return [_StageCall(self, k) for k in range(self.virtual)]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, shift_labels: torch.Tensor,
-                chunk: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: Optional[torch.Tensor] = None, *, position_ids: torch.Tensor,
+                shift_labels: torch.Tensor, chunk: int = 0):
         stage = self.stage_ids[chunk]
         first, last = stage == 0, stage == self.pp_size * self.virtual - 1
         feed = {"input_ids": x} if first else {"inputs_embeds": x}
+        router = self.router
         inner = self.model
         saved = inner._modules["layers"], inner._modules["norm"]
         inner._modules["layers"] = self._chunk_layers[chunk]     # the model's own forward over this stage's layers
         if not last:
             inner._modules["norm"] = _IDENTITY
         try:
-            h = inner(position_ids=position_ids, use_cache=False, **feed).last_hidden_state
+            out = inner(position_ids=position_ids, use_cache=False, **feed,
+                        **({"output_router_logits": True} if router is not None else {}))
         finally:
             inner._modules["layers"], inner._modules["norm"] = saved
+        h = out.last_hidden_state
+        logits = None
+        if router is not None:
+            logits = getattr(out, "router_logits", None)
+            check_router_logits(logits, routers_in(inner, self._chunk_layers[chunk]), stage)
         if not last:
-            return h
+            return h if router is None else (h, carry_router_stats(router, logits, stats, h.device))
         head = self.lm_head
         token_loss = tiled_lm_loss(h.reshape(-1, h.shape[-1]), head.weight, head.bias, shift_labels.reshape(-1))
-        return token_loss.float().sum() * self.loss_scale
+        loss = token_loss.float().sum() * self.loss_scale
+        return loss if router is None else loss + router_aux(router, logits, stats, h.device)
 
 
 _IDENTITY = nn.Identity()
+
+
+def _install_output_hooks(inner: nn.Module) -> None:
+    """transformers records outputs such as ``router_logits`` through hooks it installs on the modules
+    present at a model's first forward; a stage's forward runs over one stage's layers at a time, so
+    the hooks go on all of the rank's layers first."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:      # a transformers without output capturing: nothing recorded, nothing to install
+        return
+    if getattr(inner, "_can_record_outputs", None):
+        maybe_install_capturing_hooks(inner)
 
 
 class _StageCall(nn.Module):
@@ -195,8 +219,8 @@ class _StageCall(nn.Module):
         self.__dict__["owner"] = owner       # not a child: its parameters stay the owner's
         self.chunk = chunk
 
-    def forward(self, x, position_ids, shift_labels):
-        return self.owner(x, position_ids, shift_labels, chunk=self.chunk)
+    def forward(self, x, stats=None, *, position_ids, shift_labels):
+        return self.owner(x, stats, position_ids=position_ids, shift_labels=shift_labels, chunk=self.chunk)
 
 
 def build_stage(model: nn.Module, pp_rank: int, pp_size: int, virtual: int = 1) -> StageModule:
