@@ -108,9 +108,15 @@ def _is_transformers_rope(module: nn.Module) -> bool:
 def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Rotary embedding modules of ``model``: transformers RoPE modules (``dynamic_rope_update``
     forward, or ``rope_type`` + ``inv_freq``), any module with an ``inv_freq`` buffer, and any
-    module whose class name contains "rotary"/"rope" but not "attention"/"attn" (custom modules)."""
+    module whose class name contains "rotary"/"rope" but not "attention"/"attn" (custom modules).
+    A registered VLM's vision tower is left out: it runs per rank on whole images (vision.py)."""
+    from .vision import vision_tower
+
+    tower = vision_tower(model)
     found = []
     for fqn, mod in model.named_modules():
+        if tower is not None and fqn.startswith(tower.prefix + "."):
+            continue
         name = type(mod).__name__
         if "inv_freq" in getattr(mod, "_buffers", {}) or _is_transformers_rope(mod) or \
                 (_NAME.search(name) and not _NOT_ROTARY.search(name)):

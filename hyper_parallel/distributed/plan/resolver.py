@@ -29,6 +29,7 @@ from ..context_parallel import catalogue
 from ..context_parallel.meta import INDEPENDENT
 from ..context_parallel.model_spec import find_attention_boundaries
 from ..context_parallel.semantics import is_token_mixer, mixer_hint
+from ..context_parallel.vision import carried_towers, vision_tower
 from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
                                         registered_names, wrapper_info)
 from ..errors import CPConfigError
@@ -259,7 +260,10 @@ class PlanOverrideResolver:
                 targets.append(self._resolve_target(spec, fqn, names))
 
         if self.cp_size > 1:
+            tower = vision_tower(model)
             for fqn in boundaries:
+                if tower is not None and fqn.startswith(tower.prefix + "."):
+                    continue         # the tower runs per rank on whole images (context_parallel/vision.py)
                 if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
                     raise CPConfigError(
                         "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
@@ -267,8 +271,9 @@ class PlanOverrideResolver:
                         "patches and the model scatters its features into the whole token sequence — not carried "
                         f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
                         module=fqn, fix="train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds "
-                        "with get_rope_index's 3-D position_ids, docs/strategies/batch_contract.md), or the "
-                        "multimodal model with accelerator.cp_size=1")
+                        "with get_rope_index's 3-D position_ids, docs/strategies/batch_contract.md), the "
+                        f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
+                        f"({', '.join(carried_towers())}: docs/vlm.md)")
                 if fqn not in owner and is_token_mixer(names[fqn]):
                     raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
                                         "no SDPA or attention-interface call, and no CP method is declared for it "

@@ -1,0 +1,150 @@
+"""A vision-language model's media under CP: the vision tower spread over the CP group, each rank
+receiving the embeddings of the media tokens in its own sequence shard (docs/vlm.md).
+
+A VLM family registers its tower (:func:`register_vision_tower`, from ``models/<model_type>/``): where
+it lives, its placeholder token, how many tokens a medium encodes to, and how to encode a list of
+media. Only then does the planner accept the model at ``cp_size > 1`` (the tower's attention runs per
+rank on whole media, not under CP); :func:`media_embeddings_for_cp` is the step's entry point.
+
+Every CP rank holds the same global batch. :func:`assign_media` gives each image to a rank, balancing
+the patch rows the tower encodes; :func:`exchange_media_tokens` sends each encoded token's embedding to
+the rank whose shard holds its placeholder (a dropless uneven all-to-all; backward: the reverse
+exchange, so each image's gradient returns to the rank that encoded it and the tower's backward runs
+there), in the order transformers' ``masked_scatter`` fills the rank's local ``[B, L]`` placeholders.
+A rank that encodes nothing still joins both exchanges.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from .batch import shard_batch_for_cp
+from .comm.primitives import AllToAllUneven, resolve_group
+
+__all__ = ["VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
+           "media_token_layout", "media_embeddings_for_cp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+    """A VLM family's image path: ``prefix`` (the tower's module path: its attentions are not CP
+    boundaries), ``token_id(config)`` (the image placeholder), ``tokens(config, grid_thw)`` (tokens per
+    image), ``encode(model, pixel_values, grid_thw)`` (the ``[tokens, H]`` rows of those images, in
+    order) and ``rows(grid_thw)`` (``pixel_values`` rows per image)."""
+
+    prefix: str
+    token_id: Callable
+    tokens: Callable
+    encode: Callable
+    rows: Callable
+
+
+_TOWERS: dict = {}
+
+
+def register_vision_tower(model_type: str, tower: VisionTower) -> None:
+    """Register ``model_type``'s tower (from its ``models/<model_type>/`` folder)."""
+    _TOWERS[model_type] = tower
+
+
+def vision_tower(model) -> Optional[VisionTower]:
+    """The registered tower of ``model``'s ``config.model_type``, or None."""
+    return _TOWERS.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
+def carried_towers() -> tuple:
+    """The model types whose media are carried under CP (for messages)."""
+    return tuple(_TOWERS)
+
+
+def assign_media(cost: list, cp_size: int) -> list:
+    """Rank of each medium (largest first to the least loaded rank; ties to the lower rank)."""
+    load, owner = [0] * cp_size, [0] * len(cost)
+    for i in sorted(range(len(cost)), key=lambda i: (-cost[i], i)):
+        r = min(range(cp_size), key=lambda r: (load[r], r))
+        owner[i], load[r] = r, load[r] + cost[i]
+    return owner
+
+
+def media_token_layout(input_ids: torch.Tensor, token_id: int, tokens: list, cp_size: int, policy) -> tuple:
+    """``(medium, offset, needs)``: for every placeholder of ``token_id`` in the global ``input_ids``
+    ``[B, S]`` (row-major order: the order of the media's tokens), its medium and index in it; and per
+    CP rank the placeholders its shard holds, in its local row-major order (the order ``masked_scatter``
+    fills them), as indices into that list."""
+    where = (input_ids == token_id)
+    if int(where.sum()) != sum(tokens):
+        raise ValueError(f"{int(where.sum())} placeholder tokens in the batch, but the media encode to {sum(tokens)}")
+    medium = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens))
+    offset = torch.cat([torch.arange(n) for n in tokens]) if tokens else torch.zeros(0, dtype=torch.long)
+    ordinal = torch.full(input_ids.shape, -1, dtype=torch.long)
+    ordinal[where] = torch.arange(int(where.sum()))
+    S = input_ids.shape[1]
+    needs = []
+    for r in range(cp_size):
+        q = shard_batch_for_cp({"input_ids": input_ids}, (r, cp_size), policy).meta.q_index
+        q = q[q < S]
+        local = ordinal[:, q]                             # [B, L_r] in local row-major order
+        needs.append(local[local >= 0])
+    return medium, offset, needs
+
+
+def exchange_media_tokens(embeds: torch.Tensor, owner: list, medium: torch.Tensor, offset: torch.Tensor,
+                          needs: list, tokens: list, cp_mesh) -> torch.Tensor:
+    """This rank's placeholder embeddings ``[n_local, H]`` in local order. ``embeds``: the rows of the
+    media this rank encoded (``owner[i] == rank``), concatenated in medium order (``[0, H]`` with
+    ``requires_grad`` when it encodes none). Differentiable (backward: the reverse exchange)."""
+    group = resolve_group(cp_mesh)
+    cp = len(needs)
+    rank = torch.distributed.get_rank(group) if cp > 1 else 0
+    starts, at = {}, 0
+    for i, n in enumerate(tokens):          # where medium i's rows start in its owner's embeds
+        if owner[i] == rank:
+            starts[i], at = at, at + n
+    own = torch.tensor([owner[int(m)] for m in medium], dtype=torch.long)
+    send_rows = []
+    send_counts = []
+    for d in range(cp):
+        g = needs[d][own[needs[d]] == rank]
+        send_rows += [starts[int(medium[x])] + int(offset[x]) for x in g]
+        send_counts.append(int(g.numel()))
+    mine = needs[rank]
+    recv_counts = [int((own[mine] == s).sum()) for s in range(cp)]
+    x = embeds[torch.tensor(send_rows, dtype=torch.long)] if send_rows else embeds[:0]
+    got = AllToAllUneven.apply(x.contiguous(), group, send_counts, recv_counts, 0, "cp.media_tokens", 1) \
+        if cp > 1 else x
+    # received grouped by source rank, each group in this rank's local order: back to local order
+    order = torch.cat([torch.nonzero(own[mine] == s).flatten() for s in range(cp)]) if mine.numel() else mine
+    out = torch.empty_like(got)
+    return out.index_copy(0, order, got) if got.numel() else got
+
+
+def media_embeddings_for_cp(model, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                            cp_mesh, policy) -> torch.Tensor:
+    """This CP rank's image-token embeddings ``[n_local, H]`` (local order) for the global batch
+    ``input_ids [B, S]`` with its images (``pixel_values``, ``grid_thw``): the images assigned by patch
+    rows (:func:`assign_media`), this rank's encoded by the registered tower, every token exchanged to
+    the rank holding its placeholder. Pass them as ``mm_encoder_outputs={"image": ...}`` with the local
+    ``input_ids``. Collective over ``cp_mesh``; differentiable (the tower's gradient returns to the
+    rank that encoded each image)."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"no vision tower registered for model_type {getattr(model.config, 'model_type', '?')!r} "
+                         f"(carried: {carried_towers()})")
+    group = resolve_group(cp_mesh)
+    cp = torch.distributed.get_world_size(group) if group is not None else 1
+    rank = torch.distributed.get_rank(group) if group is not None else 0
+    rows = [int(r) for r in tower.rows(grid_thw)]
+    tokens = [int(t) for t in tower.tokens(model.config, grid_thw)]
+    owner = assign_media(rows, cp)
+    mine = [i for i in range(len(rows)) if owner[i] == rank]
+    starts = [0] + torch.tensor(rows).cumsum(0).tolist()
+    if mine:
+        pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
+        embeds = tower.encode(model, pv, grid_thw[mine])
+    else:       # still joins both exchanges (its backward receives nothing)
+        hidden = model.get_input_embeddings().weight
+        embeds = torch.zeros(0, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+    medium, offset, needs = media_token_layout(input_ids, tower.token_id(model.config), tokens, cp, policy)
+    return exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)

@@ -1,0 +1,108 @@
+"""Vision-language models under CP on real transformers classes (module-level: picklable for the pool).
+
+A tiny Qwen2.5-VL, a global batch of 2 rows holding images of several sizes; the CP run spreads the
+vision tower over the CP group and exchanges each image token's embedding to the rank holding its
+placeholder; compared with the same model on one rank (logits of every token, every gradient,
+vision tower included, relative to the reference's largest).
+"""
+from __future__ import annotations
+
+import torch
+
+from hyper_parallel.distributed.context_parallel import shard_batch_for_cp
+from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+from hyper_parallel.distributed.plan import ShardingPlanner, apply_sharding_plan
+
+from tests.wrappers._workers import METHODS, _full, mesh_ctx
+
+IMAGE, VIDEO, START, END = 100, 101, 102, 103
+PATCH, MERGE, TPATCH = 2, 2, 2
+
+
+def build_qwen2_5_vl():
+    import transformers as T
+
+    vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
+              spatial_merge_size=MERGE, temporal_patch_size=TPATCH, window_size=8, fullatt_block_indexes=[1], in_chans=3)
+    tc = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = T.Qwen2_5_VLConfig(vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=VIDEO,
+                             vision_start_token_id=START, vision_end_token_id=END)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.Qwen2_5_VLForConditionalGeneration(cfg).float().train()
+    ref = T.Qwen2_5_VLForConditionalGeneration(cfg).float().train()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def image_batch(S: int = 48, seed: int = 3):
+    """2 rows of ``S`` tokens: row 0 holds images of 4 and 8 tokens near its start, row 1 one of 16 near its
+    end; random text around."""
+    g = torch.Generator().manual_seed(seed)
+    grids = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])
+    tokens = [int(t * h * w) // MERGE ** 2 for t, h, w in grids.tolist()]
+    ids = torch.randint(3, IMAGE, (2, S), generator=g)
+    for b, (start, imgs) in enumerate(((3, [0, 1]), (S - 24, [2]))):
+        at = start
+        for i in imgs:
+            ids[b, at] = START
+            ids[b, at + 1:at + 1 + tokens[i]] = IMAGE
+            ids[b, at + 1 + tokens[i]] = END
+            at += tokens[i] + 5
+    pix = torch.randn(int(grids.prod(-1).sum()), 3 * TPATCH * PATCH * PATCH, generator=g)
+    return ids, pix, grids, tokens
+
+
+def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal") -> dict:
+    """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
+    balanced split, whose shards hold non-contiguous placeholders) against one rank."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    model, ref = build_qwen2_5_vl()
+    ids, pix, grids, tokens = image_batch(S)
+    mtt = (ids == IMAGE).int()
+    pos, _ = ref.model.get_rope_index(ids, mtt, image_grid_thw=grids)
+    V = ref.config.text_config.vocab_size
+    w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))
+    ref_logits = ref(input_ids=ids, pixel_values=pix, image_grid_thw=grids, mm_token_type_ids=mtt, use_cache=False).logits
+    (ref_logits * w).sum().backward()
+
+    mesh = mesh_ctx(cp)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
+    local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy)
+    meta, rank = local.meta, mesh.cp_rank
+    # the vision tower over the CP group: each rank encodes its images, the tokens go where their placeholders are
+    from hyper_parallel.distributed.context_parallel.vision import assign_media, media_embeddings_for_cp
+
+    owner = assign_media(grids.prod(-1).tolist(), cp)
+    mine = [i for i, o in enumerate(owner) if o == rank]
+    feats = media_embeddings_for_cp(model, ids, pix, grids, mesh.cp_mesh, plan.batch_policy)
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
+                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[feats])}).logits
+        q = meta.q_index
+        wl = torch.zeros(2, meta.global_seq_len, V)
+        wl[:, :S] = w
+        (logits * wl.index_select(1, q)).sum().backward()
+    keep = q < S
+    diff = (logits.detach()[:, keep] - ref_logits.detach()[:, q[keep]]).abs().max().item() if keep.any() else 0.0
+    assert (meta.perm is not None) == (method == "balanced")
+    from hyper_parallel import platform as P
+
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr, worst, vis = 0.0, "", 0.0
+    for name, p in model.named_parameters():
+        g = P.all_reduce(p.grad if p.grad is not None else torch.zeros(p.shape), mesh.cp_group)
+        e = (_full(g) - (ref_params[name].grad if ref_params[name].grad is not None else 0)).abs().max().item()
+        if "visual" in name:
+            vis = max(vis, ref_params[name].grad.abs().max().item())
+        if e >= gerr:
+            gerr, worst = e, name
+    return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst,
+            "images_mine": mine, "vision_grad_max": vis, "local_tokens": int((local["input_ids"] == IMAGE).sum())}

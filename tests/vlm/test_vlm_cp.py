@@ -1,0 +1,34 @@
+"""Vision-language models under CP (context_parallel/vision.py): the vision tower spread over the CP
+group, each image token's embedding sent to the rank whose shard holds its placeholder; logits and
+every gradient (vision tower included) against the same model on one rank. fp32, tolerance 1e-5."""
+from __future__ import annotations
+
+import pytest
+
+from hyper_parallel.distributed.context_parallel.vision import assign_media
+
+from tests.vlm._workers import vlm_parity
+
+TOL = 1e-5
+
+
+CASES = [(2, "colossal", 48), (4, "colossal", 48), (2, "head_tail", 48), (2, "ulysses", 48), (2, "balanced", 128)]
+
+
+@pytest.mark.parametrize("cp,method,S", CASES, ids=[f"cp{c}-{m}" for c, m, _s in CASES])
+def test_qwen2_5_vl_images_spread_over_cp_equal_one_rank(ranks, cp, method, S):
+    """CP 2 and 4 (at 4 one rank encodes no image and still joins the exchanges), Head-Tail, Ulysses and
+    the balanced split (a shard's placeholders are not contiguous)."""
+    res = ranks(cp).run(vlm_parity, cp, S, method=method, timeout=600)
+    assert sum(got["local_tokens"] for got in res) == 28 and all(got["local_tokens"] for got in res), res
+    for r, got in enumerate(res):
+        print(f"qwen2.5-vl {method} cp {cp} rank {r}: encodes images {got['images_mine']}, {got['local_tokens']} image tokens "
+              f"in its shard; logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} (worst {got['worst']}; "
+              f"vision grad max {got['vision_grad_max']:.2e}; tol {TOL:g})")
+        assert got["logits"] <= TOL and got["grads"] <= TOL and got["vision_grad_max"] > 0, got
+
+
+def test_images_are_assigned_by_patch_rows():
+    assert assign_media([16, 32, 64], 2) == [1, 1, 0]
+    assert assign_media([16, 32, 64], 4) == [2, 1, 0]
+    assert assign_media([], 2) == []
