@@ -1,6 +1,6 @@
 """Vision-language models under CP on real transformers classes (module-level: picklable for the pool).
 
-A tiny Qwen2.5-VL, a global batch of 2 rows holding images of several sizes; the CP run spreads the
+A tiny Qwen2.5-VL or Qwen2-VL, a global batch of 2 rows holding images of several sizes; the CP run spreads the
 vision tower over the CP group and exchanges each image token's embedding to the rank holding its
 placeholder; compared with the same model on one rank (logits of every token, every gradient,
 vision tower included, relative to the reference's largest).
@@ -19,20 +19,29 @@ IMAGE, VIDEO, START, END = 100, 101, 102, 103
 PATCH, MERGE, TPATCH = 2, 2, 2
 
 
-def build_qwen2_5_vl():
+def build_vlm(arch: str = "qwen2_5_vl"):
+    """(model, one-rank reference) with identical weights: a tiny Qwen2.5-VL (windowed and full vision
+    blocks) or Qwen2-VL; 2 language layers with mrope."""
     import transformers as T
 
-    vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
-              spatial_merge_size=MERGE, temporal_patch_size=TPATCH, window_size=8, fullatt_block_indexes=[1], in_chans=3)
+    if arch == "qwen2_5_vl":
+        cls, cfg_cls = T.Qwen2_5_VLForConditionalGeneration, T.Qwen2_5_VLConfig
+        vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=TPATCH, window_size=8, fullatt_block_indexes=[1],
+                  in_chans=3)
+    else:
+        cls, cfg_cls = T.Qwen2VLForConditionalGeneration, T.Qwen2VLConfig
+        vc = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=TPATCH, in_channels=3)
     tc = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg = T.Qwen2_5_VLConfig(vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=VIDEO,
-                             vision_start_token_id=START, vision_end_token_id=END)
+    cfg = cfg_cls(vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=VIDEO,
+                  vision_start_token_id=START, vision_end_token_id=END)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = T.Qwen2_5_VLForConditionalGeneration(cfg).float().train()
-    ref = T.Qwen2_5_VLForConditionalGeneration(cfg).float().train()
+    model = cls(cfg).float().train()
+    ref = cls(cfg).float().train()
     ref.load_state_dict(model.state_dict())
     return model, ref
 
@@ -55,12 +64,12 @@ def image_batch(S: int = 48, seed: int = 3):
     return ids, pix, grids, tokens
 
 
-def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal") -> dict:
+def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl") -> dict:
     """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
     balanced split, whose shards hold non-contiguous placeholders) against one rank."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    model, ref = build_qwen2_5_vl()
+    model, ref = build_vlm(arch)
     ids, pix, grids, tokens = image_batch(S)
     mtt = (ids == IMAGE).int()
     pos, _ = ref.model.get_rope_index(ids, mtt, image_grid_thw=grids)

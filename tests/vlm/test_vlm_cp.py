@@ -12,17 +12,18 @@ from tests.vlm._workers import vlm_parity
 TOL = 1e-5
 
 
-CASES = [(2, "colossal", 48), (4, "colossal", 48), (2, "head_tail", 48), (2, "ulysses", 48), (2, "balanced", 128)]
+CASES = [(2, "colossal", 48, "qwen2_5_vl"), (4, "colossal", 48, "qwen2_5_vl"), (2, "head_tail", 48, "qwen2_5_vl"),
+         (2, "ulysses", 48, "qwen2_5_vl"), (2, "balanced", 128, "qwen2_5_vl"), (2, "colossal", 48, "qwen2_vl")]
 
 
-@pytest.mark.parametrize("cp,method,S", CASES, ids=[f"cp{c}-{m}" for c, m, _s in CASES])
-def test_qwen2_5_vl_images_spread_over_cp_equal_one_rank(ranks, cp, method, S):
+@pytest.mark.parametrize("cp,method,S,arch", CASES, ids=[f"{a}-cp{c}-{m}" for c, m, _s, a in CASES])
+def test_qwen_vl_images_spread_over_cp_equal_one_rank(ranks, cp, method, S, arch):
     """CP 2 and 4 (at 4 one rank encodes no image and still joins the exchanges), Head-Tail, Ulysses and
     the balanced split (a shard's placeholders are not contiguous)."""
-    res = ranks(cp).run(vlm_parity, cp, S, method=method, timeout=600)
+    res = ranks(cp).run(vlm_parity, cp, S, method=method, arch=arch, timeout=600)
     assert sum(got["local_tokens"] for got in res) == 28 and all(got["local_tokens"] for got in res), res
     for r, got in enumerate(res):
-        print(f"qwen2.5-vl {method} cp {cp} rank {r}: encodes images {got['images_mine']}, {got['local_tokens']} image tokens "
+        print(f"{arch} {method} cp {cp} rank {r}: encodes images {got['images_mine']}, {got['local_tokens']} image tokens "
               f"in its shard; logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} (worst {got['worst']}; "
               f"vision grad max {got['vision_grad_max']:.2e}; tol {TOL:g})")
         assert got["logits"] <= TOL and got["grads"] <= TOL and got["vision_grad_max"] > 0, got

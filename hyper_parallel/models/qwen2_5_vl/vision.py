@@ -1,19 +1,8 @@
-"""Qwen2.5-VL's image path for :mod:`hyper_parallel.distributed.context_parallel.vision`: the tower at
-``model.visual``; an image of grid ``(t, h, w)`` patches is ``t h w`` rows of ``pixel_values`` and
-encodes to ``t h w / spatial_merge_size^2`` tokens (``image_token_id`` placeholders); the model's own
-``get_image_features`` encodes a list of images."""
+"""Qwen2.5-VL's image path for :mod:`hyper_parallel.distributed.context_parallel.vision`: Qwen2-VL's
+layout (:func:`..qwen2_vl.vision.qwen_vl_tower`; its tower's windowed attention stays inside each image)."""
 from __future__ import annotations
 
-import torch
+from ...distributed.context_parallel.vision import register_vision_tower
+from ..qwen2_vl.vision import qwen_vl_tower
 
-from ...distributed.context_parallel.vision import VisionTower, register_vision_tower
-
-
-def _encode(model, pixel_values, grid_thw) -> torch.Tensor:
-    return torch.cat(model.model.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)
-
-
-TOWER = VisionTower(prefix="model.visual", token_id=lambda cfg: cfg.image_token_id,
-                    tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
-                    encode=_encode, rows=lambda grid: grid.prod(-1))
-register_vision_tower("qwen2_5_vl", TOWER)
+register_vision_tower("qwen2_5_vl", qwen_vl_tower())
