@@ -54,8 +54,8 @@ def one_rank(cp: int) -> dict:
     pix = torch.randn(IMAGES * GRID[0] * GRID[1] * GRID[2], 3 * 2 * 2 * 2)
     mesh = MeshContext.shared(MeshSizes(cp=cp)) if cp > 1 else None
     params = frozenset(p.untyped_storage()._cdata for p in model.parameters())
-    kept = saved_bytes(lambda: media_embeddings_for_cp(model, ids, pix, grids, mesh.cp_mesh if mesh else None,
-                                                       "all_gather"), exclude=params)
+    kept = saved_bytes(lambda: media_embeddings_for_cp(model, ids, {"image": (pix, grids)},
+                                                       mesh.cp_mesh if mesh else None, "all_gather"), exclude=params)
     rank = dist.get_rank() if dist.is_initialized() else 0
     owner = assign_media(grids.prod(-1).tolist(), cp)
     return {"cp": cp, "rank": rank, "images_encoded": sum(1 for o in owner if o == rank), "kept_bytes": kept}

@@ -46,36 +46,44 @@ def build_vlm(arch: str = "qwen2_5_vl"):
     return model, ref
 
 
-def image_batch(S: int = 48, seed: int = 3):
-    """2 rows of ``S`` tokens: row 0 holds images of 4 and 8 tokens near its start, row 1 one of 16 near its
-    end; random text around."""
+def image_batch(S: int = 48, seed: int = 3, video: bool = False):
+    """2 rows of ``S`` tokens: row 0 holds images of 4 and 8 tokens near its start (and with ``video`` a
+    video of 2 frames, 8 tokens, after them), row 1 an image of 16 near its end; random text around.
+    -> ``(input_ids, {"image": (pixel_values, grid_thw)[, "video": ...]}, tokens per kind)``."""
     g = torch.Generator().manual_seed(seed)
-    grids = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])
-    tokens = [int(t * h * w) // MERGE ** 2 for t, h, w in grids.tolist()]
+    grids = {"image": torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])}
+    if video:
+        grids["video"] = torch.tensor([[2, 4, 4]])
+    tokens = {k: [int(t * h * w) // MERGE ** 2 for t, h, w in v.tolist()] for k, v in grids.items()}
     ids = torch.randint(3, IMAGE, (2, S), generator=g)
-    for b, (start, imgs) in enumerate(((3, [0, 1]), (S - 24, [2]))):
+    rows = (((3, [("image", 0), ("image", 1)] + ([("video", 0)] if video else [])), (S - 24, [("image", 2)])))
+    for b, (start, items) in enumerate(rows):
         at = start
-        for i in imgs:
+        for kind, i in items:
+            n = tokens[kind][i]
             ids[b, at] = START
-            ids[b, at + 1:at + 1 + tokens[i]] = IMAGE
-            ids[b, at + 1 + tokens[i]] = END
-            at += tokens[i] + 5
-    pix = torch.randn(int(grids.prod(-1).sum()), 3 * TPATCH * PATCH * PATCH, generator=g)
-    return ids, pix, grids, tokens
+            ids[b, at + 1:at + 1 + n] = IMAGE if kind == "image" else VIDEO
+            ids[b, at + 1 + n] = END
+            at += n + 5
+    media = {k: (torch.randn(int(v.prod(-1).sum()), 3 * TPATCH * PATCH * PATCH, generator=g), v)
+             for k, v in grids.items()}
+    return ids, media, tokens
 
 
-def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl") -> dict:
+def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl", video: bool = False) -> dict:
     """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
     balanced split, whose shards hold non-contiguous placeholders) against one rank."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     model, ref = build_vlm(arch)
-    ids, pix, grids, tokens = image_batch(S)
-    mtt = (ids == IMAGE).int()
-    pos, _ = ref.model.get_rope_index(ids, mtt, image_grid_thw=grids)
+    ids, media, tokens = image_batch(S, video=video)
+    mtt = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    grids = {f"{k}_grid_thw": v[1] for k, v in media.items()}
+    pos, _ = ref.model.get_rope_index(ids, mtt, **grids)
     V = ref.config.text_config.vocab_size
     w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))
-    ref_logits = ref(input_ids=ids, pixel_values=pix, image_grid_thw=grids, mm_token_type_ids=mtt, use_cache=False).logits
+    pixels = {("pixel_values" if k == "image" else "pixel_values_videos"): v[0] for k, v in media.items()}
+    ref_logits = ref(input_ids=ids, mm_token_type_ids=mtt, use_cache=False, **pixels, **grids).logits
     (ref_logits * w).sum().backward()
 
     mesh = mesh_ctx(cp)
@@ -85,15 +93,15 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
     model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
     local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy)
     meta, rank = local.meta, mesh.cp_rank
-    # the vision tower over the CP group: each rank encodes its images, the tokens go where their placeholders are
+    # the vision tower over the CP group: each rank encodes its media, the tokens go where their placeholders are
     from hyper_parallel.distributed.context_parallel.vision import assign_media, media_embeddings_for_cp
 
-    owner = assign_media(grids.prod(-1).tolist(), cp)
+    owner = assign_media([r for k in media for r in media[k][1].prod(-1).tolist()], cp)
     mine = [i for i, o in enumerate(owner) if o == rank]
-    feats = media_embeddings_for_cp(model, ids, pix, grids, mesh.cp_mesh, plan.batch_policy)
+    feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=[feats])}).logits
+                       mm_encoder_outputs={k: BaseModelOutputWithPooling(pooler_output=[f]) for k, f in feats.items()}).logits
         q = meta.q_index
         wl = torch.zeros(2, meta.global_seq_len, V)
         wl[:, :S] = w
@@ -114,4 +122,5 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
         if e >= gerr:
             gerr, worst = e, name
     return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst,
-            "images_mine": mine, "vision_grad_max": vis, "local_tokens": int((local["input_ids"] == IMAGE).sum())}
+            "images_mine": mine, "vision_grad_max": vis,
+            "local_tokens": int(((local["input_ids"] == IMAGE) | (local["input_ids"] == VIDEO)).sum())}

@@ -1,5 +1,5 @@
 """Vision-language models under CP (context_parallel/vision.py): the vision tower spread over the CP
-group, each image token's embedding sent to the rank whose shard holds its placeholder; logits and
+group, each image or video token's embedding sent to the rank whose shard holds its placeholder; logits and
 every gradient (vision tower included) against the same model on one rank. fp32, tolerance 1e-5."""
 from __future__ import annotations
 
@@ -12,18 +12,21 @@ from tests.vlm._workers import vlm_parity
 TOL = 1e-5
 
 
-CASES = [(2, "colossal", 48, "qwen2_5_vl"), (4, "colossal", 48, "qwen2_5_vl"), (2, "head_tail", 48, "qwen2_5_vl"),
-         (2, "ulysses", 48, "qwen2_5_vl"), (2, "balanced", 128, "qwen2_5_vl"), (2, "colossal", 48, "qwen2_vl")]
+CASES = [(2, "colossal", 48, "qwen2_5_vl", False), (4, "colossal", 48, "qwen2_5_vl", True),
+         (2, "head_tail", 48, "qwen2_5_vl", False), (2, "ulysses", 48, "qwen2_5_vl", False),
+         (2, "balanced", 128, "qwen2_5_vl", False), (2, "colossal", 48, "qwen2_vl", True)]
 
 
-@pytest.mark.parametrize("cp,method,S,arch", CASES, ids=[f"{a}-cp{c}-{m}" for c, m, _s, a in CASES])
-def test_qwen_vl_images_spread_over_cp_equal_one_rank(ranks, cp, method, S, arch):
-    """CP 2 and 4 (at 4 one rank encodes no image and still joins the exchanges), Head-Tail, Ulysses and
-    the balanced split (a shard's placeholders are not contiguous)."""
-    res = ranks(cp).run(vlm_parity, cp, S, method=method, arch=arch, timeout=600)
-    assert sum(got["local_tokens"] for got in res) == 28 and all(got["local_tokens"] for got in res), res
+@pytest.mark.parametrize("cp,method,S,arch,video", CASES,
+                         ids=[f"{a}-cp{c}-{m}{'-video' if v else ''}" for c, m, _s, a, v in CASES])
+def test_qwen_vl_media_spread_over_cp_equal_one_rank(ranks, cp, method, S, arch, video):
+    """CP 2 and 4, Head-Tail, Ulysses and the balanced split (a shard's placeholders are not contiguous);
+    images, and with a video of 2 frames beside them (images and videos assigned together)."""
+    res = ranks(cp).run(vlm_parity, cp, S, method=method, arch=arch, video=video, timeout=600)
+    assert sum(got["local_tokens"] for got in res) == 28 + 8 * video and all(got["local_tokens"] for got in res), res
     for r, got in enumerate(res):
-        print(f"{arch} {method} cp {cp} rank {r}: encodes images {got['images_mine']}, {got['local_tokens']} image tokens "
+        print(f"{arch} {method} cp {cp}{' video' if video else ''} rank {r}: encodes media {got['images_mine']}, "
+              f"{got['local_tokens']} media tokens "
               f"in its shard; logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} (worst {got['worst']}; "
               f"vision grad max {got['vision_grad_max']:.2e}; tol {TOL:g})")
         assert got["logits"] <= TOL and got["grads"] <= TOL and got["vision_grad_max"] > 0, got

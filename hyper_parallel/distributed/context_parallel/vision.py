@@ -23,21 +23,29 @@ import torch
 from .batch import shard_batch_for_cp
 from .comm.primitives import AllToAllUneven, resolve_group
 
-__all__ = ["VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
+__all__ = ["MediaKind", "VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
            "media_token_layout", "media_embeddings_for_cp"]
 
 
 @dataclasses.dataclass(frozen=True)
+class MediaKind:
+    """One kind of medium of a tower (``"image"``, ``"video"``): its placeholder ``token_id(config)`` and
+    ``encode(model, pixel_values, grid_thw)`` -> the ``[tokens, H]`` rows of those media, in order."""
+
+    token_id: Callable
+    encode: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class VisionTower:
-    """A VLM family's image path: ``prefix`` (the tower's module path: its attentions are not CP
-    boundaries), ``token_id(config)`` (the image placeholder), ``tokens(config, grid_thw)`` (tokens per
-    image), ``encode(model, pixel_values, grid_thw)`` (the ``[tokens, H]`` rows of those images, in
-    order) and ``rows(grid_thw)`` (``pixel_values`` rows per image)."""
+    """A VLM family's media path: ``prefix`` (the tower's module path: its attentions are not CP
+    boundaries), ``kinds`` (name -> :class:`MediaKind`, the keys of transformers' ``mm_encoder_outputs``),
+    ``tokens(config, grid_thw)`` (tokens per medium) and ``rows(grid_thw)`` (``pixel_values`` rows per
+    medium)."""
 
     prefix: str
-    token_id: Callable
+    kinds: dict
     tokens: Callable
-    encode: Callable
     rows: Callable
 
 
@@ -120,31 +128,41 @@ def exchange_media_tokens(embeds: torch.Tensor, owner: list, medium: torch.Tenso
     return out.index_copy(0, order, got) if got.numel() else got
 
 
-def media_embeddings_for_cp(model, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                            cp_mesh, policy) -> torch.Tensor:
-    """This CP rank's image-token embeddings ``[n_local, H]`` (local order) for the global batch
-    ``input_ids [B, S]`` with its images (``pixel_values``, ``grid_thw``): the images assigned by patch
-    rows (:func:`assign_media`), this rank's encoded by the registered tower, every token exchanged to
-    the rank holding its placeholder. Pass them as ``mm_encoder_outputs={"image": ...}`` with the local
-    ``input_ids``. Collective over ``cp_mesh``; differentiable (the tower's gradient returns to the
-    rank that encoded each image)."""
+def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh, policy) -> dict:
+    """This CP rank's media-token embeddings for the global batch ``input_ids [B, S]``: ``media`` maps a
+    kind of the registered tower (``"image"``, ``"video"``) to ``(pixel_values, grid_thw)``; returns kind
+    -> ``[n_local, H]`` in local order. The media of all kinds are assigned together by patch rows
+    (:func:`assign_media`), each rank encodes its own with the tower, and every token is exchanged to the
+    rank holding its placeholder (one exchange per kind). Pass the result as ``mm_encoder_outputs`` (each
+    value wrapped as ``pooler_output=[...]``) with the local ``input_ids``. Collective over ``cp_mesh``;
+    differentiable (the tower's gradient returns to the rank that encoded each medium)."""
     tower = vision_tower(model)
     if tower is None:
         raise ValueError(f"no vision tower registered for model_type {getattr(model.config, 'model_type', '?')!r} "
                          f"(carried: {carried_towers()})")
+    unknown = sorted(set(media) - set(tower.kinds))
+    if unknown:
+        raise ValueError(f"media kinds {unknown} are not carried for {model.config.model_type} "
+                         f"(carried: {sorted(tower.kinds)})")
     group = resolve_group(cp_mesh)
     cp = torch.distributed.get_world_size(group) if group is not None else 1
     rank = torch.distributed.get_rank(group) if group is not None else 0
-    rows = [int(r) for r in tower.rows(grid_thw)]
-    tokens = [int(t) for t in tower.tokens(model.config, grid_thw)]
-    owner = assign_media(rows, cp)
-    mine = [i for i in range(len(rows)) if owner[i] == rank]
-    starts = [0] + torch.tensor(rows).cumsum(0).tolist()
-    if mine:
-        pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
-        embeds = tower.encode(model, pv, grid_thw[mine])
-    else:       # still joins both exchanges (its backward receives nothing)
-        hidden = model.get_input_embeddings().weight
-        embeds = torch.zeros(0, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device, requires_grad=True)
-    medium, offset, needs = media_token_layout(input_ids, tower.token_id(model.config), tokens, cp, policy)
-    return exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)
+    kinds = list(media)
+    rows = {k: [int(r) for r in tower.rows(media[k][1])] for k in kinds}
+    owners = assign_media([r for k in kinds for r in rows[k]], cp)      # all kinds balanced together
+    out, at = {}, 0
+    hidden = model.get_input_embeddings().weight
+    for k in kinds:
+        pixel_values, grid_thw = media[k]
+        owner, at = owners[at:at + len(rows[k])], at + len(rows[k])
+        tokens = [int(t) for t in tower.tokens(model.config, grid_thw)]
+        mine = [i for i in range(len(owner)) if owner[i] == rank]
+        starts = [0] + torch.tensor(rows[k]).cumsum(0).tolist()
+        if mine:
+            pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
+            embeds = tower.kinds[k].encode(model, pv, grid_thw[mine])
+        else:       # still joins both exchanges (its backward receives nothing)
+            embeds = torch.zeros(0, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device, requires_grad=True)
+        medium, offset, needs = media_token_layout(input_ids, tower.kinds[k].token_id(model.config), tokens, cp, policy)
+        out[k] = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)
+    return out

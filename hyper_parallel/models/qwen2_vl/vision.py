@@ -1,23 +1,31 @@
-"""The Qwen2-VL image path for :mod:`hyper_parallel.distributed.context_parallel.vision` (Qwen2.5-VL's is
-the same, :func:`qwen_vl_tower`): the tower at ``model.visual``; an image of grid ``(t, h, w)`` patches
-is ``t h w`` rows of ``pixel_values`` and encodes to ``t h w / spatial_merge_size^2`` tokens
-(``image_token_id`` placeholders); the model's own ``get_image_features`` encodes a list of images."""
+"""The Qwen2-VL media path for :mod:`hyper_parallel.distributed.context_parallel.vision` (Qwen2.5-VL's is
+the same, :func:`qwen_vl_tower`): the tower at ``model.visual``; an image or video of grid ``(t, h, w)``
+patches is ``t h w`` rows of ``pixel_values`` and encodes to ``t h w / spatial_merge_size^2`` tokens
+(``image_token_id`` / ``video_token_id`` placeholders); the model's own ``get_image_features`` /
+``get_video_features`` encode a list of them."""
 from __future__ import annotations
 
 import torch
 
-from ...distributed.context_parallel.vision import VisionTower, register_vision_tower
+from ...distributed.context_parallel.vision import MediaKind, VisionTower, register_vision_tower
 
 
-def _encode(model, pixel_values, grid_thw) -> torch.Tensor:
+def _images(model, pixel_values, grid_thw) -> torch.Tensor:
     return torch.cat(model.model.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)
 
 
+def _videos(model, pixel_values, grid_thw) -> torch.Tensor:
+    return torch.cat(model.model.get_video_features(pixel_values, grid_thw, return_dict=True).pooler_output)
+
+
 def qwen_vl_tower() -> VisionTower:
-    """The image path of the Qwen2-VL layout (``model.visual``, ``get_image_features``, merged patches)."""
-    return VisionTower(prefix="model.visual", token_id=lambda cfg: cfg.image_token_id,
+    """The media path of the Qwen2-VL layout (``model.visual``, ``get_image_features`` /
+    ``get_video_features``, merged patches)."""
+    return VisionTower(prefix="model.visual",
+                       kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images),
+                              "video": MediaKind(lambda cfg: cfg.video_token_id, _videos)},
                        tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
-                       encode=_encode, rows=lambda grid: grid.prod(-1))
+                       rows=lambda grid: grid.prod(-1))
 
 
 register_vision_tower("qwen2_vl", qwen_vl_tower())
