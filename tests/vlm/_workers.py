@@ -124,3 +124,80 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
     return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst,
             "images_mine": mine, "vision_grad_max": vis,
             "local_tokens": int(((local["input_ids"] == IMAGE) | (local["input_ids"] == VIDEO)).sum())}
+
+
+def _sample(n: int, images: list, g) -> torch.Tensor:
+    """One sample of ``n`` tokens with the given images' placeholder runs (``images``: token counts)."""
+    ids = torch.randint(3, IMAGE, (n,), generator=g)
+    at = 2
+    for t in images:
+        ids[at], ids[at + 1:at + 1 + t], ids[at + 1 + t] = START, IMAGE, END
+        at += t + 4
+    return ids
+
+
+def packed_parity(cp: int = 2, method: str = "colossal") -> dict:
+    """Packed multimodal rows: row 0 = a text-only sample (16 tokens) + a sample with a 4-token image
+    (32), row 1 = a sample with images of 8 and 16 tokens (48). Positions per sample from the model's
+    get_rope_index (it does not know packing), concatenated as transformers' 4-row layout (row 0 the
+    text positions, restarting per sample: the documents). Reference: the same packed rows on one rank."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
+
+    model, ref = build_vlm("qwen2_5_vl")
+    g = torch.Generator().manual_seed(5)
+    grids = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])
+    rows = [[(_sample(16, [], g), []), (_sample(32, [4], g), [0])], [(_sample(48, [8, 16], g), [1, 2])]]
+    ids, pos = [], []
+    for row in rows:
+        r_ids, r_pos = [], []
+        for s, imgs in row:
+            mtt = (s == IMAGE).int()[None]
+            if imgs:
+                p3, _ = ref.model.get_rope_index(s[None], mtt, image_grid_thw=grids[imgs])
+            else:
+                p3 = torch.arange(s.numel())[None, None].expand(3, 1, -1)
+            r_ids.append(s)
+            r_pos.append(torch.cat([torch.arange(s.numel())[None, None], p3]))      # [4, 1, n]
+        ids.append(torch.cat(r_ids))
+        pos.append(torch.cat(r_pos, dim=2))
+    ids, pos = torch.stack(ids), torch.cat(pos, dim=1)                                  # [2, 48], [4, 2, 48]
+    S, V = ids.shape[1], ref.config.text_config.vocab_size
+    pix = torch.randn(int(grids.prod(-1).sum()), 3 * TPATCH * PATCH * PATCH, generator=g)
+    w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))
+    ref_logits = ref(input_ids=ids, position_ids=pos, pixel_values=pix, image_grid_thw=grids, use_cache=False).logits
+    (ref_logits * w).sum().backward()
+    with torch.no_grad():       # what the packed row means: row 0's second sample as if it were alone
+        rows0 = int(grids[0].prod())
+        alone = ref(input_ids=ids[:1, 16:], position_ids=pos[:, :1, 16:], pixel_values=pix[:rows0],
+                    image_grid_thw=grids[:1], use_cache=False).logits
+    alone_diff = (alone[0] - ref_logits.detach()[0, 16:]).abs().max().item()
+
+    mesh = mesh_ctx(cp)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": METHODS[method][1]}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
+    local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
+                               packed_documents="as_transformers")
+    meta = local.meta
+    feats = media_embeddings_for_cp(model, ids, {"image": (pix, grids)}, mesh.cp_mesh, plan.batch_policy)
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
+                       mm_encoder_outputs={k: BaseModelOutputWithPooling(pooler_output=[f]) for k, f in feats.items()}).logits
+        q = meta.q_index
+        wl = torch.zeros(2, meta.global_seq_len, V)
+        wl[:, :S] = w
+        (logits * wl.index_select(1, q)).sum().backward()
+    keep = q < S
+    diff = (logits.detach()[:, keep] - ref_logits.detach()[:, q[keep]]).abs().max().item()
+    from hyper_parallel import platform as P
+
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr = max((P.all_reduce(p.grad, mesh.cp_group) - ref_params[n].grad).abs().max().item()
+               for n, p in model.named_parameters() if p.grad is not None)
+    docs = int(meta.key_doc.max()) + 1 if meta.key_doc is not None else 1
+    return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "documents": docs,
+            "alone": alone_diff}

@@ -7,7 +7,7 @@ import pytest
 
 from hyper_parallel.distributed.context_parallel.vision import assign_media
 
-from tests.vlm._workers import vlm_parity
+from tests.vlm._workers import packed_parity, vlm_parity
 
 TOL = 1e-5
 
@@ -36,3 +36,15 @@ def test_images_are_assigned_by_patch_rows():
     assert assign_media([16, 32, 64], 2) == [1, 1, 0]
     assert assign_media([16, 32, 64], 4) == [2, 1, 0]
     assert assign_media([], 2) == []
+
+
+@pytest.mark.parametrize("method", ["colossal", "ulysses"])
+def test_packed_multimodal_rows_equal_one_rank(ranks, method):
+    """Rows packing a text-only sample with a multimodal one (positions per sample from get_rope_index,
+    transformers' 4-row layout): equal to the same packed rows on one rank, where each sample computes
+    as if it were alone (checked on the reference)."""
+    for r, got in enumerate(ranks(2).run(packed_parity, 2, method, timeout=600)):
+        print(f"packed multimodal rows, {method} rank {r}: logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} "
+              f"(tol {TOL:g}); {got['documents']} documents per row at most; the reference's second sample vs "
+              f"itself alone: {got['alone']:.2e}")
+        assert got["logits"] <= TOL and got["grads"] <= TOL and got["documents"] == 2 and got["alone"] <= 1e-5, got
