@@ -21,7 +21,7 @@ PATCH, MERGE, TPATCH = 2, 2, 2
 
 def build_vlm(arch: str = "qwen2_5_vl"):
     """(model, one-rank reference) with identical weights: a tiny Qwen2.5-VL (windowed and full vision
-    blocks) or Qwen2-VL; 2 language layers with mrope."""
+    blocks), Qwen2-VL or Qwen3-VL (deepstack); 2 language layers with mrope."""
     import transformers as T
 
     if arch == "qwen2_5_vl":
@@ -29,12 +29,19 @@ def build_vlm(arch: str = "qwen2_5_vl"):
         vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TPATCH, window_size=8, fullatt_block_indexes=[1],
                   in_chans=3)
+    elif arch == "qwen3_vl":        # deepstack: the first block's features added in the first language layers
+        cls, cfg_cls = T.Qwen3VLForConditionalGeneration, T.Qwen3VLConfig
+        vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=TPATCH, deepstack_visual_indexes=[0],
+                  num_position_embeddings=64, in_channels=3)
     else:
         cls, cfg_cls = T.Qwen2VLForConditionalGeneration, T.Qwen2VLConfig
         vc = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TPATCH, in_channels=3)
     tc = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+              num_key_value_heads=2, head_dim=16,
+              rope_scaling=({"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+                            if arch == "qwen3_vl" else {"type": "mrope", "mrope_section": [2, 3, 3]}),
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = cfg_cls(vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=VIDEO,
                   vision_start_token_id=START, vision_end_token_id=END)
@@ -73,8 +80,6 @@ def image_batch(S: int = 48, seed: int = 3, video: bool = False):
 def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl", video: bool = False) -> dict:
     """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
     balanced split, whose shards hold non-contiguous placeholders) against one rank."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     model, ref = build_vlm(arch)
     ids, media, tokens = image_batch(S, video=video)
     mtt = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
@@ -101,7 +106,7 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
     feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       mm_encoder_outputs={k: BaseModelOutputWithPooling(pooler_output=[f]) for k, f in feats.items()}).logits
+                       mm_encoder_outputs=feats).logits
         q = meta.q_index
         wl = torch.zeros(2, meta.global_seq_len, V)
         wl[:, :S] = w
@@ -141,8 +146,6 @@ def packed_parity(cp: int = 2, method: str = "colossal") -> dict:
     (32), row 1 = a sample with images of 8 and 16 tokens (48). Positions per sample from the model's
     get_rope_index (it does not know packing), concatenated as transformers' 4-row layout (row 0 the
     text positions, restarting per sample: the documents). Reference: the same packed rows on one rank."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
 
     model, ref = build_vlm("qwen2_5_vl")
@@ -185,7 +188,7 @@ def packed_parity(cp: int = 2, method: str = "colossal") -> dict:
     feats = media_embeddings_for_cp(model, ids, {"image": (pix, grids)}, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       mm_encoder_outputs={k: BaseModelOutputWithPooling(pooler_output=[f]) for k, f in feats.items()}).logits
+                       mm_encoder_outputs=feats).logits
         q = meta.q_index
         wl = torch.zeros(2, meta.global_seq_len, V)
         wl[:, :S] = w

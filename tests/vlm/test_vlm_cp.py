@@ -14,7 +14,8 @@ TOL = 1e-5
 
 CASES = [(2, "colossal", 48, "qwen2_5_vl", False), (4, "colossal", 48, "qwen2_5_vl", True),
          (2, "head_tail", 48, "qwen2_5_vl", False), (2, "ulysses", 48, "qwen2_5_vl", False),
-         (2, "balanced", 128, "qwen2_5_vl", False), (2, "colossal", 48, "qwen2_vl", True)]
+         (2, "balanced", 128, "qwen2_5_vl", False), (2, "colossal", 48, "qwen2_vl", True),
+         (2, "colossal", 48, "qwen3_vl", False), (4, "ulysses", 48, "qwen3_vl", False)]
 
 
 @pytest.mark.parametrize("cp,method,S,arch,video", CASES,

@@ -29,11 +29,16 @@ __all__ = ["MediaKind", "VisionTower", "register_vision_tower", "vision_tower", 
 
 @dataclasses.dataclass(frozen=True)
 class MediaKind:
-    """One kind of medium of a tower (``"image"``, ``"video"``): its placeholder ``token_id(config)`` and
-    ``encode(model, pixel_values, grid_thw)`` -> the ``[tokens, H]`` rows of those media, in order."""
+    """One kind of medium of a tower (``"image"``, ``"video"``): its placeholder ``token_id(config)``;
+    ``encode(model, pixel_values, grid_thw)`` -> the list of per-token tensors of those media, each
+    ``[tokens, w]`` in order (the embeddings, then any per-token extras such as Qwen3-VL's deepstack
+    features); ``widths(config)`` -> their ``w``; ``wrap(tensors)`` -> the model's encoder output for
+    ``mm_encoder_outputs`` built from this rank's rows of each."""
 
     token_id: Callable
     encode: Callable
+    widths: Callable
+    wrap: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +134,14 @@ def exchange_media_tokens(embeds: torch.Tensor, owner: list, medium: torch.Tenso
 
 
 def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh, policy) -> dict:
-    """This CP rank's media-token embeddings for the global batch ``input_ids [B, S]``: ``media`` maps a
+    """This CP rank's ``mm_encoder_outputs`` for the global batch ``input_ids [B, S]``: ``media`` maps a
     kind of the registered tower (``"image"``, ``"video"``) to ``(pixel_values, grid_thw)``; returns kind
-    -> ``[n_local, H]`` in local order. The media of all kinds are assigned together by patch rows
-    (:func:`assign_media`), each rank encodes its own with the tower, and every token is exchanged to the
-    rank holding its placeholder (one exchange per kind). Pass the result as ``mm_encoder_outputs`` (each
-    value wrapped as ``pooler_output=[...]``) with the local ``input_ids``. Collective over ``cp_mesh``;
-    differentiable (the tower's gradient returns to the rank that encoded each medium)."""
+    -> the model's encoder output holding the rows of the placeholders in this rank's shard (local
+    order). The media of all kinds are assigned together by patch rows (:func:`assign_media`), each
+    rank encodes its own with the tower, and every token's tensors are exchanged to the rank holding its
+    placeholder (one exchange per kind). Pass the result as ``mm_encoder_outputs`` with the local
+    ``input_ids``. Collective over ``cp_mesh``; differentiable (the tower's gradient returns to the rank
+    that encoded each medium)."""
     tower = vision_tower(model)
     if tower is None:
         raise ValueError(f"no vision tower registered for model_type {getattr(model.config, 'model_type', '?')!r} "
@@ -151,18 +157,20 @@ def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh
     rows = {k: [int(r) for r in tower.rows(media[k][1])] for k in kinds}
     owners = assign_media([r for k in kinds for r in rows[k]], cp)      # all kinds balanced together
     out, at = {}, 0
-    hidden = model.get_input_embeddings().weight
+    weight = model.get_input_embeddings().weight
     for k in kinds:
-        pixel_values, grid_thw = media[k]
+        kind, (pixel_values, grid_thw) = tower.kinds[k], media[k]
         owner, at = owners[at:at + len(rows[k])], at + len(rows[k])
         tokens = [int(t) for t in tower.tokens(model.config, grid_thw)]
+        widths = [int(w) for w in kind.widths(model.config)]
         mine = [i for i in range(len(owner)) if owner[i] == rank]
         starts = [0] + torch.tensor(rows[k]).cumsum(0).tolist()
-        if mine:
+        if mine:      # one tensor per token: the embedding and its extras side by side, exchanged once
             pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
-            embeds = tower.kinds[k].encode(model, pv, grid_thw[mine])
-        else:       # still joins both exchanges (its backward receives nothing)
-            embeds = torch.zeros(0, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device, requires_grad=True)
-        medium, offset, needs = media_token_layout(input_ids, tower.kinds[k].token_id(model.config), tokens, cp, policy)
-        out[k] = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)
+            embeds = torch.cat(kind.encode(model, pv, grid_thw[mine]), dim=-1)
+        else:         # still joins both exchanges (its backward receives nothing)
+            embeds = torch.zeros(0, sum(widths), dtype=weight.dtype, device=weight.device, requires_grad=True)
+        medium, offset, needs = media_token_layout(input_ids, kind.token_id(model.config), tokens, cp, policy)
+        local = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)
+        out[k] = kind.wrap(list(local.split(widths, dim=-1)))
     return out

@@ -10,20 +10,30 @@ import torch
 from ...distributed.context_parallel.vision import MediaKind, VisionTower, register_vision_tower
 
 
-def _images(model, pixel_values, grid_thw) -> torch.Tensor:
-    return torch.cat(model.model.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)
+def _images(model, pixel_values, grid_thw) -> list:
+    return [torch.cat(model.model.get_image_features(pixel_values, grid_thw, return_dict=True).pooler_output)]
 
 
-def _videos(model, pixel_values, grid_thw) -> torch.Tensor:
-    return torch.cat(model.model.get_video_features(pixel_values, grid_thw, return_dict=True).pooler_output)
+def _videos(model, pixel_values, grid_thw) -> list:
+    return [torch.cat(model.model.get_video_features(pixel_values, grid_thw, return_dict=True).pooler_output)]
+
+
+def _wrap(tensors: list):
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    return BaseModelOutputWithPooling(pooler_output=[tensors[0]])
+
+
+def _widths(cfg) -> list:
+    return [cfg.text_config.hidden_size]
 
 
 def qwen_vl_tower() -> VisionTower:
     """The media path of the Qwen2-VL layout (``model.visual``, ``get_image_features`` /
     ``get_video_features``, merged patches)."""
     return VisionTower(prefix="model.visual",
-                       kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images),
-                              "video": MediaKind(lambda cfg: cfg.video_token_id, _videos)},
+                       kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images, _widths, _wrap),
+                              "video": MediaKind(lambda cfg: cfg.video_token_id, _videos, _widths, _wrap)},
                        tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
                        rows=lambda grid: grid.prod(-1))
 
