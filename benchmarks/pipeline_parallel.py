@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from _machine import cpu_name  # noqa: E402
+from _pools import rows_of  # noqa: E402
 
 MODEL = {"num_hidden_layers": 8, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 512,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -58,16 +59,8 @@ def _local(t):
 
 
 def main() -> None:
-    from hyper_parallel.testing import RankPool
-
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for pp, world in ((1, 2), (2, 4)):
-            pool = RankPool(world)
-            try:
-                rows += pool.run(run, pp, os.path.join(tmp, f"pp{pp}"), timeout=900)
-            finally:
-                pool.shutdown()
+        rows = rows_of([(world, run, (pp, os.path.join(tmp, f"pp{pp}"))) for pp, world in ((1, 2), (2, 4))])
     base = max(r["stored_bytes"] for r in rows if r["pp"] == 1)
     print(f"{'pp':>3} {'rank':>4} {'params':>10} {'grads':>10} {'AdamW':>10} {'stored':>10} {'/ pp 1':>7} {'peak':>9}")
     for r in rows:

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from _machine import cpu_name  # noqa: E402
+from _pools import rows_of  # noqa: E402
 
 IMAGES, GRID, S = 8, (1, 16, 16), 640
 
@@ -62,15 +63,7 @@ def one_rank(cp: int) -> dict:
 
 
 def main() -> None:
-    from hyper_parallel.testing import RankPool
-
-    rows = []
-    for cp in (1, 2, 4):
-        pool = RankPool(cp)
-        try:
-            rows += pool.run(one_rank, cp, timeout=900)
-        finally:
-            pool.shutdown()
+    rows = rows_of([(cp, one_rank, (cp,)) for cp in (1, 2, 4)])
     base = max(r["kept_bytes"] for r in rows if r["cp"] == 1)
     print(f"{'cp':>3} {'rank':>4} {'images':>6} {'kept for backward':>18} {'/ cp 1':>7}")
     for r in rows:

@@ -9,7 +9,7 @@ batch contract; the gradient norm is taken over every stage. docs/pipeline_paral
 """
 from __future__ import annotations
 
-from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, StageRouterLoss, check_schedule
+from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, StageRouterLoss, check_pipelinable, check_schedule
 from .router_loss import router_spec, stage_router_stats, valid_input_mask
 
 __all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "make_pipeline", "pipeline_forward_backward"]
@@ -24,8 +24,9 @@ def virtual_stages(schedule) -> int:
 
 def check_pipeline_run(cfg) -> None:
     """CPConfigError naming the field for a schedule the declared sizes cannot run
-    (:func:`~...pipeline_parallel.check_schedule`): the step's micro-batches and, with evaluation on,
-    an evaluation's."""
+    (:func:`~...pipeline_parallel.check_schedule`: the step's micro-batches and, with evaluation on,
+    an evaluation's) and for a model that cannot be cut into the stages
+    (:func:`~...pipeline_parallel.check_pipelinable`, on the model built on the meta device)."""
     pp = cfg.accelerator.pp_size
     if pp == 1:
         return
@@ -33,6 +34,12 @@ def check_pipeline_run(cfg) -> None:
     check_schedule(sch.pipeline, pp, sch.grad_accum_steps, virtual_stages(sch))
     if cfg.data.eval_every is not None:     # an evaluation runs its micro-batches through the same schedule
         check_schedule(sch.pipeline, pp, cfg.data.eval_batches, virtual_stages(sch), field="data.eval_batches")
+    # the model itself, built on the meta device: before any rank starts (the CLI's config check)
+    from .model import HyperAutoModel
+    from .vocab_rule import build_vocab
+
+    check_pipelinable(HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg)),
+                      pp * virtual_stages(sch))
 
 
 def adopt_stage(setup, model):

@@ -157,3 +157,25 @@ def test_a_schedule_the_sizes_cannot_run_is_refused_by_name(tmp_path):
     with pytest.raises(CPConfigError, match=r"\[data\.eval_batches\] 1f1b with pp_size=2 needs at least 2"):
         check_pipeline_run(TrainerConfig.from_dict(ev))
 
+
+
+@pytest.mark.parametrize("override,words", [
+    ("schedule.grad_accum_steps=1", "[schedule.grad_accum_steps] 1f1b with pp_size=2 needs at least 2 microbatches"),
+    ("model.config.num_hidden_layers=1", "[accelerator.pp_size] LlamaForCausalLM (model_type 'llama') has 1 decoder "
+                                         "layers, fewer than pp_size=2 stages"),
+    ("model.config.tie_word_embeddings=true", "[model.config.tie_word_embeddings] LlamaForCausalLM"),
+])
+def test_the_cli_refuses_a_pipeline_it_cannot_run_in_one_line_before_any_rank_starts(capsys, override, words):
+    """``hyper-train examples/pp2_cp2.yaml`` with a bad override: exit 2 and one line, from the config
+    check (the model built on the meta device), before a launcher or a rank exists."""
+    import os
+
+    from hyper_parallel.trainer.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert main([os.path.join(root, "examples", "pp2_cp2.yaml"), override,
+                 f"data.path={os.path.join(root, 'examples', 'data', 'corpus.txt')}",
+                 f"model.config_file={os.path.join(root, 'examples', 'models', 'tiny_llama.yaml')}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    print(err)
+    assert len(err) == 1 and words in err[0], err

@@ -11,6 +11,7 @@ import torch
 
 from hyper_parallel.distributed.context_parallel import shard_batch_for_cp
 from hyper_parallel.distributed.context_parallel.meta import cp_batch_context
+from hyper_parallel.distributed.context_parallel.vision import assign_media
 from hyper_parallel.distributed.plan import ShardingPlanner, apply_sharding_plan
 
 from tests.wrappers._workers import METHODS, _full, mesh_ctx
@@ -77,6 +78,56 @@ def image_batch(S: int = 48, seed: int = 3, video: bool = False):
     return ids, media, tokens
 
 
+def _plan(model, cp: int, method: str):
+    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention."""
+    mesh = mesh_ctx(cp)
+    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+              "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
+    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
+    return mesh, plan, model
+
+
+def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None):
+    """The CP forward+backward of ``sum(logits * w)`` on this rank's shard, the media spread over the
+    CP group; -> (local logits, batch meta)."""
+    from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
+
+    local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
+                               packed_documents=documents)
+    meta, S = local.meta, ids.shape[1]
+    feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
+    with cp_batch_context(meta):
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
+                       mm_encoder_outputs=feats).logits
+        wl = torch.zeros(w.shape[0], meta.global_seq_len, w.shape[-1])
+        wl[:, :S] = w
+        (logits * wl.index_select(1, meta.q_index)).sum().backward()
+    return logits.detach(), meta, local
+
+
+def _errors(model, ref, logits, ref_logits, meta, mesh, S: int) -> dict:
+    """Logits of this rank's tokens and every gradient (summed over CP) against the reference, relative
+    to its largest; the worst parameter and the vision tower's largest reference gradient."""
+    from hyper_parallel import platform as P
+
+    q = meta.q_index
+    keep = q < S
+    diff = (logits[:, keep] - ref_logits.detach()[:, q[keep]]).abs().max().item() if keep.any() else 0.0
+    ref_params = dict(ref.named_parameters())
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    gerr, worst, vis = 0.0, "", 0.0
+    for name, p in model.named_parameters():
+        g = P.all_reduce(p.grad if p.grad is not None else torch.zeros(p.shape), mesh.cp_group)
+        rg = ref_params[name].grad
+        e = (_full(g) - (rg if rg is not None else 0)).abs().max().item()
+        if "visual" in name and rg is not None:
+            vis = max(vis, rg.abs().max().item())
+        if e >= gerr:
+            gerr, worst = e, name
+    return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst, "vision_grad_max": vis}
+
+
 def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl", video: bool = False) -> dict:
     """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
     balanced split, whose shards hold non-contiguous placeholders) against one rank."""
@@ -91,45 +142,13 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
     ref_logits = ref(input_ids=ids, mm_token_type_ids=mtt, use_cache=False, **pixels, **grids).logits
     (ref_logits * w).sum().backward()
 
-    mesh = mesh_ctx(cp)
-    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
-              "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
-    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
-    local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy)
-    meta, rank = local.meta, mesh.cp_rank
-    # the vision tower over the CP group: each rank encodes its media, the tokens go where their placeholders are
-    from hyper_parallel.distributed.context_parallel.vision import assign_media, media_embeddings_for_cp
-
-    owner = assign_media([r for k in media for r in media[k][1].prod(-1).tolist()], cp)
-    mine = [i for i, o in enumerate(owner) if o == rank]
-    feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
-    with cp_batch_context(meta):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       mm_encoder_outputs=feats).logits
-        q = meta.q_index
-        wl = torch.zeros(2, meta.global_seq_len, V)
-        wl[:, :S] = w
-        (logits * wl.index_select(1, q)).sum().backward()
-    keep = q < S
-    diff = (logits.detach()[:, keep] - ref_logits.detach()[:, q[keep]]).abs().max().item() if keep.any() else 0.0
+    mesh, plan, model = _plan(model, cp, method)
+    logits, meta, local = _cp_step(model, mesh, plan, ids, pos, media, w)
     assert (meta.perm is not None) == (method == "balanced")
-    from hyper_parallel import platform as P
-
-    ref_params = dict(ref.named_parameters())
-    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-    gerr, worst, vis = 0.0, "", 0.0
-    for name, p in model.named_parameters():
-        g = P.all_reduce(p.grad if p.grad is not None else torch.zeros(p.shape), mesh.cp_group)
-        e = (_full(g) - (ref_params[name].grad if ref_params[name].grad is not None else 0)).abs().max().item()
-        if "visual" in name:
-            vis = max(vis, ref_params[name].grad.abs().max().item())
-        if e >= gerr:
-            gerr, worst = e, name
-    return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst,
-            "images_mine": mine, "vision_grad_max": vis,
+    owner = assign_media([r for k in media for r in media[k][1].prod(-1).tolist()], cp)
+    return {**_errors(model, ref, logits, ref_logits, meta, mesh, S),
+            "images_mine": [i for i, o in enumerate(owner) if o == mesh.cp_rank],
             "local_tokens": int(((local["input_ids"] == IMAGE) | (local["input_ids"] == VIDEO)).sum())}
-
 
 def _sample(n: int, images: list, g) -> torch.Tensor:
     """One sample of ``n`` tokens with the given images' placeholder runs (``images``: token counts)."""
@@ -146,8 +165,6 @@ def packed_parity(cp: int = 2, method: str = "colossal") -> dict:
     (32), row 1 = a sample with images of 8 and 16 tokens (48). Positions per sample from the model's
     get_rope_index (it does not know packing), concatenated as transformers' 4-row layout (row 0 the
     text positions, restarting per sample: the documents). Reference: the same packed rows on one rank."""
-    from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
-
     model, ref = build_vlm("qwen2_5_vl")
     g = torch.Generator().manual_seed(5)
     grids = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])
@@ -177,30 +194,8 @@ def packed_parity(cp: int = 2, method: str = "colossal") -> dict:
                     image_grid_thw=grids[:1], use_cache=False).logits
     alone_diff = (alone[0] - ref_logits.detach()[0, 16:]).abs().max().item()
 
-    mesh = mesh_ctx(cp)
-    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
-              "inner_wrapper": METHODS[method][1]}]
-    plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
-    local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
-                               packed_documents="as_transformers")
-    meta = local.meta
-    feats = media_embeddings_for_cp(model, ids, {"image": (pix, grids)}, mesh.cp_mesh, plan.batch_policy)
-    with cp_batch_context(meta):
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       mm_encoder_outputs=feats).logits
-        q = meta.q_index
-        wl = torch.zeros(2, meta.global_seq_len, V)
-        wl[:, :S] = w
-        (logits * wl.index_select(1, q)).sum().backward()
-    keep = q < S
-    diff = (logits.detach()[:, keep] - ref_logits.detach()[:, q[keep]]).abs().max().item()
-    from hyper_parallel import platform as P
-
-    ref_params = dict(ref.named_parameters())
-    gmax = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-    gerr = max((P.all_reduce(p.grad, mesh.cp_group) - ref_params[n].grad).abs().max().item()
-               for n, p in model.named_parameters() if p.grad is not None)
+    mesh, plan, model = _plan(model, cp, method)
+    logits, meta, _local = _cp_step(model, mesh, plan, ids, pos, {"image": (pix, grids)}, w,
+                                    documents="as_transformers")
     docs = int(meta.key_doc.max()) + 1 if meta.key_doc is not None else 1
-    return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "documents": docs,
-            "alone": alone_diff}
+    return {**_errors(model, ref, logits, ref_logits, meta, mesh, S), "documents": docs, "alone": alone_diff}
