@@ -21,7 +21,7 @@ from ..platform import Platform, get_platform, init_distributed, set_default_tim
 from .config import AcceleratorConfig
 from .errors import CPConfigError
 from .mesh import MeshConfigError, MeshContext
-from .pipeline_parallel import build_stage, check_pipelinable
+from .pipeline_parallel import StageModule, check_pipelinable
 from .plan import ShardingPlan, ShardingPlanner
 from .preflight import agree_or_raise
 
@@ -84,7 +84,8 @@ def setup_distributed(accel: AcceleratorConfig, plan_overrides: list, model: nn.
     mesh = MeshContext.shared(accel.mesh_sizes(), platform, hybrid_degrees=plan.hybrid_degrees())
     stage = None
     if accel.pp_size > 1:
-        stage = build_stage(model, mesh.pp_mesh.get_local_rank(), accel.pp_size, virtual_stages)
+        # checked in check() above, agreed: cut without checking again
+        stage = StageModule(model, mesh.pp_mesh.get_local_rank(), accel.pp_size, virtual_stages)
         plan = agree_or_raise(lambda: make_plan(stage), what="sharding plan of the pipeline stage")
     setup = DistributedSetup(platform, mesh, plan, stage)
     if not dist.is_initialized() or dist.get_rank() == 0:

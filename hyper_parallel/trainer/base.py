@@ -84,7 +84,7 @@ class BaseTrainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         check_activation_offload(cfg.schedule, cfg.accelerator.tp_size)   # local: the same error on every rank
-        check_pipeline_run(cfg)                                            # local too
+        check_pipeline_run(cfg, model=False)      # local too; the model is checked in setup_distributed
         if self.is_main:
             for line in config_warnings(cfg, self.platform.device_type):
                 log.warning("%s", line)

@@ -25,38 +25,37 @@ def evaluate(trainer, stream) -> dict:
     was_training = trainer.model.training
     trainer.model.eval()
     trainer.capture_logits = False
+    run = _evaluate_pipeline if getattr(trainer, "pipeline", None) is not None else _evaluate_local
+    try:
+        with torch.no_grad():
+            value, n_global = run(trainer, batches)
+    finally:
+        trainer.model.train(was_training)
+    return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),
+            "eval_tokens": int(n_global)}
+
+
+def _evaluate_local(trainer, batches: list) -> tuple:
+    """(global mean loss, global valid targets): each micro-batch's forward in its CP context."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
     n_local = 0
-    if getattr(trainer, "pipeline", None) is not None:     # pp_size > 1: forward through the schedule
-        return _evaluate_pipeline(trainer, batches, was_training)
-    try:
-        with torch.no_grad():
-            for b in batches:
-                p = trainer.prepare_batch(b)
-                with trainer.batch_context(p):
-                    with trainer.autocast():
-                        _, s, n = trainer.compute_loss(p)
-                trainer.router_stats = None
-                loss_sum += s.detach().float()
-                n_local += int(n)
-    finally:
-        trainer.model.train(was_training)
+    for b in batches:
+        p = trainer.prepare_batch(b)
+        with trainer.batch_context(p):
+            with trainer.autocast():
+                _, s, n = trainer.compute_loss(p)
+        trainer.router_stats = None
+        loss_sum += s.detach().float()
+        n_local += int(n)
     n_global = global_token_count(n_local, trainer.mesh.dp_cp_mesh, trainer.device)
-    value = float(reduce_loss_value(loss_sum, n_global, trainer.mesh.dp_cp_mesh))
-    return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),
-            "eval_tokens": int(n_global)}
+    return float(reduce_loss_value(loss_sum, n_global, trainer.mesh.dp_cp_mesh)), n_global
 
 
-def _evaluate_pipeline(trainer, batches: list, was_training: bool) -> dict:
+def _evaluate_pipeline(trainer, batches: list) -> tuple:
+    """(global mean loss, global valid targets): the micro-batches through the schedule's forward
+    (pp_size > 1)."""
     from .pipeline import pipeline_forward_backward
 
-    try:
-        with torch.no_grad():
-            prepared = [trainer.prepare_batch(b) for b in batches]
-            n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), trainer.mesh.dp_cp_mesh,
-                                          trainer.device)
-            value = float(pipeline_forward_backward(trainer, prepared, n_global, train=False)[0])
-    finally:
-        trainer.model.train(was_training)
-    return {"step": trainer.step, "eval_loss": value, "eval_ppl": math.exp(min(value, 80.0)),
-            "eval_tokens": int(n_global)}
+    prepared = [trainer.prepare_batch(b) for b in batches]
+    n_global = global_token_count(sum(p.num_valid_tokens for p in prepared), trainer.mesh.dp_cp_mesh, trainer.device)
+    return float(pipeline_forward_backward(trainer, prepared, n_global, train=False)[0]), n_global

@@ -1,7 +1,7 @@
 """``--explain`` with ``accelerator.pp_size > 1``: the stages, and what one rank holds.
 
 :func:`pipeline_figures` cuts the meta model's parameter bytes the way :func:`~hyper_parallel.distributed.
-pipeline_parallel.stage_layers` cuts the layers into ``pp x v`` stages (``v`` per rank, interleaved when
+pipeline_parallel.rank_stages` cuts the layers into ``pp x v`` stages (``v`` per rank, interleaved when
 ``v > 1``: rank ``r`` holds stages ``r, r + pp, ...``; the embedding on stage 0, the final norm and LM head
 on the last), and gives the schedule's bubble fraction ``(pp - 1) / (v m + pp - 1)`` for ``m``
 microbatches, the (stage, microbatch) activations a rank holds at once (GPipe: ``m``; 1F1B:
@@ -15,7 +15,7 @@ import dataclasses
 
 import torch.nn as nn
 
-from ..distributed.pipeline_parallel import stage_layers
+from ..distributed.pipeline_parallel import rank_stages
 
 __all__ = ["PipelineFigures", "pipeline_figures"]
 
@@ -53,8 +53,8 @@ def pipeline_figures(model: nn.Module, layer_names: list, pp: int, schedule: str
     n_stages, m = pp * virtual, microbatches
     ranks = []
     for r in range(pp):
-        ids = [r + k * pp for k in range(virtual)]
-        chunks = [stage_layers(len(layer_names), n_stages, s) for s in ids]
+        held = rank_stages(len(layer_names), pp, r, virtual)
+        ids, chunks = [s for s, _c in held], [c for _s, c in held]
         layers = [i for c in chunks for i in c]
         own = sum(layer_bytes[i] for i in layers) + (embed if 0 in ids else 0) + (rest if n_stages - 1 in ids else 0)
         held = (m if schedule == "gpipe" else min((virtual - 1) * pp + 2 * (pp - 1 - r) + 1, virtual * m)

@@ -69,16 +69,15 @@ def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | No
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else ("local",)
         groups.setdefault(key, []).append(g)
-    squares = [torch.zeros(())]
+    squares = []
     for key in sorted(groups, key=str):
         norm = torch.nn.utils.get_total_norm(groups[key], 2.0, False, foreach)
         if is_dtensor(norm):
             norm = norm.full_tensor()
-        squares.append(norm.float().cpu() ** 2)
-    total_sq = torch.stack(squares).sum()
+        squares.append(norm.float() ** 2)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())   # a stage may hold no gradient
     if across is not None:
-        group = across.get_group() if hasattr(across, "get_group") else across
-        total_sq = all_reduce(total_sq.to(grads[0].device if grads else "cpu"), group).cpu()
+        total_sq = all_reduce(total_sq, across.get_group() if hasattr(across, "get_group") else across)
     total = total_sq.sqrt()
     if max_norm is not None:
         coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))

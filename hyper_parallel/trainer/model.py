@@ -351,7 +351,8 @@ def materialize(model: nn.Module, device, *, only_buffers: bool = False) -> nn.M
             for name, full in items:
                 key = f"{fqn}.{name}" if fqn else name
                 dst = real.get(key)
-                if dst is None or owner_of.get(id(dst), fqn) != fqn:   # not on this stage, or tied      # a tied parameter: its first owner's values
+                # not on this pipeline stage, or a tied parameter (its first owner's values)
+                if dst is None or owner_of.get(id(dst), fqn) != fqn:
                     continue
                 copy_into_local(dst, full)
             full = items = twin = None    # no reference left: the twin's pages go back before the next unit

@@ -9,6 +9,8 @@ batch contract; the gradient norm is taken over every stage. docs/pipeline_paral
 """
 from __future__ import annotations
 
+import torch
+
 from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, StageRouterLoss, check_pipelinable, check_schedule
 from .router_loss import router_spec, stage_router_stats, valid_input_mask
 
@@ -22,19 +24,22 @@ def virtual_stages(schedule) -> int:
     return 2 if schedule.pipeline in INTERLEAVED else 1
 
 
-def check_pipeline_run(cfg) -> None:
+def check_pipeline_run(cfg, *, model: bool = True) -> None:
     """CPConfigError naming the field for a schedule the declared sizes cannot run
     (:func:`~...pipeline_parallel.check_schedule`: the step's micro-batches and, with evaluation on,
-    an evaluation's) and for a model that cannot be cut into the stages
-    (:func:`~...pipeline_parallel.check_pipelinable`, on the model built on the meta device)."""
+    an evaluation's) and, with ``model``, for a model that cannot be cut into the stages
+    (:func:`~...pipeline_parallel.check_pipelinable`, on the model built on the meta device: the CLI's
+    check before any rank starts; a trainer leaves it to ``setup_distributed``, which checks the
+    model it builds anyway, agreed across ranks)."""
     pp = cfg.accelerator.pp_size
     if pp == 1:
         return
-    acc, sch = cfg.accelerator, cfg.schedule
+    sch = cfg.schedule
     check_schedule(sch.pipeline, pp, sch.grad_accum_steps, virtual_stages(sch))
     if cfg.data.eval_every is not None:     # an evaluation runs its micro-batches through the same schedule
         check_schedule(sch.pipeline, pp, cfg.data.eval_batches, virtual_stages(sch), field="data.eval_batches")
-    # the model itself, built on the meta device: before any rank starts (the CLI's config check)
+    if not model:
+        return
     from .model import HyperAutoModel
     from .vocab_rule import build_vocab
 
@@ -52,8 +57,6 @@ def adopt_stage(setup, model):
 def make_pipeline(trainer) -> PipelineStep:
     """The trainer's :class:`~...pipeline_parallel.PipelineStep` (its stage, schedule, batch policy), with
     the MoE router loss across stages when the model's objective has it (:mod:`.router_loss`'s domain)."""
-    import torch
-
     cfg, mesh = trainer.cfg, trainer.mesh
     spec = router_spec(trainer)
     trainer.router_masks = []                       # valid-token masks of the step's micro-batches
@@ -74,8 +77,6 @@ def pipeline_forward_backward(trainer, prepared: list, n_global, train: bool = T
     token loss (every rank) and, with the router loss (``router_weight``: a micro-batch's weight in the
     step's, as :func:`.step.run_step` forms it), ``(sum over micro-batches of weight x aux, the token
     counts per expert summed over them)`` on every rank (else None)."""
-    import torch
-
     from ..platform import all_reduce
 
     items = [{"input_ids": p.inputs["input_ids"], "position_ids": p.inputs["position_ids"],

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..distributed.errors import CPConfigError
 
 __all__ = ["RouterLossSpec", "router_loss_spec", "router_spec", "RouterStats", "local_router_stats", "router_aux_from_stats",
-           "stage_router_stats", "DOMAINS"]
+           "domain_sums", "stage_router_stats", "DOMAINS"]
 
 DOMAINS = ("global_micro_batch", "local_micro_batch")
 
@@ -173,20 +173,26 @@ def _group(mesh):
     return None if dist.get_world_size(group) == 1 else group
 
 
-def stage_router_stats(spec: RouterLossSpec, mesh, masks: list):
-    """For a pipeline stage (``pipeline_parallel.router``): ``stats(router_logits, microbatch)`` -> the
-    ``(counts, prob_sum, rows)`` of the stage's layers summed over the domain ``mesh`` (``prob_sum``
-    with the identity-backward sum, as :func:`router_aux_from_stats`), over the valid tokens of
-    ``masks[microbatch]`` (:func:`valid_input_mask` of each micro-batch of the step, filled per step)."""
+def domain_sums(stats: RouterStats, spec: RouterLossSpec, mesh, tag: str = "router_loss.stats") -> RouterStats:
+    """``stats`` summed over the domain ``mesh`` (one all-reduce; ``prob_sum`` keeps its gradient
+    through the identity-backward sum, every rank of the domain holding the same sums)."""
     from ..distributed.context_parallel.collectives import all_reduce_sum_replicated
 
     E = spec.num_experts
+    packed = torch.cat([stats.counts.detach(), stats.prob_sum, stats.rows.detach().reshape(1)])
+    total = all_reduce_sum_replicated(packed, _group(mesh), tag=tag)
+    return RouterStats(total[:E].detach(), total[E:2 * E], total[2 * E].detach())
 
+
+def stage_router_stats(spec: RouterLossSpec, mesh, masks: list):
+    """For a pipeline stage (``pipeline_parallel.router``): ``stats(router_logits, microbatch)`` -> the
+    ``(counts, prob_sum, rows)`` of the stage's layers summed over the domain ``mesh``
+    (:func:`domain_sums`), over the valid tokens of ``masks[microbatch]`` (:func:`valid_input_mask` of
+    each micro-batch of the step, filled per step)."""
     def stats(router_logits, microbatch: int):
-        st = local_router_stats(router_logits, spec, masks[microbatch])
-        packed = torch.cat([st.counts.detach(), st.prob_sum, st.rows.detach().reshape(1)])
-        total = all_reduce_sum_replicated(packed, _group(mesh), tag="router_loss.stage_stats")
-        return total[:E].detach(), total[E:2 * E], total[2 * E].detach()
+        total = domain_sums(local_router_stats(router_logits, spec, masks[microbatch]), spec, mesh,
+                            tag="router_loss.stage_stats")
+        return total.counts, total.prob_sum, total.rows
     return stats
 
 
@@ -194,11 +200,7 @@ def router_aux_from_stats(stats: RouterStats, spec: RouterLossSpec, mesh) -> tup
     """(differentiable ``aux`` of the domain's whole micro-batch, identical on every rank of
     ``mesh``; the domain's token counts per expert ``[E]``, detached). ``mesh``: the domain's 1-D
     mesh (``dp_cp_mesh`` or ``cp_mesh``; None = this rank alone). One all-reduce."""
-    E = spec.num_experts
-    packed = torch.cat([stats.counts.detach(), stats.prob_sum, stats.rows.detach().reshape(1)])
-    from ..distributed.context_parallel.collectives import all_reduce_sum_replicated
-
-    total = all_reduce_sum_replicated(packed, _group(mesh), tag="router_loss.stats")
-    counts, prob_sum, rows = total[:E], total[E:2 * E], total[2 * E].clamp(min=1.0)
-    aux = (counts.detach() / rows.detach() * (prob_sum / rows.detach())).sum() * E
-    return aux, counts.detach()
+    total = domain_sums(stats, spec, mesh)
+    rows = total.rows.clamp(min=1.0)
+    aux = (total.counts / rows * (total.prob_sum / rows)).sum() * spec.num_experts
+    return aux, total.counts

@@ -115,7 +115,7 @@ def find_rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     tower = vision_tower(model)
     found = []
     for fqn, mod in model.named_modules():
-        if tower is not None and fqn.startswith(tower.prefix + "."):
+        if tower is not None and tower.holds(fqn):
             continue
         name = type(mod).__name__
         if "inv_freq" in getattr(mod, "_buffers", {}) or _is_transformers_rope(mod) or \

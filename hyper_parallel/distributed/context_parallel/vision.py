@@ -53,6 +53,10 @@ class VisionTower:
     tokens: Callable
     rows: Callable
 
+    def holds(self, fqn: str) -> bool:
+        """Whether module ``fqn`` belongs to the tower (not a CP boundary, not a CP rotary module)."""
+        return fqn.startswith(self.prefix + ".")
+
 
 _TOWERS: dict = {}
 
@@ -111,20 +115,16 @@ def exchange_media_tokens(embeds: torch.Tensor, owner: list, medium: torch.Tenso
     group = resolve_group(cp_mesh)
     cp = len(needs)
     rank = torch.distributed.get_rank(group) if cp > 1 else 0
-    starts, at = {}, 0
-    for i, n in enumerate(tokens):          # where medium i's rows start in its owner's embeds
-        if owner[i] == rank:
-            starts[i], at = at, at + n
-    own = torch.tensor([owner[int(m)] for m in medium], dtype=torch.long)
-    send_rows = []
-    send_counts = []
-    for d in range(cp):
-        g = needs[d][own[needs[d]] == rank]
-        send_rows += [starts[int(medium[x])] + int(offset[x]) for x in g]
-        send_counts.append(int(g.numel()))
+    # where medium i's rows start in its owner's embeds (the media a rank encoded, in medium order)
+    mine_rows = torch.tensor(tokens, dtype=torch.long) * torch.tensor([o == rank for o in owner], dtype=torch.long)
+    starts = torch.cumsum(mine_rows, 0) - mine_rows
+    own = torch.tensor(owner, dtype=torch.long)[medium]           # the owner of each placeholder's medium
+    sends = [needs[d][own[needs[d]] == rank] for d in range(cp)]
+    send_counts = [int(g.numel()) for g in sends]
+    send = torch.cat(sends) if sends else torch.zeros(0, dtype=torch.long)
     mine = needs[rank]
     recv_counts = [int((own[mine] == s).sum()) for s in range(cp)]
-    x = embeds[torch.tensor(send_rows, dtype=torch.long)] if send_rows else embeds[:0]
+    x = embeds[starts[medium[send]] + offset[send]]
     got = AllToAllUneven.apply(x.contiguous(), group, send_counts, recv_counts, 0, "cp.media_tokens", 1) \
         if cp > 1 else x
     # received grouped by source rank, each group in this rank's local order: back to local order

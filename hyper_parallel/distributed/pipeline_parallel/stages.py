@@ -19,7 +19,7 @@ from ...ops.tiled_loss import tiled_lm_loss
 from ..errors import CPConfigError
 from .router import StageRouterLoss, carry_router_stats, check_router_logits, router_aux, routers_in
 
-__all__ = ["StageModule", "build_stage", "check_pipelinable", "stage_layers"]
+__all__ = ["StageModule", "build_stage", "check_pipelinable", "rank_stages", "stage_layers"]
 
 #: the cut points every supported model declares in ``config.base_model_pp_plan``
 PP_PLAN_KEYS = ("embed_tokens", "layers", "norm")
@@ -35,6 +35,14 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(lo, lo + base + (pp_rank < extra))
 
 
+def rank_stages(num_layers: int, pp_size: int, pp_rank: int, virtual: int = 1) -> list:
+    """``[(stage id, its decoder layers)]`` of the stages rank ``pp_rank`` holds when the model is cut
+    in ``pp_size x virtual`` stages: ``pp_rank + k * pp_size`` for ``k < virtual`` (one without
+    interleaving)."""
+    total = pp_size * virtual
+    return [(s, stage_layers(num_layers, total, s)) for s in (pp_rank + k * pp_size for k in range(virtual))]
+
+
 def _fail(field: str, msg: str, fix: str):
     raise CPConfigError(field, msg, fix=fix)
 
@@ -42,9 +50,9 @@ def _fail(field: str, msg: str, fix: str):
 def check_pipelinable(model: nn.Module, pp_size: int) -> None:
     """Raise CPConfigError (nothing built, no collective) when ``model`` cannot be cut into
     ``pp_size`` stages that compute what the whole model computes: no ``base_model_pp_plan`` or not
-    its three cut points, fewer layers than stages, tied input/output embeddings, a parameter shared by two layers (Zamba2's shared block), a head
-    post-processing, or a model-level transformation of
-    ``inputs_embeds`` (the later stages' input) that is not the identity."""
+    its three cut points, fewer layers than stages, tied input/output embeddings, a parameter shared
+    by two layers (Zamba2's shared block), a head post-processing, or a model-level transformation
+    of ``inputs_embeds`` (the later stages' input) that is not the identity."""
     cfg = getattr(model, "config", None)
     kind = f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     plan = getattr(cfg, "base_model_pp_plan", None)
@@ -130,12 +138,10 @@ class StageModule(nn.Module):
         super().__init__()
         self.config = causal_lm.config
         self.pp_rank, self.pp_size, self.virtual = pp_rank, pp_size, virtual
-        total = pp_size * virtual
-        self.stage_ids = [pp_rank + k * pp_size for k in range(virtual)]
-        self.is_first, self.is_last = self.stage_ids[0] == 0, self.stage_ids[-1] == total - 1
         inner = causal_lm.model
-        n = len(inner.layers)
-        chunks = [stage_layers(n, total, s) for s in self.stage_ids]
+        held = rank_stages(len(inner.layers), pp_size, pp_rank, virtual)
+        self.stage_ids, chunks = [s for s, _r in held], [r for _s, r in held]
+        self.is_first, self.is_last = self.stage_ids[0] == 0, self.stage_ids[-1] == pp_size * virtual - 1
         whole, layers = inner.layers, nn.ModuleList()
         for r in chunks:                      # original indices as the child names: model.layers.<i>.…
             for i in r:
@@ -148,10 +154,11 @@ class StageModule(nn.Module):
         self.model = inner
         _install_output_hooks(inner)          # on every layer of the rank, before a forward runs on a subset
         self.lm_head = causal_lm.lm_head if self.is_last else None
-        self.layer_range = range(chunks[0].start, chunks[-1].stop) if virtual == 1 else None
         self.layer_chunks = chunks
         # per stage: its layers as a list of its own (not registered: the modules are model.layers')
         self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
+        # per stage: the routers transformers records router_logits from (checked against each forward)
+        self._routers = [routers_in(inner, c) for c in self._chunk_layers]
         self.loss_scale = 1.0
         #: the MoE router loss across stages (router.py), set by the caller when the model's objective has it
         self.router: Optional[StageRouterLoss] = None
@@ -186,7 +193,7 @@ class StageModule(nn.Module):
         logits = None
         if router is not None:
             logits = getattr(out, "router_logits", None)
-            check_router_logits(logits, routers_in(inner, self._chunk_layers[chunk]), stage)
+            check_router_logits(logits, self._routers[chunk], stage)
         if not last:
             return h if router is None else (h, carry_router_stats(router, logits, stats, h.device))
         head = self.lm_head

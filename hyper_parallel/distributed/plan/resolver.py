@@ -262,7 +262,7 @@ class PlanOverrideResolver:
         if self.cp_size > 1:
             tower = vision_tower(model)
             for fqn in boundaries:
-                if tower is not None and fqn.startswith(tower.prefix + "."):
+                if tower is not None and tower.holds(fqn):
                     continue         # the tower runs per rank on whole images (context_parallel/vision.py)
                 if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
                     raise CPConfigError(

@@ -107,11 +107,11 @@ def load_checkpoint(path: str | Path, model, optimizer, *, topology: dict, meta:
              "trainer": {"step": torch.tensor(-1, dtype=torch.int64),
                          "data_position": torch.tensor(-1, dtype=torch.int64)}}
     held = None
-    if topology.get("pp", 1) > 1 and not options.flatten_optimizer_state_dict:
-        raise CPConfigError("schedule.resume_from", f"checkpoint {path} keeps its optimizer state by parameter "
-                            "group (saved by an older version), which a pipeline stage cannot read its part of",
-                            fix="resume it at accelerator.pp_size: 1 once; its next checkpoint reads at any PP size")
     if topology.get("pp", 1) > 1:      # each stage holds part of the model: the entries of all of them
+        if not options.flatten_optimizer_state_dict:
+            raise CPConfigError("schedule.resume_from", f"checkpoint {path} keeps its optimizer state by parameter "
+                                "group (saved by an older version), which a pipeline stage cannot read its part of",
+                                fix="resume it at accelerator.pp_size: 1 once; its next checkpoint reads at any PP size")
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         from ...platform import all_gather_object
