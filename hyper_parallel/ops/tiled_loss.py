@@ -32,7 +32,29 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tiled_lm_loss", "apply_head_post"]
+__all__ = ["tiled_lm_loss", "apply_head_post", "head_post"]
+
+
+def head_post(model) -> dict:
+    """The head post-processing transformers applies after ``lm_head``, as the keyword arguments of
+    :func:`tiled_lm_loss` / :func:`apply_head_post` (``softcap``, ``logit_scale``, ``logit_divisor``),
+    read from what the model declares (``final_logit_softcapping``, Cohere's ``logit_scale``,
+    Granite's ``logits_scaling``)."""
+    cfg = getattr(model, "config", None)
+    text = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    post = {}
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        post["softcap"] = float(cap)
+    scale = getattr(model, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "logit_scale", None) if type(model).__name__.startswith("Cohere") else None
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        post["logit_scale"] = float(scale)
+    div = getattr(text, "logits_scaling", None)
+    if div is not None and float(div) != 1.0:
+        post["logit_divisor"] = float(div)
+    return post
 
 
 def apply_head_post(logits: torch.Tensor, scale=None, divisor=None, softcap=None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_d
 from .metrics import Progress, RunLog, check_output_paths
 from .model import HyperAutoModel, check_fsdp_dtypes, head_probe_model, is_meta_model, materialize
 from .nonfinite import NonFiniteError, NonFiniteGuard
-from .pipeline import adopt_stage, check_pipeline_run, make_pipeline, virtual_stages
+from .pipeline import adopt_stage, check_pipeline_head, check_pipeline_run, make_pipeline, virtual_stages
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
 from .token_id_checks import checked_token_ids
@@ -97,6 +97,8 @@ class BaseTrainer:
             # load): an id past the embedding would fail one rank inside the preflight's collective
             model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
                 cfg.model, meta=True, vocab_size=build_vocab(cfg)), say=self.is_main), what="model build")
+        if cfg.accelerator.pp_size > 1:     # the last stage's tiled loss, proved on a probe (all ranks alike)
+            check_pipeline_head(model, cfg)
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform,
                                                          packed_documents=cfg.data.packed_documents,
                                                          packed_rows=cfg.data.packing,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.errors import CPConfigError
 from ..distributed.pipeline_parallel import INTERLEAVED, PipelineStep, StageRouterLoss, check_pipelinable, check_schedule
 from .router_loss import router_spec, stage_router_stats, valid_input_mask
 
-__all__ = ["virtual_stages", "adopt_stage", "check_pipeline_run", "make_pipeline", "pipeline_forward_backward"]
+__all__ = ["virtual_stages", "adopt_stage", "check_pipeline_head", "check_pipeline_run", "make_pipeline",
+           "pipeline_forward_backward"]
 
 
 def virtual_stages(schedule) -> int:
@@ -43,8 +45,24 @@ def check_pipeline_run(cfg, *, model: bool = True) -> None:
     from .model import HyperAutoModel
     from .vocab_rule import build_vocab
 
-    check_pipelinable(HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg)),
-                      pp * virtual_stages(sch))
+    built = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
+    check_pipelinable(built, pp * virtual_stages(sch))
+    check_pipeline_head(built, cfg)
+
+
+def check_pipeline_head(model, cfg) -> None:
+    """The pipeline's last stage computes the tiled loss with the model's head post-processing
+    (``ops.tiled_loss.head_post``); prove on a probe, as the trainer's tiled head does
+    (:func:`.tiled_head.verify_tiled_head`, on a small twin of a meta-built model), that this
+    reproduces the model's own logits and loss, else CPConfigError naming the reason."""
+    from .model import head_probe_model, is_meta_model
+    from .tiled_head import verify_tiled_head
+
+    reason = verify_tiled_head(head_probe_model(model) if is_meta_model(model) else model,
+                               chunk_size=cfg.loss.chunk_size, ignore_index=cfg.data.ignore_index)
+    if reason is not None:
+        raise CPConfigError("accelerator.pp_size", f"the pipeline's last stage computes the tiled loss, which does "
+                            f"not reproduce this model's head: {reason}", fix="set accelerator.pp_size: 1 for this model")
 
 
 def adopt_stage(setup, model):

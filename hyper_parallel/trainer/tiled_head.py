@@ -30,30 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.tiled_loss import apply_head_post, tiled_lm_loss
+from ..ops.tiled_loss import apply_head_post, head_post, tiled_lm_loss
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TiledHead", "head_post", "install_tiled_head", "verify_tiled_head"]
-
-
-def head_post(model: nn.Module) -> dict:
-    """The head post-processing transformers applies after ``lm_head`` (explicit fields)."""
-    cfg = getattr(model, "config", None)
-    text = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
-    post = {}
-    cap = getattr(text, "final_logit_softcapping", None)
-    if cap:
-        post["softcap"] = float(cap)
-    scale = getattr(model, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text, "logit_scale", None) if type(model).__name__.startswith("Cohere") else None
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        post["logit_scale"] = float(scale)
-    div = getattr(text, "logits_scaling", None)
-    if div is not None and float(div) != 1.0:
-        post["logit_divisor"] = float(div)
-    return post
 
 
 class TiledHead:

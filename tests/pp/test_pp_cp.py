@@ -25,7 +25,8 @@ from tests.wrappers._workers import _COMMON
 TOL = 1e-5
 CASES = [("llama", "1f1b", "colossal"), ("llama", "gpipe", "colossal"), ("llama", "interleaved_1f1b", "colossal"),
          ("qwen3", "1f1b", "colossal"), ("mistral", "1f1b", "colossal"), ("qwen3_next", "1f1b", "colossal"),
-         ("llama", "1f1b", "async_colossal"), ("llama", "interleaved_1f1b", "async_ulysses")]
+         ("llama", "1f1b", "async_colossal"), ("llama", "interleaved_1f1b", "async_ulysses"),
+         ("gemma2", "1f1b", "colossal")]
 
 
 def _check(res, what: str) -> None:
@@ -42,7 +43,8 @@ def _check(res, what: str) -> None:
 def test_pp2_cp2_trains_like_one_rank(ranks, arch, schedule, method):
     """Llama, Qwen3, Mistral (sliding window 5 < every document) and Qwen3-Next (Gated DeltaNet + attention
     + MoE on each stage) under 1f1b; Llama under gpipe and interleaved 1F1B (2 stages per rank: layers
-    0 and 2 on pp rank 0, 1 and 3 on pp rank 1) too; async CP inside the stages (the Llama adapter's
+    0 and 2 on pp rank 0, 1 and 3 on pp rank 1) too; Gemma 2 (final logit softcapping applied by the
+    last stage's tiled loss, attention softcap, window); async CP inside the stages (the Llama adapter's
     Colossal and Ulysses Targets, the handoffs' collectives on the comm thread beside the pipeline's sends)."""
     _check(ranks(4).run(pp_cp_train, arch, method=method, schedule=schedule, timeout=600),
            f"{arch}/{schedule}/{method}")
@@ -96,8 +98,6 @@ REFUSED = [
     ("fewer layers", lambda: T.LlamaForCausalLM(T.LlamaConfig(**dict(_COMMON, num_hidden_layers=1,
                                                                       tie_word_embeddings=False))), "fewer than"),
     ("shared layers", _shared_layers, "share parameter"),
-    ("softcap", lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**dict(_COMMON, head_dim=16, tie_word_embeddings=False))),
-     "final_logit_softcapping"),
     ("embeds scaled in forward", lambda: _scaled_inputs_embeds(), "transforms inputs_embeds"),
 ]
 

@@ -179,3 +179,25 @@ def test_the_cli_refuses_a_pipeline_it_cannot_run_in_one_line_before_any_rank_st
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     print(err)
     assert len(err) == 1 and words in err[0], err
+
+
+def test_a_head_the_last_stage_does_not_reproduce_is_refused_by_name(tmp_path):
+    """The last stage computes the tiled loss with the head post-processing transformers declares; a
+    head that does something else (here a forward that doubles the logits) fails the tiled-head probe
+    and is refused before anything is built."""
+    from hyper_parallel.trainer.pipeline import check_pipeline_head
+
+    cfg = TrainerConfig.from_dict(_cfg(2, tmp_path))
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    check_pipeline_head(model, cfg)                  # the plain head: nothing to refuse
+    forward = model.forward
+
+    def doubled(*a, **kw):
+        out = forward(*a, **kw)
+        out.logits = out.logits * 2
+        return out
+    model.forward = doubled
+    with pytest.raises(CPConfigError, match=r"\[accelerator.pp_size\] the pipeline's last stage computes the tiled "
+                                            r"loss, which does not reproduce this model's head"):
+        check_pipeline_head(model, cfg)

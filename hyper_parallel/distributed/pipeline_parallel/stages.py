@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ...ops.tiled_loss import tiled_lm_loss
+from ...ops.tiled_loss import head_post, tiled_lm_loss
 from ..errors import CPConfigError
 from .router import StageRouterLoss, carry_router_stats, check_router_logits, router_aux, routers_in
 
@@ -23,8 +23,6 @@ __all__ = ["StageModule", "build_stage", "check_pipelinable", "rank_stages", "st
 
 #: the cut points every supported model declares in ``config.base_model_pp_plan``
 PP_PLAN_KEYS = ("embed_tokens", "layers", "norm")
-#: head post-processing the stage's loss does not reproduce (refused rather than computed differently)
-_HEAD_POST = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -51,8 +49,10 @@ def check_pipelinable(model: nn.Module, pp_size: int) -> None:
     """Raise CPConfigError (nothing built, no collective) when ``model`` cannot be cut into
     ``pp_size`` stages that compute what the whole model computes: no ``base_model_pp_plan`` or not
     its three cut points, fewer layers than stages, tied input/output embeddings, a parameter shared
-    by two layers (Zamba2's shared block), a head post-processing, or a model-level transformation
-    of ``inputs_embeds`` (the later stages' input) that is not the identity."""
+    by two layers (Zamba2's shared block), or a model-level transformation of ``inputs_embeds`` (the
+    later stages' input) that is not the identity. The last stage applies the model's head
+    post-processing as the trainer's tiled head does (``ops.tiled_loss.head_post``); the trainer
+    proves it on a probe before anything is built (``trainer/pipeline.py``)."""
     cfg = getattr(model, "config", None)
     kind = f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', '?')!r})"
     plan = getattr(cfg, "base_model_pp_plan", None)
@@ -67,10 +67,6 @@ def check_pipelinable(model: nn.Module, pp_size: int) -> None:
     if getattr(cfg, "tie_word_embeddings", False) and pp_size > 1:
         _fail("model.config.tie_word_embeddings", f"{kind} ties its input and output embeddings, which live on the "
               "first and the last stage", "untie them (model.config.tie_word_embeddings: false) or pp_size: 1")
-    post = [k for k in _HEAD_POST if getattr(cfg, k, None) not in (None, 1, 1.0)]
-    if post:
-        _fail(f"model.config.{post[0]}", f"{kind}: the pipeline's last stage computes plain cross-entropy of "
-              f"lm_head, not the model's head post-processing {post}", "set accelerator.pp_size: 1 for this model")
     owner: dict = {}
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
@@ -154,6 +150,7 @@ class StageModule(nn.Module):
         self.model = inner
         _install_output_hooks(inner)          # on every layer of the rank, before a forward runs on a subset
         self.lm_head = causal_lm.lm_head if self.is_last else None
+        self.head_post = head_post(causal_lm)       # softcap / logit scale / divisor of the model's head
         self.layer_chunks = chunks
         # per stage: its layers as a list of its own (not registered: the modules are model.layers')
         self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
@@ -197,7 +194,8 @@ class StageModule(nn.Module):
         if not last:
             return h if router is None else (h, carry_router_stats(router, logits, stats, h.device))
         head = self.lm_head
-        token_loss = tiled_lm_loss(h.reshape(-1, h.shape[-1]), head.weight, head.bias, shift_labels.reshape(-1))
+        token_loss = tiled_lm_loss(h.reshape(-1, h.shape[-1]), head.weight, head.bias, shift_labels.reshape(-1),
+                                   **self.head_post)
         loss = token_loss.float().sum() * self.loss_scale
         return loss if router is None else loss + router_aux(router, logits, stats, h.device)
 
