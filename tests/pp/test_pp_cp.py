@@ -73,6 +73,10 @@ def test_a_stage_keeps_the_whole_models_parameter_names():
     assert names[0] | names[1] == full and not names[0] & names[1]
     assert "model.embed_tokens.weight" in names[0] and "model.layers.3.mlp.up_proj.weight" in names[1]
     assert "lm_head.weight" in names[1] and "model.norm.weight" in names[1]
+    model = _llama()
+    build_stage(model, 0, 2)
+    with pytest.raises(RuntimeError, match="cut into pipeline stages"):    # pruned in place: not runnable whole
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 def _shared_layers():

@@ -151,6 +151,8 @@ class StageModule(nn.Module):
         _install_output_hooks(inner)          # on every layer of the rank, before a forward runs on a subset
         self.lm_head = causal_lm.lm_head if self.is_last else None
         self.head_post = head_post(causal_lm)       # softcap / logit scale / divisor of the model's head
+        # the model was pruned in place: its own forward would run this rank's layers only, silently
+        causal_lm.forward = _cut_forward(type(causal_lm).__name__, pp_rank)
         self.layer_chunks = chunks
         # per stage: its layers as a list of its own (not registered: the modules are model.layers')
         self._chunk_layers = [nn.ModuleList([whole[i] for i in r]) for r in chunks]
@@ -201,6 +203,13 @@ class StageModule(nn.Module):
 
 
 _IDENTITY = nn.Identity()
+
+
+def _cut_forward(cls: str, pp_rank: int):
+    def forward(*_args, **_kwargs):
+        raise RuntimeError(f"this {cls} was cut into pipeline stages (pp rank {pp_rank} kept its part of it): run "
+                           "the stage (pipeline_parallel.StageModule) through PipelineStep, not the model")
+    return forward
 
 
 def _install_output_hooks(inner: nn.Module) -> None:
