@@ -108,8 +108,13 @@ def find_decoder_layers(model: nn.Module) -> list[str]:
     First what transformers declares (:func:`decoder_layers_from_declaration`); then, for
     models that declare nothing, the first ``ModuleList`` whose children end with
     ``DecoderLayer``/``Block`` or own a ``self_attn``; then every ``*DecoderLayer`` module.
+    A registered vision tower's blocks are not decoder layers (they run per rank on whole media,
+    replicated: docs/vlm.md).
     """
-    declared = decoder_layers_from_declaration(model)
+    from .context_parallel.vision import vision_tower
+
+    tower = vision_tower(model)
+    declared = [f for f in decoder_layers_from_declaration(model) if tower is None or not tower.holds(f)]
     if declared:
         return declared
     for name, mod in model.named_modules():

@@ -27,7 +27,7 @@ from ..distributed.errors import CPConfigError
 from ..distributed.infrastructure import DistributedSetup, setup_distributed
 from ..distributed.plan import apply_sharding_plan
 from ..distributed.preflight import agree_or_raise
-from ..platform import get_platform, init_distributed, set_default_timeout
+from ..platform import all_reduce, get_platform, init_distributed, set_default_timeout
 from ..platform.faults import maybe_inject_fault
 from ..platform.shutdown import stop_if_launcher_gone
 from . import checkpoint as ckpt
@@ -39,13 +39,13 @@ from .config_warnings import config_warnings
 from .device_setup import bind_local_device, local_rank as _local_rank
 from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_dtensor, named_full, sum_grads_in_place
 from .metrics import Progress, RunLog, check_output_paths
-from .model import HyperAutoModel, check_fsdp_dtypes, head_probe_model, is_meta_model, materialize
+from .model import check_fsdp_dtypes, head_probe_model, is_meta_model, materialize, run_model
 from .nonfinite import NonFiniteError, NonFiniteGuard
+from .media import check_media_run
 from .pipeline import adopt_stage, check_pipeline_head, check_pipeline_run, make_pipeline, virtual_stages
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
 from .token_id_checks import checked_token_ids
-from .vocab_rule import build_vocab
 from .tp_sync import sync_tp_partial_grads, tp_partial_params
 
 __all__ = ["BaseTrainer", "PreparedBatch", "StepProbe", "StepResult", "clip_grad_norm_global",
@@ -85,6 +85,7 @@ class BaseTrainer:
         self.is_main = self.rank == 0
         check_activation_offload(cfg.schedule, cfg.accelerator.tp_size)   # local: the same error on every rank
         check_pipeline_run(cfg, model=False)      # local too; the model is checked in setup_distributed
+        check_media_run(cfg)
         if self.is_main:
             for line in config_warnings(cfg, self.platform.device_type):
                 log.warning("%s", line)
@@ -95,8 +96,7 @@ class BaseTrainer:
             # refused below the data's ids, a model.path checkpoint's resized up)
             # token ids checked against the built vocabulary here too (the CLI checks them at config
             # load): an id past the embedding would fail one rank inside the preflight's collective
-            model = agree_or_raise(lambda: checked_token_ids(cfg, HyperAutoModel.from_config(
-                cfg.model, meta=True, vocab_size=build_vocab(cfg)), say=self.is_main), what="model build")
+            model = agree_or_raise(lambda: checked_token_ids(cfg, run_model(cfg), say=self.is_main), what="model build")
         if cfg.accelerator.pp_size > 1:     # the last stage's tiled loss, proved on a probe (all ranks alike)
             check_pipeline_head(model, cfg)
         self.setup: DistributedSetup = setup_distributed(cfg.accelerator, cfg.plan_overrides, model, self.platform,
@@ -277,11 +277,25 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
-        """Without FSDP: one SUM all-reduce of every gradient over dp_cp_mesh (grad_scale=1)."""
-        if self.uses_fsdp or self.mesh.dp_cp_mesh.size() == 1:
+        """Without FSDP: one SUM all-reduce of every gradient over dp_cp_mesh (grad_scale=1). With FSDP,
+        the parameters it leaves replicated (a vision tower: docs/vlm.md) get the same sum divided by
+        grad_scale — what FSDP's mean reduce-scatter gives its own."""
+        if self.mesh.dp_cp_mesh.size() == 1:
             return
-        sum_grads_in_place([p.grad for p in self.model.parameters() if p.grad is not None],
-                           self.mesh.dp_cp_mesh.get_group())
+        group = self.mesh.dp_cp_mesh.get_group()
+        params = [p for p in self.model.parameters() if p.requires_grad and not (self.uses_fsdp and is_dtensor(p))]
+        # the ranks agree on which parameters have a gradient (a tower that encoded no medium on this rank
+        # has none here): those get one sum on every rank (zeros where absent), the others stay None
+        has = all_reduce(torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device),
+                         group, tag="trainer.grads_present") if params else None
+        for p, n in zip(params, [] if has is None else has.tolist()):
+            if n and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        sum_grads_in_place(grads, group)
+        if self.uses_fsdp:
+            for g in grads:
+                g.div_(self.grad_scale)
 
     def sync_tp_partial_grads(self) -> None:
         """SUM over the tp group the gradients of TP partial-gradient parameters (:mod:`.tp_sync`)."""

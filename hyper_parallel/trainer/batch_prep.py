@@ -43,6 +43,8 @@ class PreparedBatch:
     meta: Any = None                # CPBatchMeta when CP > 1 or a method is installed at CP = 1 (else None)
     seq_len: int = 0                # global (unpadded) sequence length of the micro-batch
     local: Any = None               # the shard_batch_for_cp result (CPBatch), at every CP size
+    media: dict | None = None       # a VLM batch's media {kind: (pixel_values, grid_thw)} (global, every CP rank)
+    global_ids: Any = None          # with media: the global input_ids [B, S] (where each placeholder is)
 
 
 def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_index: int = -100,
@@ -61,6 +63,9 @@ def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_
     from ..distributed.context_parallel.batch import CONTIGUOUS_POLICY, shard_batch_for_cp
 
     prepare = prepare_fn or shard_batch_for_cp
+    media = batch.get("media")
+    if media is not None:      # the media travel beside the batch contract (context_parallel/vision.py)
+        batch = {k: v for k, v in batch.items() if k != "media"}
     cp1 = cp_size == 1
     local = prepare(batch, CP1_GROUP if cp1 else cp_mesh, CONTIGUOUS_POLICY if cp1 else (policy or CONTIGUOUS_POLICY),
                     ignore_index=ignore_index, pad_token_id=pad_token_id)
@@ -73,7 +78,8 @@ def prepare_batch(batch: dict, *, cp_mesh, cp_size: int, policy, device, ignore_
     shift = _field(local, "shift_labels").to(device)
     seq_len = int(getattr(local, "seq_len", batch["input_ids"].shape[1]))
     return PreparedBatch(inputs, shift, int(local.num_valid_tokens_local),
-                         local.meta if keep_meta or not cp1 else None, seq_len, local)
+                         local.meta if keep_meta or not cp1 else None, seq_len, local,
+                         media, None if media is None else batch["input_ids"])
 
 
 def check_cp1_masking(local) -> None:

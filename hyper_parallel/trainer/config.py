@@ -56,7 +56,7 @@ class ModelConfig:
     seed: int = option(0, help="init seed (the same model on every rank and in every run)")
 
 
-DATA_SOURCES = ("bytes", "files")
+DATA_SOURCES = ("bytes", "files", "media")
 DATA_FORMATS = (None, "json", "parquet", "text")
 
 
@@ -77,7 +77,8 @@ class DataConfig:
     packing.py)."""
     source: str = option("bytes", choices=DATA_SOURCES,
                          help="bytes: the UTF-8 bytes of data.path (vocab 256); files: data.files read with HF "
-                              "datasets and tokenized by data.tokenizer")
+                              "datasets and tokenized by data.tokenizer; media: jsonl records of text with <image> / "
+                              "<video> markers and their image files (a vision-language model, docs/vlm.md)")
     path: str | None = option(None, shown_default="examples/data/corpus.txt",
                               help="source bytes: text file; tokens are its UTF-8 bytes (vocab 256)")
     files: tuple | None = option(None, parse=_file_list, type_name="path or list of paths/globs",
@@ -102,6 +103,9 @@ class DataConfig:
     eval_every: int | None = option(None, ge=1, help="evaluate on the held-out documents every N optimizer steps "
                                                      "(and after the last step)")
     eval_batches: int = option(2, ge=1, help="micro-batches per DP rank in one evaluation (the same rows every time)")
+    media_max_pixels: int | None = option(None, ge=1, shown_default="65536",
+                                          help="source media: each image / video frame is resized to at most this "
+                                               "many pixels (a multiple of the model's patch grid)")
     seq_len: int = option(128, ge=2, help="global sequence length of a row (the CP shard is cut from it)")
     micro_batch_size: int = option(1, ge=1, help="rows per global micro-batch, per DP rank")
     min_doc_len: int | None = option(None, ge=2, help="source bytes: if set, each row is a document of random "
@@ -111,15 +115,30 @@ class DataConfig:
     pad_token_id: int = option(0, ge=0, help="id written into padding (it carries no loss and is never attended to)")
     ignore_index: int = option(-100, help="label value of targets that carry no loss")
 
+    @property
+    def tokenized(self) -> bool:
+        """Documents tokenized by ``data.tokenizer`` from ``data.files`` (``files``, ``media``)."""
+        return self.source in ("files", "media")
+
     def check_fields(self, path: str) -> None:
         if self.min_doc_len is not None and self.min_doc_len > self.seq_len:
             raise CPConfigError(f"{path}.min_doc_len", f"{self.min_doc_len} exceeds data.seq_len={self.seq_len}",
                                 fix="use min_doc_len <= seq_len")
-        if self.source == "files":
+        if self.tokenized:
             for name in ("files", "tokenizer"):
                 if getattr(self, name) is None:
-                    raise CPConfigError(f"{path}.{name}", "is required with data.source: files",
+                    raise CPConfigError(f"{path}.{name}", f"is required with data.source: {self.source}",
                                         fix="e.g. files: [my_docs.jsonl] and tokenizer: my_tokenizer_dir")
+            if self.source == "media":
+                for name, default in (("format", None), ("eval_fraction", 0.0), ("eval_every", None),
+                                      ("packed_documents", None)):
+                    if getattr(self, name) != default:
+                        raise CPConfigError(f"{path}.{name}", "is not available with data.source: media",
+                                            fix="remove it (media records are jsonl; no held-out split yet; a "
+                                                "packed row's samples are always independent documents)")
+            elif self.media_max_pixels is not None:
+                raise CPConfigError(f"{path}.media_max_pixels", "applies to data.source: media only",
+                                    fix="remove it")
             if self.min_doc_len is not None:
                 raise CPConfigError(f"{path}.min_doc_len", "applies to data.source: bytes only",
                                     fix="remove it (document lengths come from the files)")
@@ -130,9 +149,9 @@ class DataConfig:
                 raise CPConfigError(f"{path}.eval_fraction", f"must be < 1, got {self.eval_fraction}")
         else:
             for name, default in (("files", None), ("tokenizer", None), ("packing", False), ("packed_documents", None),
-                                  ("eval_fraction", 0.0), ("eval_every", None)):
+                                  ("eval_fraction", 0.0), ("eval_every", None), ("media_max_pixels", None)):
                 if getattr(self, name) != default:
-                    raise CPConfigError(f"{path}.{name}", "applies to data.source: files only",
+                    raise CPConfigError(f"{path}.{name}", "applies to data.source: files (or media) only",
                                         fix="set data.source: files (with data.files and data.tokenizer) or remove it")
         if self.packed_documents is not None and not self.packing:
             raise CPConfigError(f"{path}.packed_documents", "says what a packed row means, but data.packing is false",

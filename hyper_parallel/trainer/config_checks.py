@@ -10,6 +10,7 @@ from ..distributed.errors import CPConfigError
 from ..distributed.plan.resolver import check_plan_targets
 from .config import TrainerConfig
 from .hf_config_keys import check_config_keys
+from .media import check_media_run
 from .pipeline import check_pipeline_run
 from .token_id_checks import check_token_ids
 from .vocab_rule import vocab_choice
@@ -44,7 +45,9 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
     * every ``_target_`` / registry name of ``plan_overrides`` resolves, also for an entry that
       ``cp_size: 1`` skips (:func:`~hyper_parallel.distributed.plan.resolver.check_plan_targets`);
     * ``accelerator.pp_size > 1``: what the pipeline does not combine with yet, and a schedule the
-      sizes cannot run (:func:`.pipeline.check_pipeline_run`).
+      sizes cannot run (:func:`.pipeline.check_pipeline_run`);
+    * ``data.source: media``: a model whose media path is not registered, and what the media source
+      does not combine with (:func:`.media.check_media_run`).
     """
     _check_device(cfg.accelerator.device_type)
     if cfg.logging.tensorboard:
@@ -54,6 +57,7 @@ def check_run_config(cfg: TrainerConfig) -> TrainerConfig:
             raise CPConfigError("logging.tensorboard", "is true but the tensorboard package is not installed",
                                 fix="pip install tensorboard (pinned in constraints.txt), or set it to false") from None
     _check_attn_implementation(cfg.model.attn_implementation)
+    check_media_run(cfg)
     text, given = _check_model_config(cfg)
     if text is not None:
         tok = _tokenizer(cfg)
@@ -111,7 +115,7 @@ def _check_attn_implementation(name: str) -> None:
 
 def _tokenizer(cfg: TrainerConfig):
     """``data.tokenizer`` loaded (``data.source: files``), else None."""
-    if cfg.data.source != "files" or not cfg.data.tokenizer:
+    if not cfg.data.tokenized or not cfg.data.tokenizer:
         return None
     from .data_sources import load_tokenizer
 

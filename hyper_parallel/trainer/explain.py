@@ -66,11 +66,30 @@ def _on_device(accel) -> bool:
     return (accel.device_type or detect_device_type()) != "cpu"
 
 
-def _first_batch(cfg, vocab: int, dp: int):
+def _first_batch(cfg, vocab: int, dp: int, model):
     from .data import build_data_stream
 
+    if cfg.data.source == "media":
+        from .media import build_media_stream
+
+        return build_media_stream(cfg.data, model, dp_rank=0, dp_size=dp).next_micro_batches(1)[0]
     stream, _ = build_data_stream(cfg.data, dp_rank=0, dp_size=dp, vocab_size=vocab, is_builder=True)
     return stream.next_micro_batches(1)[0]
+
+
+def _media_line(model, batch: dict, cp: int) -> str:
+    """The first batch's media and the patch rows each CP rank's tower encodes (context_parallel/vision.py)."""
+    from ..distributed.context_parallel.vision import assign_media, vision_tower
+
+    tower, media = vision_tower(model), batch.get("media") or {}
+    rows = [int(r) for k in media for r in tower.rows(media[k][1])]
+    load = [0] * cp
+    for r, owner in zip(rows, assign_media(rows, cp)):
+        load[owner] += r
+    tower_params = sum(p.numel() for n, p in model.named_parameters() if tower.holds(n))
+    counts = ", ".join(f"{len(media[k][1])} {k}(s)" for k in media) or "no media"
+    return (f"media of the first batch: {counts}; patch rows encoded per CP rank {load} (the vision tower, "
+            f"{tower_params / 1e6:.3f} M parameters, is replicated: each rank runs it on its own media)")
 
 
 def explain(cfg, echo=print) -> dict:
@@ -81,12 +100,12 @@ def explain(cfg, echo=print) -> dict:
     from ..distributed.context_parallel.catalogue import METHODS, attention_methods, cost_model, uses_balanced_permutation
     from ..distributed.context_parallel.cost_model import LayerShape
     from ..distributed.plan import ShardingPlanner
-    from .model import HyperAutoModel
-    from .vocab_rule import build_vocab
+    from ..distributed.context_parallel.vision import vision_tower
+    from .model import run_model
 
     a, d, s = cfg.accelerator, cfg.data, cfg.schedule
     sizes = a.mesh_sizes()
-    model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
+    model = run_model(cfg)
     plan = ShardingPlanner(cfg.plan_overrides, d.packed_documents).plan(
         model, tp_size=a.tp_size, cp_size=a.cp_size, ep_size=a.ep_size, sequence_parallel=a.sequence_parallel,
         loss_parallel=a.loss_parallel, packed_rows=d.packing)
@@ -118,7 +137,10 @@ def explain(cfg, echo=print) -> dict:
         p_total = pipe.ranks[pipe.largest]["param_bytes"]
         layers = [layers[i] for i in pipe.ranks[pipe.largest]["layers"]]
     p_layers = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
-    p_rank = ((p_total - p_layers) + p_layers / tp) / n_fsdp
+    tower = vision_tower(model)     # replicated on every rank, not sharded by FSDP (docs/vlm.md)
+    p_tower = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if tower.holds(n)) \
+        if tower is not None and pipe is None else 0
+    p_rank = ((p_total - p_layers - p_tower) + p_layers / tp) / n_fsdp + p_tower
     opt_factor = 2 if cfg.optimizer.name.lower() == "adamw" else 1
     opt_rank = p_rank / elem * 4 * opt_factor
     unit = max((sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers), default=0) / tp
@@ -129,6 +151,9 @@ def explain(cfg, echo=print) -> dict:
     echo(f"parameters {_gb(p_total)} in all; per rank (FSDP2 over {n_fsdp}, TP {tp}): parameters {_gb(p_rank)}, "
          f"gradients {_gb(p_rank)}, optimizer state {_gb(opt_rank)} ({cfg.optimizer.name}, fp32), "
          f"unsharded layers in flight {_gb(2 * unit * (n_fsdp > 1))} (one decoder layer + the prefetched next)")
+    if p_tower:
+        echo(f"the vision tower is replicated on every rank (not sharded by FSDP): {_gb(p_tower)} of the parameters "
+             "per rank above, and its gradients and optimizer state alike")
     if ep_fig is not None:
         echo(f"experts: {ep_fig.layers} MoE layers x {ep_fig.experts} experts, {ep_fig.experts_per_rank} per rank "
              f"(ep {a.ep_size}); {_gb(ep_fig.expert_bytes)} of experts in all, {_gb(ep_fig.expert_bytes / n_fsdp)} "
@@ -235,7 +260,7 @@ def explain(cfg, echo=print) -> dict:
     attention = [m for m in methods if m in METHODS and METHODS[m].kind == "attention"]
     if cp > 1 and methods:
         try:
-            batch = _first_batch(cfg, V, sizes.dp_replicate * sizes.dp_shard)
+            batch = _first_batch(cfg, V, sizes.dp_replicate * sizes.dp_shard, model)
         except Exception as exc:  # noqa: BLE001 - the explanation goes on without the data
             echo(f"first batch not read ({type(exc).__name__}: {exc})")
         else:
@@ -244,6 +269,8 @@ def explain(cfg, echo=print) -> dict:
             mean = sum(spread) / cp
             echo(f"{row.title}, layout {row.layout}: visible (q, k) pairs per CP rank {spread}; "
                  f"max/mean {max(spread) / mean if mean else float('nan'):.3f}")
+            if d.source == "media":
+                echo(_media_line(model, batch, cp))
     else:
         echo("cp_size 1: no split")
 

@@ -47,35 +47,42 @@ def named_full(model: torch.nn.Module, what: str) -> dict:
     return out
 
 
+def _norm64(grads: list) -> torch.Tensor:
+    """The 2-norm of ``grads`` accumulated in float64 (a DTensor result keeps its placements: the caller
+    reduces it). torch's float32 norm of a large gradient (an LM head's) is off by up to ~1e-4 relative
+    and by a different amount for each sharding, which made the clipping coefficient depend on the CP
+    size; in float64 the rounding is ~1e-16."""
+    norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float64) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2)
+
+
 def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | None = None, *,
                           across=None) -> torch.Tensor:
-    """Clip by the global 2-norm over every gradient; return the (pre-clip) total norm.
+    """Clip by the global 2-norm over every gradient; return the (pre-clip) total norm (float32).
 
-    Plain tensors: exactly ``torch.nn.utils.clip_grad_norm_`` (``max_norm=None``: norm only).
+    The norm is accumulated in float64 (:func:`_norm64`), so it is the same number at every sharding;
+    the coefficient is ``torch.nn.utils.clip_grad_norm_``'s, ``min(1, max_norm / (norm + 1e-6))``.
     DTensors (FSDP/TP): norms are computed per (mesh, placements) group and reduced with
     ``full_tensor()``, so shards are summed and replicas counted once — the norm of the full
-    gradient, identical on all ranks. ``across`` (a mesh or group: the pipeline's stages): the
-    squared norms of the ranks there are summed, each holding different parameters.
+    gradient, identical on all ranks. Plain tensors are taken as replicated (each rank holds all of
+    them). ``across`` (a mesh or group: the pipeline's stages): the squared norms of the ranks there
+    are summed, each holding different parameters. ``foreach`` is accepted for the config's sake (the
+    float64 norms are per tensor).
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
-    if across is None and not any(is_dtensor(g) for g in grads):
-        if not grads:
-            return torch.tensor(0.0)
-        if max_norm is None:
-            return torch.nn.utils.get_total_norm(grads, 2.0, False, foreach)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
     groups: dict = {}
     for g in grads:
         key = (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else ("local",)
         groups.setdefault(key, []).append(g)
     squares = []
     for key in sorted(groups, key=str):
-        norm = torch.nn.utils.get_total_norm(groups[key], 2.0, False, foreach)
+        norm = _norm64(groups[key])
         if is_dtensor(norm):
             norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())   # a stage may hold no gradient
+        squares.append(norm ** 2)
+    device = grads[0].device if grads else None
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
     if across is not None:
         total_sq = all_reduce(total_sq, across.get_group() if hasattr(across, "get_group") else across)
     total = total_sq.sqrt()
@@ -84,7 +91,7 @@ def clip_grad_norm_global(parameters, max_norm: float | None, foreach: bool | No
         if coef < 1.0:
             for g in grads:
                 g.mul_(coef)
-    return total
+    return total.float()
 
 
 def sum_grads_in_place(grads: list, group) -> None:

@@ -21,7 +21,9 @@ def known_config_keys(config_cls) -> frozenset:
     """Every name ``config_cls`` (a ``PretrainedConfig`` subclass) and its bases accept: their
     ``__init__`` parameters and annotations, class-level fields and properties, the attributes of a
     default instance, ``attribute_map`` aliases, the legacy keys every config converts
-    (``rope_theta``, ...) and the attributes its modeling file reads (:func:`_modeling_reads`)."""
+    (``rope_theta``, ...) and the attributes its modeling file reads (:func:`_modeling_reads`; not for
+    a composite config such as a VLM's, whose modeling file reads its ``text_config`` /
+    ``vision_config``: a top-level ``hidden_act`` there would be stored and never read)."""
     names: set = set()
     for klass in inspect.getmro(config_cls):
         if klass is object:
@@ -41,7 +43,8 @@ def known_config_keys(config_cls) -> frozenset:
     except Exception:  # noqa: BLE001 - a class without usable defaults: its signature is enough
         pass
     names.update(_LEGACY_KEYS)
-    names.update(_modeling_reads(config_cls))
+    if not getattr(config_cls, "sub_configs", None):   # a composite config's modeling file reads its sub-configs
+        names.update(_modeling_reads(config_cls))
     names.discard("self")
     return frozenset(n for n in names if not n.startswith("__"))
 

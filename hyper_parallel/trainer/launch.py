@@ -87,13 +87,12 @@ def _check_model(cfg) -> None:
     from ..distributed.errors import CPConfigError
     from ..distributed.plan import ShardingPlanner
     from ..distributed.tensor_parallel import find_decoder_layers
-    from .model import HyperAutoModel
+    from .model import run_model
     from .tiled_mlp import install_tiled_mlp
-    from .vocab_rule import build_vocab
 
     a, s = cfg.accelerator, cfg.schedule
     try:
-        model = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
+        model = run_model(cfg)
     except CPConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - a build the meta device cannot do: the ranks build it for real
@@ -120,6 +119,11 @@ def _check_data(data) -> None:
         from .data_sources import open_token_store
 
         open_token_store(data)   # no process group: this process tokenizes once (first run) and opens it
+    elif data.source == "media":
+        from .data_sources import load_tokenizer, resolve_files
+
+        resolve_files(data.files)   # the records and their media are read by the ranks (trainer/media.py)
+        load_tokenizer(data.tokenizer)
     elif data.path is not None and not resolve_path(data.path).is_file():
         raise CPConfigError("data.path", f"{data.path} is not a file",
                             fix="point it at a text file, e.g. examples/data/corpus.txt")

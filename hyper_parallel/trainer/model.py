@@ -42,11 +42,13 @@ class HyperAutoModel:
     """
 
     @staticmethod
-    def from_config(cfg: ModelConfig, *, meta: bool = False, device="cpu", vocab_size: int | None = None):
+    def from_config(cfg: ModelConfig, *, meta: bool = False, device="cpu", vocab_size: int | None = None,
+                    image_text: bool = False):
         """Build the model of ``cfg`` (see the class doc). ``vocab_size``: the token ids the data
         can produce (:func:`.vocab_rule.build_vocab`): set as the vocabulary when ``model.config``
         gives none, refused when it gives fewer; with ``model.path`` the checkpoint's vocabulary is
-        resized up to it (the new rows initialised like the random build)."""
+        resized up to it (the new rows initialised like the random build). ``image_text``: the model type's
+        image-text-to-text class (a vision-language model with its tower), else its causal-LM class."""
         import transformers
 
         if cfg.dtype not in _DTYPES:
@@ -75,7 +77,8 @@ class HyperAutoModel:
 
             apply_vocab(hf_cfg, int(vocab_size), cfg)
         hf_cfg._attn_implementation = cfg.attn_implementation
-        model = build_meta_model(hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model = build_meta_model(hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                 image_text=image_text)
         model.__dict__["_hp_source"] = _Source(kind=source[0], path=source[1], seed=cfg.seed)
         model = _for_training(model)
         if not meta:
@@ -101,7 +104,22 @@ class _Source:
     seed: int
 
 
-def build_meta_model(hf_cfg, *, dtype, attn_implementation: str):
+def run_model(cfg):
+    """The run's model on the meta device: ``cfg`` a :class:`~.config.TrainerConfig` (its vocabulary rule;
+    the image-text-to-text class with ``data.source: media``)."""
+    from .vocab_rule import build_vocab
+
+    return HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg),
+                                      image_text=cfg.data.source == "media")
+
+
+def _auto_class(image_text: bool):
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+
+
+def build_meta_model(hf_cfg, *, dtype, attn_implementation: str, image_text: bool = False):
     """An HF causal LM of ``hf_cfg`` with every parameter and buffer on ``meta`` (no memory, no
     init), plus a pristine deep copy of it (``_hp_pristine``) that :func:`materialize` builds its
     per-unit full-size twins from after the model itself has been sharded."""
@@ -111,8 +129,8 @@ def build_meta_model(hf_cfg, *, dtype, attn_implementation: str):
     from transformers import initialization as hf_init
 
     with torch.device("meta"), hf_init.meta_device_safe_creation_ops():
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn_implementation,
-                                                              dtype=dtype)
+        model = _auto_class(image_text).from_config(hf_cfg, attn_implementation=attn_implementation, dtype=dtype)
+    model.__dict__["_hp_image_text"] = image_text
     model.__dict__["_hp_pristine"] = copy.deepcopy(model)   # not a registered submodule
     return model
 
@@ -228,7 +246,8 @@ class _ConstructedBuffers:
             nn.Module.register_parameter = to_meta
             try:
                 cfg = copy.deepcopy(self.pristine.config)
-                model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+                model = _auto_class(self.pristine.__dict__.get("_hp_image_text", False)).from_config(
+                    cfg, attn_implementation=cfg._attn_implementation)
             finally:
                 nn.Module.register_parameter = register
             self._buffers = dict(model.named_buffers())
@@ -384,7 +403,8 @@ def head_probe_model(model: nn.Module, *, vocab_cap: int = 512) -> nn.Module:
                 setattr(text, name, None)
     src: _Source = model.__dict__["_hp_source"]
     dtype = next(iter(model.parameters())).dtype
-    probe = build_meta_model(cfg, dtype=dtype, attn_implementation=cfg._attn_implementation)
+    probe = build_meta_model(cfg, dtype=dtype, attn_implementation=cfg._attn_implementation,
+                             image_text=model.__dict__.get("_hp_image_text", False))
     probe.__dict__["_hp_source"] = _Source(kind="random", path=None, seed=src.seed)
     return materialize(_for_training(probe), "cpu")
 

@@ -42,10 +42,9 @@ def check_pipeline_run(cfg, *, model: bool = True) -> None:
         check_schedule(sch.pipeline, pp, cfg.data.eval_batches, virtual_stages(sch), field="data.eval_batches")
     if not model:
         return
-    from .model import HyperAutoModel
-    from .vocab_rule import build_vocab
+    from .model import run_model
 
-    built = HyperAutoModel.from_config(cfg.model, meta=True, vocab_size=build_vocab(cfg))
+    built = run_model(cfg)
     check_pipelinable(built, pp * virtual_stages(sch))
     check_pipeline_head(built, cfg)
 

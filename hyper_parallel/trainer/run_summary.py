@@ -44,6 +44,7 @@ def summary_lines(trainer, results: list) -> list[str]:
     lines.append("artifacts:")
     for name, path in found:
         if path.exists():
-            note = "  (AutoModelForCausalLM / AutoTokenizer.from_pretrained)" if name == "HF export" else ""
+            auto = "AutoModelForImageTextToText" if cfg.data.source == "media" else "AutoModelForCausalLM"
+            note = f"  ({auto} / AutoTokenizer.from_pretrained)" if name == "HF export" else ""
             lines.append(f"  {name:<12} {path.resolve()}{note}")
     return lines

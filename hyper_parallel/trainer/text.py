@@ -15,6 +15,11 @@ class TextTrainer(BaseTrainer):
     def build_data(self) -> DataStream:
         """The training stream (``self.eval_data``: the held-out stream or None); the tokenized store
         is built by rank 0 once and the model's vocabulary checked against it before any step."""
+        if self.cfg.data.source == "media":     # a vision-language model's samples (media.py)
+            from .media import build_media_stream
+
+            self.eval_data = None
+            return build_media_stream(self.cfg.data, self.model, dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         stream, self.eval_data = build_data_stream(self.cfg.data, dp_rank=self.mesh.dp_rank,
                                                    dp_size=self.mesh.dp_size, vocab_size=vocab,
@@ -38,8 +43,19 @@ class TextTrainer(BaseTrainer):
         from .paths import resolve_path
 
         out = Path(out_dir) if out_dir is not None else Path(self.cfg.logging.out_dir) / "hf"
-        tok = self.cfg.data.tokenizer if self.cfg.data.source == "files" else None
+        tok = self.cfg.data.tokenizer if self.cfg.data.tokenized else None
         return save_hf(self, out, tokenizer_dir=str(resolve_path(tok)) if tok else None)
+
+    def media_embeddings(self, prepared: PreparedBatch) -> dict:
+        """This rank's ``mm_encoder_outputs`` of a VLM batch: each medium encoded by one CP rank, each
+        token's embedding sent to the rank holding its placeholder (at CP=1 the same code, a group of one)."""
+        from ..distributed.context_parallel.batch import CONTIGUOUS_POLICY
+        from ..distributed.context_parallel.vision import media_embeddings_for_cp
+
+        media = {k: (pv.to(self.device), grid) for k, (pv, grid) in prepared.media.items()}
+        cp = self.cp_size > 1
+        return media_embeddings_for_cp(self.model, prepared.global_ids, media, self.mesh.cp_mesh if cp else None,
+                                       (self.cp_policy or CONTIGUOUS_POLICY) if cp else CONTIGUOUS_POLICY)
 
     def compute_loss(self, prepared: PreparedBatch):
         """-> (logits, local loss sum, local valid targets). With an MoE router loss on
@@ -49,6 +65,8 @@ class TextTrainer(BaseTrainer):
         head = self.tiled_head
         spec = router_spec(self)
         kw = {"output_router_logits": True} if spec is not None else {}
+        if prepared.media is not None:      # the vision tower spread over the CP group (docs/vlm.md)
+            kw["mm_encoder_outputs"] = self.media_embeddings(prepared)
         self.router_stats = None
         if head is None or self.capture_logits:        # untiled: [B, S_local, vocab] logits
             out = self.model(**prepared.inputs, use_cache=False, **kw)

@@ -70,7 +70,7 @@ def checked_token_ids(cfg, model, *, say: bool = False):
         check_token_ids(cfg, text, dict(cfg.model.config or {}), note=note)
         if say and from_data is not None:
             log.info("[model.config.vocab_size] not given: set to %s, the token ids the data can produce (%s)",
-                     from_data, "len(data.tokenizer)" if cfg.data.source == "files" else "data.source: bytes")
+                     from_data, "len(data.tokenizer)" if cfg.data.tokenized else "data.source: bytes")
         if say and have is not None:
             log.warning("[model.path] the checkpoint's vocab_size %s is below the token ids the data can produce: "
                         "the embedding and the head are built with %s rows (resized up; the new rows are "

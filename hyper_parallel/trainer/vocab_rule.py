@@ -37,7 +37,7 @@ class VocabChoice:
 def data_rows(data, tokenizer=None) -> tuple[int, str]:
     """(token ids the ``data`` section can produce, that in words). ``tokenizer``: the loaded
     ``data.tokenizer`` (loaded here when None and the source needs it)."""
-    if data.source == "files":
+    if data.tokenized:
         if tokenizer is None:
             from .data_sources import load_tokenizer
 

@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from hyper_parallel.trainer.grad_utils import clip_grad_norm_global
+
 from . import _workers as W
 
 MIXTRAL = os.path.join(W.ROOT, "examples", "models", "tiny_mixtral.yaml")
@@ -77,7 +79,7 @@ def hf_reference(cfg: dict, batches: list):
             total += float((out.loss - coef * out.aux_loss).detach())
             aux_total += float(out.aux_loss.detach()) / len(mbs)
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        clip_grad_norm_global(list(model.parameters()), o.grad_clip)   # the trainer's rule (float64 norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         res.append({"loss": total, "router_loss": aux_total, "grads": grads})
@@ -110,7 +112,7 @@ def hf_reference_per_dp(cfg: dict, batches: list):
             ce_total += float(ce.detach())
             aux_total += float(aux.detach()) / D
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        clip_grad_norm_global(list(model.parameters()), o.grad_clip)   # the trainer's rule (float64 norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         res.append({"loss": ce_total, "router_loss": aux_total, "grads": grads})

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from hyper_parallel.trainer.grad_utils import clip_grad_norm_global
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "examples", "data", "corpus.txt")
 MODELS = {
@@ -122,7 +124,8 @@ def build_error(cfg: dict):
 
 
 def plain_hf_loop(cfg: dict, batches: list):
-    """The trainer with CP disabled, written by hand: HF ``labels=`` loss, AdamW, clip_grad_norm_."""
+    """The trainer with CP disabled, written by hand: HF ``labels=`` loss, AdamW, the trainer's clipping
+    rule (``clip_grad_norm_``'s coefficient on the float64 norm, grad_utils.py)."""
     from hyper_parallel.trainer.config import TrainerConfig
     from hyper_parallel.trainer.model import HyperAutoModel
 
@@ -141,7 +144,7 @@ def plain_hf_loop(cfg: dict, batches: list):
             loss.backward()
             total += float(loss)
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        norm = clip_grad_norm_global(list(model.parameters()), o.grad_clip)   # the trainer's rule (float64 norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append({"loss": total, "grad_norm": float(norm), "grads": grads,

@@ -18,7 +18,7 @@ def _cfg(cp=1, overrides=()):
         model=SimpleNamespace(), plan_overrides=list(overrides),
         accelerator=SimpleNamespace(tp_size=1, cp_size=cp, ep_size=1, sequence_parallel=False, loss_parallel=False),
         schedule=SimpleNamespace(tiled_mlp=False, tiled_mlp_chunk_size=0, activation_offload=False),
-        data=SimpleNamespace(packing=False, packed_documents=None))
+        data=SimpleNamespace(source="bytes", packing=False, packed_documents=None))
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def seams(monkeypatch):
     state = {"build": lambda: nn.Linear(2, 2), "plan": lambda: None}
     monkeypatch.setattr(vocab, "build_vocab", lambda cfg: 8)
     monkeypatch.setattr(model.HyperAutoModel, "from_config",
-                        staticmethod(lambda cfg, meta=False, vocab_size=None: state["build"]()))
+                        staticmethod(lambda cfg, meta=False, vocab_size=None, image_text=False: state["build"]()))
     monkeypatch.setattr(plan.ShardingPlanner, "plan", lambda self, m, **kw: state["plan"]())
     return state
 

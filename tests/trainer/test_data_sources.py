@@ -107,7 +107,7 @@ def test_vocab_checked_against_the_model(tmp_path):
 
 
 def test_options_of_the_other_source_refused():
-    with pytest.raises(CPConfigError, match=r"^\[data.packing\] applies to data.source: files only"):
+    with pytest.raises(CPConfigError, match=r"^\[data.packing\] applies to data.source: files \(or media\) only"):
         TrainerConfig.from_dict({"data": {"packing": True}})
     with pytest.raises(CPConfigError, match=r"^\[data.tokenizer\] is required"):
         TrainerConfig.from_dict({"data": {"source": "files", "files": "x.jsonl"}})

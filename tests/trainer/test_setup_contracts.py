@@ -92,14 +92,14 @@ def _inject_on_rank_1(target, attr: str, exc: BaseException):
 
 def model_build_fails_on_rank_1(cfg: dict):
     from hyper_parallel.distributed.errors import CPConfigError
-    from hyper_parallel.trainer import base
+    from hyper_parallel.trainer.model import HyperAutoModel
 
-    original = _inject_on_rank_1(base.HyperAutoModel, "from_config",
+    original = _inject_on_rank_1(HyperAutoModel, "from_config",
                                  CPConfigError("model.config_file", "unreadable on this node only"))
     try:
         return W.build_error(cfg)
     finally:
-        base.HyperAutoModel.from_config = original
+        HyperAutoModel.from_config = original
 
 
 def resume_check_fails_on_rank_1(cfg: dict):

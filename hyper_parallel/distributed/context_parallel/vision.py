@@ -23,7 +23,7 @@ import torch
 from .batch import shard_batch_for_cp
 from .comm.primitives import AllToAllUneven, resolve_group
 
-__all__ = ["MediaKind", "VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
+__all__ = ["MediaKind", "MediaInputs", "VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
            "media_token_layout", "media_embeddings_for_cp"]
 
 
@@ -42,16 +42,31 @@ class MediaKind:
 
 
 @dataclasses.dataclass(frozen=True)
+class MediaInputs:
+    """How a family turns raw media into its model inputs (the trainer's media source, docs/vlm.md):
+    ``preprocess(config, kind, items, max_pixels)`` -> ``(pixel_values, grid_thw)`` of a list of media
+    (an image: a PIL image; a video: a list of PIL frames), the model's own image processor built from
+    ``config`` (nothing downloaded); ``placeholders(config, kind, tokens)`` -> the token ids one medium of
+    ``tokens`` tokens takes in the text; ``positions(model, input_ids [1, n], grids)`` -> the sample's
+    ``[3, 1, n]`` rope positions (``grids``: kind -> grid_thw of its media, in order)."""
+
+    preprocess: Callable
+    placeholders: Callable
+    positions: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class VisionTower:
     """A VLM family's media path: ``prefix`` (the tower's module path: its attentions are not CP
     boundaries), ``kinds`` (name -> :class:`MediaKind`, the keys of transformers' ``mm_encoder_outputs``),
-    ``tokens(config, grid_thw)`` (tokens per medium) and ``rows(grid_thw)`` (``pixel_values`` rows per
-    medium)."""
+    ``tokens(config, grid_thw)`` (tokens per medium), ``rows(grid_thw)`` (``pixel_values`` rows per
+    medium) and ``inputs`` (:class:`MediaInputs`, or None: the trainer's media source refuses the family)."""
 
     prefix: str
     kinds: dict
     tokens: Callable
     rows: Callable
+    inputs: Optional[MediaInputs] = None
 
     def holds(self, fqn: str) -> bool:
         """Whether module ``fqn`` belongs to the tower (not a CP boundary, not a CP rotary module)."""
@@ -71,9 +86,10 @@ def vision_tower(model) -> Optional[VisionTower]:
     return _TOWERS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
-def carried_towers() -> tuple:
-    """The model types whose media are carried under CP (for messages)."""
-    return tuple(_TOWERS)
+def carried_towers(with_inputs: bool = False) -> tuple:
+    """The model types whose media are carried under CP (for messages); ``with_inputs``: only those
+    whose raw media the trainer's media source can read (:class:`MediaInputs` registered)."""
+    return tuple(t for t, v in _TOWERS.items() if v.inputs is not None or not with_inputs)
 
 
 def assign_media(cost: list, cp_size: int) -> list:

@@ -24,7 +24,6 @@ import contextlib
 from typing import Optional
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ... import platform as P
 from ..context_parallel import shard_batch_for_cp
@@ -34,8 +33,10 @@ from .stages import StageModule
 
 __all__ = ["SCHEDULES", "PipelineStep", "check_schedule", "reduce_stage_grads"]
 
-#: ``schedule.pipeline`` names -> torch's schedule class; the interleaved one runs several stages per rank
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+#: ``schedule.pipeline`` names -> torch's schedule class (in ``torch.distributed.pipelining``, imported only
+#: when a pipeline is built: it pulls in torch.export and dynamo, ~1 s of every process's start-up);
+#: the interleaved one runs several stages per rank
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 INTERLEAVED = ("interleaved_1f1b",)
 
 
@@ -59,7 +60,9 @@ def check_schedule(name: str, pp_size: int, microbatches: int, virtual: int = 1,
         raise CPConfigError(field, f"{name} with pp_size={pp_size} needs {need} microbatches "
                             f"per step, got {microbatches}",
                             fix=f"use {pp_size} or a multiple of it as the microbatch count (the gradient-accumulation count)")
-    return SCHEDULES[name]
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULES[name])
 
 
 class PipelineStep:
@@ -88,6 +91,8 @@ class PipelineStep:
         tokens (static shapes: no shape-inference run); cached per shape."""
         key = (n, b, L, dtype, self.stage.router is not None)
         if key not in self._pipes:
+            import torch.distributed.pipelining as pipelining
+
             st = self.stage
             cls = check_schedule(self.name, st.pp_size, n, st.virtual)
             H, total = st.config.hidden_size, st.pp_size * st.virtual
@@ -100,7 +105,7 @@ class PipelineStep:
             pipes = []
             for call, sid in zip(st.stages(), st.stage_ids):
                 inp = (torch.empty(b, L, dtype=torch.long, device=self.device),) if sid == 0 else carried
-                pipes.append(PipelineStage(call, sid, total, self.device, input_args=inp,
+                pipes.append(pipelining.PipelineStage(call, sid, total, self.device, input_args=inp,
                                            output_args=loss if sid == total - 1 else carried,
                                            group=self.mesh.pp_mesh.get_group()))
             loss_fn = lambda loss, _target: loss     # noqa: E731 - the last stage returns the scaled loss
@@ -169,7 +174,7 @@ class PipelineStep:
 
 
 @contextlib.contextmanager
-def _per_microbatch(pipe: PipelineStage, metas: list, router=None):
+def _per_microbatch(pipe, metas: list, router=None):
     """Run each microbatch's forward and backward of ``pipe`` inside its own CP batch context (and
     tell the router loss which microbatch a forward is)."""
     fwd, bwd = pipe.forward_one_chunk, pipe.backward_one_chunk

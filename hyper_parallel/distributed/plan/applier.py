@@ -51,6 +51,7 @@ from ..context_parallel.mixers.layout import on_contiguous_layout
 from ..context_parallel.mixers.rows import documents_alone
 from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
 from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
+from ..context_parallel.vision import vision_tower
 from ..errors import CPConfigError
 from .planner import ShardingPlan
 from ..tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
@@ -221,7 +222,9 @@ def _apply_fsdp(model, plan: ShardingPlan, mesh, mp_policy, reshard_after_forwar
         fully_shard(names[fqn], **kwargs)
     if head is not None:        # its own unit, kept unsharded from its forward into its backward (the next step)
         fully_shard(head, **dict(kwargs, reshard_after_forward=False))
-    fully_shard(model, **kwargs)
+    tower = vision_tower(model)  # replicated: each rank runs it on its own media only (no collective to join)
+    ignored = {p for n, p in model.named_parameters() if tower.holds(n)} if tower is not None else set()
+    fully_shard(model, **kwargs, **({"ignored_params": ignored} if ignored else {}))
 
 
 def _untied_embeddings(model, layers=()) -> tuple:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.context_parallel.vision import MediaKind, VisionTower, register_vision_tower
+from .inputs import QWEN_VL_INPUTS
 
 
 def _images(model, pixel_values, grid_thw) -> list:
@@ -30,12 +31,12 @@ def _widths(cfg) -> list:
 
 def qwen_vl_tower() -> VisionTower:
     """The media path of the Qwen2-VL layout (``model.visual``, ``get_image_features`` /
-    ``get_video_features``, merged patches)."""
+    ``get_video_features``, merged patches; raw media through :mod:`.inputs`)."""
     return VisionTower(prefix="model.visual",
                        kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images, _widths, _wrap),
                               "video": MediaKind(lambda cfg: cfg.video_token_id, _videos, _widths, _wrap)},
                        tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
-                       rows=lambda grid: grid.prod(-1))
+                       rows=lambda grid: grid.prod(-1), inputs=QWEN_VL_INPUTS)
 
 
 register_vision_tower("qwen2_vl", qwen_vl_tower())

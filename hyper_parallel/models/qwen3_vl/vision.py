@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.context_parallel.vision import MediaKind, VisionTower, register_vision_tower
+from ..qwen2_vl.inputs import QWEN_VL_INPUTS
 
 
 def _encoder(which: str):
@@ -33,5 +34,5 @@ def _widths(cfg) -> list:
 TOWER = VisionTower(prefix="model.visual",
                     kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _encoder("get_image_features"), _widths, _wrap)},
                     tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
-                    rows=lambda grid: grid.prod(-1))
+                    rows=lambda grid: grid.prod(-1), inputs=QWEN_VL_INPUTS)
 register_vision_tower("qwen3_vl", TOWER)

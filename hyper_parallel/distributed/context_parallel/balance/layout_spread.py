@@ -26,6 +26,8 @@ def work_spread(batch: dict, layout: str, cp: int, heads_split: bool = False) ->
     B, S = ids.shape
     pos = batch.get("position_ids")
     pos = torch.arange(S).expand(B, S) if pos is None else pos
+    if pos.dim() == 3:      # multimodal [3|4, B, S]: row 0 is the text position (transformers' 4-row layout)
+        pos = pos[0].expand(B, S)
     valid = batch.get("attention_mask")
     visible = (pos + 1) * (valid if valid is not None else 1)
     per_token = visible.sum(0)
