@@ -80,9 +80,10 @@ def test_unregistered_cross_attention_vlm_refused_at_planning():
         assert "accelerator.cp_size=1" in msg and "models/<model_type>/vision.py" in msg, msg
 
 
-def test_llava_image_of_another_size_refused_before_any_exchange():
+def test_llava_media_it_cannot_encode_refused_before_any_exchange():
     """LLaVA's tower takes one image size (its position embeddings are not interpolated): an image of
-    another size, in its grid or its pixels, is refused by name before any exchange (no process group)."""
+    another size, in its grid or its pixels, is refused by name before any exchange (no process group);
+    so are pixels that do not match their grids and placeholders that do not match the media."""
     import torch
 
     from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
@@ -96,6 +97,14 @@ def test_llava_image_of_another_size_refused_before_any_exchange():
         with pytest.raises(ValueError, match=f"takes {LLAVA_SIZE} x {LLAVA_SIZE} images only") as ei:
             media_embeddings_for_cp(model, ids, {"image": (pixels, grid)}, None, "all_gather")
         print(ei.value)
+    with pytest.raises(ValueError, match="pixel values hold 2 rows, but their grids") as ei:     # pixels vs grids
+        media_embeddings_for_cp(model, ids, {"image": (torch.randn(2, 3, LLAVA_SIZE, LLAVA_SIZE), good)}, None,
+                                "all_gather")
+    print(ei.value)
+    with pytest.raises(ValueError, match="16 placeholder tokens .* encode to 32") as ei:         # placeholders
+        media_embeddings_for_cp(model, ids, {"image": (torch.randn(2, 3, LLAVA_SIZE, LLAVA_SIZE), good.repeat(2, 1))},
+                                None, "all_gather")
+    print(ei.value)
     out = media_embeddings_for_cp(model, ids, {"image": (torch.randn(1, 3, LLAVA_SIZE, LLAVA_SIZE), good)}, None,
                                   "all_gather")
     assert out["image"].pooler_output[0].shape == (16, model.config.text_config.hidden_size)
