@@ -171,9 +171,10 @@ def build_qwen3_5_vlm():
     return T.Qwen3_5ForConditionalGeneration(cfg).float().train()
 
 
-def vlm_refusals() -> dict:
-    """The full multimodal class planned at cp 2: without declarations, and with the language model's
-    attention + GDN (and the vision attention) declared -> the refusal message of each."""
+def vlm_plans() -> dict:
+    """The full multimodal class planned at cp 2 (its tower is registered, models/qwen3_5/vision.py):
+    without declarations, with the language model's attention + GDN declared, and with the vision
+    attention declared too -> the refusal message, or the planned CP targets."""
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.wrappers._workers import mesh_ctx
 
@@ -184,19 +185,23 @@ def vlm_refusals() -> dict:
     for name, over in (("none", None), ("text", text), ("all", text + [{**base, "match": "*.blocks.*.attn",
                                                                           "inner_wrapper": "sdpa_hf"}])):
         try:
-            ShardingPlanner(plan_overrides=over).plan(model, mesh, cp_size=2)
-            out[name] = None
+            plan = ShardingPlanner(plan_overrides=over).plan(model, mesh, cp_size=2)
+            out[name] = sorted(t.fqn for t in plan.cp_targets)
         except Exception as exc:  # noqa: BLE001 - the refusal is the subject
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def test_qwen3_5_vlm_refused_cp2(ranks):
-    """Qwen3_5ForConditionalGeneration (vision tower) builds tiny on CPU; at cp 2 the planner refuses it
-    before any step, naming the vision encoder's attention, whatever is declared."""
-    for res in ranks(2).run(vlm_refusals, timeout=300.0):
+def test_qwen3_5_vlm_planned_cp2(ranks):
+    """Qwen3_5ForConditionalGeneration (vision tower, registered) at cp 2: the language model's attention
+    and GDN declared -> planned on those only (the tower runs per rank, tests/vlm/test_vlm_families.py);
+    undeclared -> refused naming the language model's attention; a method declared on the tower's
+    attention -> refused naming it (the tower is never under CP)."""
+    for res in ranks(2).run(vlm_plans, timeout=300.0):
         for name, msg in res.items():
             print(name, "->", msg)
-            assert msg is not None and msg.startswith("CPConfigError"), (name, msg)
-            assert "model.visual.blocks.0.attn" in msg and "attention of a vision encoder" in msg, msg
-            assert "accelerator.cp_size=1" in msg
+        assert res["text"] == ["model.language_model.layers.0.linear_attn", "model.language_model.layers.1.self_attn"]
+        assert isinstance(res["none"], str) and res["none"].startswith("CPConfigError"), res
+        assert "model.language_model.layers.1.self_attn" in res["none"] and "no CP method" in res["none"], res
+        assert isinstance(res["all"], str) and res["all"].startswith("CPConfigError"), res
+        assert "model.visual.blocks.0.attn" in res["all"] and "only modules of the vision tower" in res["all"], res

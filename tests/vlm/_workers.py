@@ -106,9 +106,10 @@ def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None):
     return logits.detach(), meta, local
 
 
-def _errors(model, ref, logits, ref_logits, meta, mesh, S: int) -> dict:
+def _errors(model, ref, logits, ref_logits, meta, mesh, S: int, tower: str = "visual") -> dict:
     """Logits of this rank's tokens and every gradient (summed over CP) against the reference, relative
-    to its largest; the worst parameter and the vision tower's largest reference gradient."""
+    to its largest; the worst parameter and the vision tower's (parameters named with ``tower``) largest
+    reference gradient."""
     from hyper_parallel import platform as P
 
     q = meta.q_index
@@ -121,7 +122,7 @@ def _errors(model, ref, logits, ref_logits, meta, mesh, S: int) -> dict:
         g = P.all_reduce(p.grad if p.grad is not None else torch.zeros(p.shape), mesh.cp_group)
         rg = ref_params[name].grad
         e = (_full(g) - (rg if rg is not None else 0)).abs().max().item()
-        if "visual" in name and rg is not None:
+        if tower in name and rg is not None:
             vis = max(vis, rg.abs().max().item())
         if e >= gerr:
             gerr, worst = e, name

@@ -33,12 +33,14 @@ class MediaKind:
     ``encode(model, pixel_values, grid_thw)`` -> the list of per-token tensors of those media, each
     ``[tokens, w]`` in order (the embeddings, then any per-token extras such as Qwen3-VL's deepstack
     features); ``widths(config)`` -> their ``w``; ``wrap(tensors)`` -> the model's encoder output for
-    ``mm_encoder_outputs`` built from this rank's rows of each."""
+    ``mm_encoder_outputs`` built from this rank's rows of each; ``check(config, pixel_values, grid_thw)``
+    (optional) raises ``ValueError`` on media the tower cannot encode (every rank, before any exchange)."""
 
     token_id: Callable
     encode: Callable
     widths: Callable
     wrap: Callable
+    check: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,8 @@ def media_token_layout(input_ids: torch.Tensor, token_id: int, tokens: list, cp_
     fills them), as indices into that list."""
     where = (input_ids == token_id)
     if int(where.sum()) != sum(tokens):
-        raise ValueError(f"{int(where.sum())} placeholder tokens in the batch, but the media encode to {sum(tokens)}")
+        raise ValueError(f"{int(where.sum())} placeholder tokens (id {token_id}) in the batch, but the media encode "
+                         f"to {sum(tokens)} ({tokens} per medium): give each medium its placeholders")
     medium = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens))
     offset = torch.cat([torch.arange(n) for n in tokens]) if tokens else torch.zeros(0, dtype=torch.long)
     ordinal = torch.full(input_ids.shape, -1, dtype=torch.long)
@@ -172,12 +175,23 @@ def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh
     kinds = list(media)
     rows = {k: [int(r) for r in tower.rows(media[k][1])] for k in kinds}
     owners = assign_media([r for k in kinds for r in rows[k]], cp)      # all kinds balanced together
+    # every kind's checks, token counts and placeholder layout first: a batch refused is refused on every
+    # rank before any exchange
+    for k in kinds:
+        pixel_values, grid_thw = media[k]
+        if sum(rows[k]) != pixel_values.shape[0]:
+            raise ValueError(f"{model.config.model_type} {k}s: pixel values hold {pixel_values.shape[0]} rows, but "
+                             f"their grids {grid_thw.tolist()} make {sum(rows[k])}: give the grids of these pixels")
+        if tower.kinds[k].check is not None:
+            tower.kinds[k].check(model.config, pixel_values, grid_thw)
+    tokens = {k: [int(t) for t in tower.tokens(model.config, media[k][1])] for k in kinds}
+    layouts = {k: media_token_layout(input_ids, tower.kinds[k].token_id(model.config), tokens[k], cp, policy)
+               for k in kinds}
     out, at = {}, 0
     weight = model.get_input_embeddings().weight
     for k in kinds:
         kind, (pixel_values, grid_thw) = tower.kinds[k], media[k]
         owner, at = owners[at:at + len(rows[k])], at + len(rows[k])
-        tokens = [int(t) for t in tower.tokens(model.config, grid_thw)]
         widths = [int(w) for w in kind.widths(model.config)]
         mine = [i for i in range(len(owner)) if owner[i] == rank]
         starts = [0] + torch.tensor(rows[k]).cumsum(0).tolist()
@@ -186,7 +200,7 @@ def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh
             embeds = torch.cat(kind.encode(model, pv, grid_thw[mine]), dim=-1)
         else:         # still joins both exchanges (its backward receives nothing)
             embeds = torch.zeros(0, sum(widths), dtype=weight.dtype, device=weight.device, requires_grad=True)
-        medium, offset, needs = media_token_layout(input_ids, kind.token_id(model.config), tokens, cp, policy)
-        local = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens, cp_mesh)
+        medium, offset, needs = layouts[k]
+        local = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens[k], cp_mesh)
         out[k] = kind.wrap(list(local.split(widths, dim=-1)))
     return out

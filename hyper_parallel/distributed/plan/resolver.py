@@ -225,10 +225,22 @@ class PlanOverrideResolver:
                 continue
             cp_specs.append(spec)
 
+        tower = vision_tower(model)
+        if self.cp_size > 1:
+            self._refuse_uncarried_vision(model, names, boundaries, tower)
         owner: dict[str, ModuleShardingSpec] = {}
         targets: list[ResolvedCPTarget] = []
         for spec in cp_specs:
             matched = [n for n in names if n and fnmatch.fnmatchcase(n, spec.match)]
+            if tower is not None and matched:       # a carried tower runs per rank on whole media, never under CP
+                outside = [n for n in matched if not tower.holds(n)]
+                if not outside:
+                    raise CPConfigError(spec.field("match"), f"pattern {spec.match!r} matches only modules of the "
+                                        f"vision tower ({tower.prefix}), which runs per rank on whole media, not "
+                                        "under CP (context_parallel/vision.py)", module=matched[0],
+                                        fix="drop this entry; declare methods for the language model's attentions "
+                                            "only (e.g. match: 'model.language_model.layers.*.self_attn')")
+                matched = outside
             if not matched:
                 raise CPConfigError(spec.field("match"), f"pattern {spec.match!r} matches no module of "
                                     f"{type(model).__name__}",
@@ -260,20 +272,9 @@ class PlanOverrideResolver:
                 targets.append(self._resolve_target(spec, fqn, names))
 
         if self.cp_size > 1:
-            tower = vision_tower(model)
             for fqn in boundaries:
                 if tower is not None and tower.holds(fqn):
                     continue         # the tower runs per rank on whole images (context_parallel/vision.py)
-                if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
-                    raise CPConfigError(
-                        "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
-                        "shards the language model's token sequence only, while the vision tower runs on image "
-                        "patches and the model scatters its features into the whole token sequence — not carried "
-                        f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
-                        module=fqn, fix="train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds "
-                        "with get_rope_index's 3-D position_ids, docs/strategies/batch_contract.md), the "
-                        f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
-                        f"({', '.join(carried_towers())}: docs/vlm.md)")
                 if fqn not in owner and is_token_mixer(names[fqn]):
                     raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
                                         "no SDPA or attention-interface call, and no CP method is declared for it "
@@ -286,6 +287,26 @@ class PlanOverrideResolver:
                                         fix="add {match: '*.self_attn', when: cp, region_dispatch: false, "
                                             "inner_target: self, inner_wrapper: <method>}")
         return ResolvedPlan(self.cp_size, boundaries, targets, skipped)
+
+    def _refuse_uncarried_vision(self, model: nn.Module, names: dict, boundaries: list, tower) -> None:
+        """At cp_size > 1, refuse (before any declaration is read) the first attention of a vision encoder
+        whose family registers no tower (an unregistered VLM), naming it and the fix."""
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        for fqn in boundaries:
+            if tower is not None and tower.holds(fqn):
+                continue
+            if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
+                raise CPConfigError(
+                    "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder of "
+                    f"{type(model).__name__} (model_type {model_type!r}), whose tower is not registered"
+                    ": CP shards the language model's token sequence only, while the vision tower "
+                    "runs on image patches and the model feeds its features to the token sequence — not carried "
+                    f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
+                    module=fqn, fix="train the language model alone under CP (its *ForCausalLM on inputs_embeds with "
+                    "the model's position ids, docs/strategies/batch_contract.md), the "
+                    f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
+                    f"({', '.join(carried_towers())}: docs/vlm.md; a new family registers its tower from "
+                    "models/<model_type>/vision.py)")
 
     def _resolve_target(self, spec: ModuleShardingSpec, fqn: str, names: dict) -> ResolvedCPTarget:
         module = names[fqn]

@@ -3,7 +3,11 @@
 features: the tower's ``get_*_features`` also return one ``[tokens, H]`` feature per
 ``deepstack_visual_indexes`` entry, which the language model adds to the hidden states of the media
 tokens in its first layers (``visual_pos_masks``). Each is exchanged with its token, so every rank
-holds its shard's. Images only (videos are refused by name until their frame layout is tested)."""
+holds its shard's. Images and videos: a video's frames are laid out one by one with timestamp text
+between them (``<t1> <vision_start> frame 1 <vision_end> <t2> ...``), so its placeholders are not
+contiguous; the exchange places each token by its ordinal among the kind's placeholders (the order
+``masked_scatter`` fills them, frame-major as the tower emits them), which that does not change, and
+the whole video is still encoded by one rank (its frames attend within the video as at CP=1)."""
 from __future__ import annotations
 
 import torch
@@ -29,10 +33,9 @@ def _widths(cfg) -> list:
     return [cfg.text_config.hidden_size] * (1 + len(cfg.vision_config.deepstack_visual_indexes))
 
 
-# images only for now: Qwen3-VL lays a video out frame by frame with timestamps between the frames,
-# which the tests do not build yet, so a video is refused by name (media_embeddings_for_cp)
 TOWER = VisionTower(prefix="model.visual",
-                    kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _encoder("get_image_features"), _widths, _wrap)},
+                    kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _encoder("get_image_features"), _widths, _wrap),
+                           "video": MediaKind(lambda cfg: cfg.video_token_id, _encoder("get_video_features"), _widths, _wrap)},
                     tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
                     rows=lambda grid: grid.prod(-1), inputs=QWEN_VL_INPUTS)
 register_vision_tower("qwen3_vl", TOWER)
