@@ -29,14 +29,15 @@ def _widths(cfg) -> list:
     return [cfg.text_config.hidden_size]
 
 
-def qwen_vl_tower() -> VisionTower:
+def qwen_vl_tower(inputs: bool = True) -> VisionTower:
     """The media path of the Qwen2-VL layout (``model.visual``, ``get_image_features`` /
-    ``get_video_features``, merged patches; raw media through :mod:`.inputs`)."""
+    ``get_video_features``, merged patches; raw media through :mod:`.inputs` unless ``inputs`` is false:
+    then the trainer's media source refuses the family)."""
     return VisionTower(prefix="model.visual",
                        kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images, _widths, _wrap),
                               "video": MediaKind(lambda cfg: cfg.video_token_id, _videos, _widths, _wrap)},
                        tokens=lambda cfg, grid: grid.prod(-1) // cfg.vision_config.spatial_merge_size ** 2,
-                       rows=lambda grid: grid.prod(-1), inputs=QWEN_VL_INPUTS)
+                       rows=lambda grid: grid.prod(-1), inputs=QWEN_VL_INPUTS if inputs else None)
 
 
 register_vision_tower("qwen2_vl", qwen_vl_tower())

@@ -10,4 +10,4 @@ from __future__ import annotations
 from ...distributed.context_parallel.vision import register_vision_tower
 from ..qwen2_vl.vision import qwen_vl_tower
 
-register_vision_tower("qwen3_5", qwen_vl_tower())
+register_vision_tower("qwen3_5", qwen_vl_tower(inputs=False))   # the media source: not yet (its packed hybrid rows)
