@@ -78,23 +78,23 @@ def image_batch(S: int = 48, seed: int = 3, video: bool = False):
     return ids, media, tokens
 
 
-def _plan(model, cp: int, method: str):
-    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention."""
+def _plan(model, cp: int, method: str, match: str = "*.self_attn"):
+    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention (``match``)."""
     mesh = mesh_ctx(cp)
-    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+    entry = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
               "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
     plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
     model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
     return mesh, plan, model
 
 
-def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None):
+def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None, block_ids=None):
     """The CP forward+backward of ``sum(logits * w)`` on this rank's shard, the media spread over the
-    CP group; -> (local logits, batch meta)."""
+    CP group (``block_ids``: the global rows' bidirectional blocks, Gemma 3); -> (local logits, batch meta)."""
     from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
 
     local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
-                               packed_documents=documents)
+                               packed_documents=documents, block_ids=block_ids)
     meta, S = local.meta, ids.shape[1]
     feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(meta):
@@ -106,9 +106,10 @@ def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None):
     return logits.detach(), meta, local
 
 
-def _errors(model, ref, logits, ref_logits, meta, mesh, S: int) -> dict:
+def _errors(model, ref, logits, ref_logits, meta, mesh, S: int, tower: str = "visual") -> dict:
     """Logits of this rank's tokens and every gradient (summed over CP) against the reference, relative
-    to its largest; the worst parameter and the vision tower's largest reference gradient."""
+    to its largest; the worst parameter and the vision tower's (parameter names holding ``tower``) largest
+    reference gradient."""
     from hyper_parallel import platform as P
 
     q = meta.q_index
@@ -121,7 +122,7 @@ def _errors(model, ref, logits, ref_logits, meta, mesh, S: int) -> dict:
         g = P.all_reduce(p.grad if p.grad is not None else torch.zeros(p.shape), mesh.cp_group)
         rg = ref_params[name].grad
         e = (_full(g) - (rg if rg is not None else 0)).abs().max().item()
-        if "visual" in name and rg is not None:
+        if tower in name and rg is not None:
             vis = max(vis, rg.abs().max().item())
         if e >= gerr:
             gerr, worst = e, name

@@ -42,7 +42,7 @@ from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
-from ...distributed.context_parallel.meta import current_cp_batch_meta
+from ...distributed.context_parallel.meta import current_cp_batch_meta, refuse_blocks
 from ...distributed.context_parallel.mixers.rows import bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 from ...distributed.context_parallel.semantics import register_uncarried
@@ -204,6 +204,7 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         D1 = k1.shape[-1]
         g = gather(torch.cat([k1, v], dim=-1).contiguous())
         if selects:     # the dynamic top-keep_window_size over the global keys, per query block
+            refuse_blocks(meta, "Doge dynamic-mask attention (its top-k key selection)")
             q_idx = meta.q_index.to(hs.device)
             doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
             doc_q = None if doc_k is None else doc_k[:, q_idx]
