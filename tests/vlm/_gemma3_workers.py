@@ -52,9 +52,11 @@ def gemma3_batch(S: int = 32, seed: int = 3):
     return ids, torch.randn(len(PLACES), 3, 8, 8, generator=g)
 
 
-def gemma3_parity(cp: int = 2, method: str = "colossal") -> dict:
+def gemma3_parity(cp: int = 2, method: str = "colossal", mode: str | None = None) -> dict:
     """One forward+backward at ``cp`` with ``method`` against one rank; also how much the bidirectional
-    part moves the reference's logits (``token_type_ids`` given vs not)."""
+    part moves the reference's logits (``token_type_ids`` given vs not). ``mode="validate"``: each CP
+    attention call is also compared with the layer's own attention under transformers' mask built with the
+    blocks (raises on a mismatch)."""
     from hyper_parallel.models.gemma3 import image_block_ids, image_media
 
     model, ref = build_gemma3()
@@ -68,7 +70,7 @@ def gemma3_parity(cp: int = 2, method: str = "colossal") -> dict:
         causal_only = ref(input_ids=ids, pixel_values=pix, use_cache=False).logits
     bidir = ((causal_only - ref_logits.detach()).abs().max() / ref_logits.detach().abs().max()).item()
 
-    mesh, plan, model = _plan(model, cp, method, match="model.language_model.layers.*.self_attn")
+    mesh, plan, model = _plan(model, cp, method, match="model.language_model.layers.*.self_attn", mode=mode)
     pos = torch.arange(S).expand(2, S)
     blocks = image_block_ids(ids, model.config)
     logits, meta, local = _cp_step(model, mesh, plan, ids, pos, {"image": image_media(pix)}, w, block_ids=blocks)

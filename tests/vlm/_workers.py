@@ -78,13 +78,15 @@ def image_batch(S: int = 48, seed: int = 3, video: bool = False):
     return ids, media, tokens
 
 
-def _plan(model, cp: int, method: str, match: str = "*.self_attn"):
-    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention (``match``)."""
+def _plan(model, cp: int, method: str, match: str = "*.self_attn", mode: str | None = None):
+    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention (``match``);
+    ``mode="validate"``: every CP call also checked against the module's own attention (validate mode)."""
     mesh = mesh_ctx(cp)
     entry = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
               "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
     plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False,
+                                   **({"mode": mode} if mode else {}))
     return mesh, plan, model
 
 
