@@ -43,24 +43,27 @@ def build_gemma3():
     return model, ref
 
 
-def gemma3_batch(S: int = 32, seed: int = 3):
-    """``(input_ids [2, S], pixel_values [5, 3, 8, 8])``: BOI, 4 placeholders, EOI per image at PLACES."""
+def gemma3_batch(S: int = 32, seed: int = 3, shift: int = 0):
+    """``(input_ids [2, S], pixel_values [5, 3, 8, 8])``: BOI, 4 placeholders, EOI per image at PLACES
+    (moved ``shift`` tokens right)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, IMAGE, (2, S), generator=g)
     for b, at in PLACES:
+        at += shift
         ids[b, at - 1], ids[b, at:at + TOKENS], ids[b, (at + TOKENS) % S] = BOI, IMAGE, EOI
     return ids, torch.randn(len(PLACES), 3, 8, 8, generator=g)
 
 
 def gemma3_parity(cp: int = 2, method: str = "colossal", mode: str | None = None) -> dict:
     """One forward+backward at ``cp`` with ``method`` against one rank; also how much the bidirectional
-    part moves the reference's logits (``token_type_ids`` given vs not). ``mode="validate"``: each CP
+    part moves the reference's logits (``token_type_ids`` given vs not). The balanced split pads rows to
+    128 and holds halves of them: its rows are 128 tokens with the images moved to cross 64. ``mode="validate"``: each CP
     attention call is also compared with the layer's own attention under transformers' mask built with the
     blocks (raises on a mismatch)."""
     from hyper_parallel.models.gemma3 import image_block_ids, image_media
 
     model, ref = build_gemma3()
-    ids, pix = gemma3_batch()
+    ids, pix = gemma3_batch(128, shift=50) if method == "balanced" else gemma3_batch()
     S, V = ids.shape[1], ref.config.text_config.vocab_size
     tt = (ids == IMAGE).long()
     w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))

@@ -11,14 +11,15 @@ from tests.vlm._gemma3_workers import IMAGE, PLACES, TOKENS, gemma3_batch, gemma
 
 TOL = 1e-5
 CASES = [(2, "colossal", None), (2, "ulysses", None), (2, "head_tail", None), (4, "colossal", None),
-         (2, "colossal", "validate")]
+         (4, "hybrid", None), (2, "balanced", None), (2, "colossal", "validate")]
 
 
 @pytest.mark.parametrize("cp,method,mode", CASES, ids=[f"cp{c}-{m}{'-' + v if v else ''}" for c, m, v in CASES])
 def test_gemma3_images_across_shard_edges_equal_one_rank(ranks, cp, method, mode):
     """Images cross the shard edges (CP 2: 14..17 over 16; CP 4: 7..10 over 8 and 22..25 over 24; Head-Tail's
     sub-chunks likewise); CP 4 Colossal runs the sliding layer's trimmed exchange, widened to the later chunk
-    holding the rest of an image; validate mode checks every call against the layer's own attention under
+    holding the rest of an image; Hybrid (CP 4, Ulysses 2 x Colossal 2) and the balanced split (rows of 128,
+    images crossing 64) take the ids like the documents; validate mode checks every call against the layer's own attention under
     transformers' mask with the image blocks. The reference's bidirectional part is checked to matter."""
     res = ranks(cp).run(gemma3_parity, cp, method, mode, timeout=600)
     assert sum(got["local_tokens"] for got in res) == len(PLACES) * TOKENS, res
