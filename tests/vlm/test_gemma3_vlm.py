@@ -49,3 +49,5 @@ def test_image_block_ids_are_the_runs_of_placeholders():
     assert halves[0].block_reach(0, 16) == 18 and halves[0].block_reach(16, 32) == 32
     with pytest.raises(ValueError, match="block_ids must be an integer tensor"):
         shard_batch_for_cp({"input_ids": ids}, (0, 2), "all_gather", block_ids=blk[:, :8])
+    with pytest.raises(ValueError, match="travel as block_ids"):
+        shard_batch_for_cp({"input_ids": ids, "token_type_ids": (ids == IMAGE).long()}, (0, 2), "all_gather")

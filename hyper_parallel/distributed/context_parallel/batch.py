@@ -122,6 +122,9 @@ def _validate(batch: dict, passthrough: set) -> tuple[int, int]:
                 f"unknown batch field {key!r} ({type(val).__name__}"
                 f"{' ' + str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ''}): CP does not guess "
                 "how to shard it; declare it in passthrough=(...) to pass it through unchanged"
+                + ("; token_type_ids that make tokens attend bidirectionally (a VLM's image blocks) travel as "
+                   "block_ids=[B, S] block ids of the global rows instead (docs/vlm.md)" if key == "token_type_ids"
+                   else "")
             )
     clash = sorted(passthrough & set(SEQ_FIELDS + PACK_FIELDS))
     if clash:
