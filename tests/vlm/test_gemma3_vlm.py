@@ -49,5 +49,10 @@ def test_image_block_ids_are_the_runs_of_placeholders():
     assert halves[0].block_reach(0, 16) == 18 and halves[0].block_reach(16, 32) == 32
     with pytest.raises(ValueError, match="block_ids must be an integer tensor"):
         shard_batch_for_cp({"input_ids": ids}, (0, 2), "all_gather", block_ids=blk[:, :8])
+    from hyper_parallel.distributed.context_parallel.meta import refuse_blocks
+
+    refuse_blocks(shard_batch_for_cp({"input_ids": ids}, (0, 2), "all_gather").meta, "m")      # no blocks: nothing
+    with pytest.raises(ValueError, match=r"m \(top-k\): the batch carries bidirectional blocks \(CPBatchMeta.key_block"):
+        refuse_blocks(halves[0], "m (top-k)")
     with pytest.raises(ValueError, match="travel as block_ids"):
         shard_batch_for_cp({"input_ids": ids, "token_type_ids": (ids == IMAGE).long()}, (0, 2), "all_gather")

@@ -190,6 +190,8 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
         selects = min(longest, window or longest) > m.keep_window_size    # some query sees more keys than kept
+        if selects:     # before the gather: every rank holds the same meta, so all refuse together
+            refuse_blocks(meta, "Doge dynamic-mask attention (its top-k key selection)")
         B, L, _ = hs.shape
         shape = (B, L, -1, m.head_dim)
         q = m.q_norm(m.q_proj(hs).view(shape)).transpose(1, 2)
@@ -204,7 +206,6 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         D1 = k1.shape[-1]
         g = gather(torch.cat([k1, v], dim=-1).contiguous())
         if selects:     # the dynamic top-keep_window_size over the global keys, per query block
-            refuse_blocks(meta, "Doge dynamic-mask attention (its top-k key selection)")
             q_idx = meta.q_index.to(hs.device)
             doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
             doc_q = None if doc_k is None else doc_k[:, q_idx]
