@@ -1,7 +1,8 @@
 // CPU implementation and registration of the position-masked attention ops.
 //
 //   hyper_parallel::attn_fwd(q, k, v, q_pos, k_pos, q_doc?, k_doc?, causal, scale, window?,
-//                            softcap?, sinks?, alibi_slopes?, kv_group?, kv_offset)
+//                            softcap?, sinks?, alibi_slopes?, kv_group?, kv_offset, q_block?,
+//                            k_block?)
 //       -> (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32 (float64 for float64 q))
 //   hyper_parallel::attn_bwd(dout, dlse?, q, k, v, out, lse, q_pos, k_pos, q_doc?, k_doc?,
 //                            causal, scale, <the same options>) -> (dq, dk, dv, dsinks)
@@ -9,8 +10,12 @@
 // q [B, Hq, Sq, D], k / v [B, Hk, Sk, D]; query head h reads kv head (h + kv_offset) / kv_group
 // (default: Hq % Hk == 0, kv_group = Hq / Hk, kv_offset = 0 -- plain GQA; see kv_map_arg).
 // Positions: integer [S] (shared over the batch) or [B, S]. Documents: same
-// shapes, optional (both or neither). Key j is visible to query i iff
-// (!causal || k_pos[j] <= q_pos[i]) && (no docs || (q_doc[i] == k_doc[j] && k_doc[j] >= 0)).
+// shapes, optional (both or neither); block ids likewise. Key j is visible to query i iff
+// (!causal || k_pos[j] <= q_pos[i] || (blocks && q_block[i] == k_block[j] >= 0))
+//   && (no window || k_pos[j] > q_pos[i] - window)
+//   && (no docs || (q_doc[i] == k_doc[j] && k_doc[j] >= 0)).
+// Block ids mark a bidirectional span (one image's tokens, Gemma 3): transformers' window AND
+// (causal OR same block).
 // Queries that see no key get out = 0, lse = -inf and zero gradients.
 //
 // The host side here converts / pads / transposes the inputs once (O(S * D) extra memory, never
@@ -248,12 +253,14 @@ std::pair<int64_t, int64_t> kv_map_arg(int64_t Hq, int64_t Hk, c10::optional<int
 // per-tile summaries.
 struct PosPack {
   std::vector<int32_t> pos, doc;
+  std::vector<int32_t> blk;  // block ids (-1 = none; padding -1), empty when none were given
   std::vector<TileInfo> tiles;
 };
 
 PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& doc, int64_t B,
                        int64_t S, int64_t Sp, int64_t tile, bool is_key, const char* pname,
-                       const char* dname) {
+                       const char* dname, const c10::optional<at::Tensor>& blk = c10::nullopt,
+                       const char* bname = "block") {
   auto check_shape = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(!at::isFloatingType(t.scalar_type()) && !at::isComplexType(t.scalar_type()) &&
                           t.scalar_type() != at::kBool,
@@ -267,6 +274,7 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
   };
   check_shape(pos, pname);
   if (doc.has_value()) check_shape(*doc, dname);
+  if (blk.has_value()) check_shape(*blk, bname);
   const int32_t none = is_key ? kDocKeyNone : kDocQueryNone;
   PosPack pk;
   pk.pos.assign(B * Sp, 0);
@@ -281,6 +289,19 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
     d64 = doc->to(at::kLong).contiguous();
     dp = d64.data_ptr<int64_t>();
     db = d64.dim() == 2 && d64.size(0) == B && B > 1;
+  }
+  if (blk.has_value()) {  // block ids: -1 for none (negative ids) and for padding entries
+    pk.blk.assign(B * Sp, -1);
+    const at::Tensor b64 = blk->to(at::kLong).contiguous();
+    const int64_t* bp = b64.data_ptr<int64_t>();
+    const bool bb = b64.dim() == 2 && b64.size(0) == B && B > 1;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t v = bp[(bb ? b * S : 0) + i];
+        TORCH_CHECK_VALUE(v <= std::numeric_limits<int32_t>::max(), "attention: ", bname,
+                          " values must fit in int32, got ", v);
+        pk.blk[b * Sp + i] = v < 0 ? -1 : (int32_t)v;
+      }
   }
   for (int64_t b = 0; b < B; ++b) {
     const int64_t* prow = pp + (pb ? b * S : 0);
@@ -306,7 +327,8 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < nt; ++t) {
       TileInfo ti{std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(),
-                  std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(), 0, 1};
+                  std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min(), 0, 1,
+                  std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
       for (int64_t i = t * tile; i < (t + 1) * tile; ++i) {
         const int32_t d = pk.doc[b * Sp + i];
         if (d == none) {
@@ -319,6 +341,11 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
         ti.pmax = std::max(ti.pmax, p);
         ti.dmin = std::min(ti.dmin, d);
         ti.dmax = std::max(ti.dmax, d);
+        const int32_t bl = pk.blk.empty() ? -1 : pk.blk[b * Sp + i];
+        if (bl >= 0) {
+          ti.bmin = std::min(ti.bmin, bl);
+          ti.bmax = std::max(ti.bmax, bl);
+        }
       }
       pk.tiles[b * nt + t] = ti;
     }
@@ -326,9 +353,10 @@ PosPack pack_positions(const at::Tensor& pos, const c10::optional<at::Tensor>& d
   return pk;
 }
 
-int classify_host(const TileInfo& q, const TileInfo& k, bool causal, int64_t window) {
+// `blocks`: block ids given (a pair past the causal frontier may still hold visible block keys).
+int classify_host(const TileInfo& q, const TileInfo& k, bool causal, int64_t window, bool blocks) {
   if (!q.any || !k.any) return kTileSkip;
-  if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (causal && k.pmin > q.pmax && !(blocks && q.bmin <= k.bmax && k.bmin <= q.bmax)) return kTileSkip;
   if (window > 0 && (int64_t)k.pmax + window <= (int64_t)q.pmin) return kTileSkip;
   if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
   return kTilePartial;
@@ -506,6 +534,10 @@ void fill_problem(FwdArgs& a, const at::Tensor& Qs, const at::Tensor& KT, const 
   a.qdoc = qp.doc.data();
   a.kpos = kp.pos.data();
   a.kdoc = kp.doc.data();
+  // Block ids only matter for the causal rule (without it every key of the document is visible).
+  const bool blocks = causal && !qp.blk.empty() && !kp.blk.empty();
+  a.qblk = blocks ? qp.blk.data() : nullptr;
+  a.kblk = blocks ? kp.blk.data() : nullptr;
   a.qti = qp.tiles.data();
   a.kti = kp.tiles.data();
   a.B = g.B;
@@ -539,19 +571,26 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
                                                 c10::optional<double> softcap,
                                                 const c10::optional<at::Tensor>& sinks,
                                                 const c10::optional<at::Tensor>& alibi_slopes,
-                                                c10::optional<int64_t> kv_group, int64_t kv_offset) {
+                                                c10::optional<int64_t> kv_group, int64_t kv_offset,
+                                                const c10::optional<at::Tensor>& q_block,
+                                                const c10::optional<at::Tensor>& k_block) {
   check_qkv(q, k, v);
   const auto kvmap = kv_map_arg(q.size(1), k.size(1), kv_group, kv_offset);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
+  TORCH_CHECK_VALUE(q_block.has_value() == k_block.has_value(),
+                    "attention: q_block and k_block must be given together");
+  const bool blocks = causal && q_block.has_value();
   const Geometry g = geometry(q, k, v);
   const at::ScalarType acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({g.B, g.Hq, g.Sq, g.Dv}, q.options());
   at::Tensor lse = at::empty({g.B, g.Hq, g.Sq}, q.options().dtype(acc));
-  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
-  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc",
+                              q_block, "q_block");
+  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc",
+                              k_block, "k_block");
   const at::Tensor sink2 = sinks_arg(sinks, g.Hq, acc);
   const at::Tensor alibi2 = alibi_arg(alibi_slopes, g.Hq, acc, softcap2);
   if (out.numel() == 0 || g.Sk == 0) {
@@ -585,7 +624,7 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
     for (int64_t qt = 0; qt < g.nqt; ++qt)
       for (int64_t kt = 0; kt < g.nkt; ++kt)
         cost[b * g.nqt + qt] +=
-            classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt], causal, win) !=
+            classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt], causal, win, blocks) !=
             kTileSkip;
   std::vector<int64_t> order(g.B * g.Hq * g.nqt);
   std::iota(order.begin(), order.end(), 0);
@@ -632,13 +671,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const c10::optional<at::Tensor>& k_doc, bool causal, double scale,
     c10::optional<int64_t> window, c10::optional<double> softcap,
     const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
-    c10::optional<int64_t> kv_group, int64_t kv_offset) {
+    c10::optional<int64_t> kv_group, int64_t kv_offset, const c10::optional<at::Tensor>& q_block,
+    const c10::optional<at::Tensor>& k_block) {
   check_qkv(q, k, v);
   const auto kvmap = kv_map_arg(q.size(1), k.size(1), kv_group, kv_offset);
   const int64_t win = window_arg(window);
   const double softcap2 = softcap_arg(softcap);
   TORCH_CHECK_VALUE(q_doc.has_value() == k_doc.has_value(),
                     "attention: q_doc and k_doc must be given together");
+  TORCH_CHECK_VALUE(q_block.has_value() == k_block.has_value(),
+                    "attention: q_block and k_block must be given together");
+  const bool blocks = causal && q_block.has_value();
   const Geometry g = geometry(q, k, v);
   TORCH_CHECK_VALUE(dout.dim() == 4 && out.dim() == 4 && dout.sizes() == out.sizes() &&
                         out.size(0) == g.B && out.size(1) == g.Hq && out.size(2) == g.Sq &&
@@ -653,8 +696,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
-  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc");
-  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc");
+  PosPack qp = pack_positions(q_pos, q_doc, g.B, g.Sq, g.Sqp, g.Bq, false, "q_pos", "q_doc",
+                              q_block, "q_block");
+  PosPack kp = pack_positions(k_pos, k_doc, g.B, g.Sk, g.Skp, g.Bk, true, "k_pos", "k_doc",
+                              k_block, "k_block");
   // dsinks: [Hq] in the sinks' dtype, or an empty tensor without sinks.
   const bool has_sinks = sinks_arg(sinks, g.Hq, acc).defined();
   const at::Tensor alibi2 = alibi_arg(alibi_slopes, g.Hq, acc, softcap2);
@@ -743,7 +788,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     for (int64_t qt = 0; qt < g.nqt; ++qt)
       for (int64_t kt2 = 0; kt2 < g.nkt; ++kt2)
         pairs += classify_host(qp.tiles[b * g.nqt + qt], kp.tiles[b * g.nkt + kt2], causal,
-                               win) != kTileSkip;
+                               win, blocks) != kTileSkip;
   run_workers(bf16 ? kt->bwd_bf16 : acc == at::kDouble ? kt->bwd_f64 : kt->bwd_f32, a,
               pairs * g.Hq * g.Bq * g.Bk * (3 * g.Dp + 2 * g.Dvp));
 
@@ -820,13 +865,14 @@ TORCH_LIBRARY_FRAGMENT(hyper_parallel, m) {
   m.def(
       "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_pos, Tensor? q_doc, "
       "Tensor? k_doc, bool causal, float scale, int? window=None, float? softcap=None, "
-      "Tensor? sinks=None, Tensor? alibi_slopes=None, int? kv_group=None, int kv_offset=0) -> "
-      "(Tensor, Tensor)");
+      "Tensor? sinks=None, Tensor? alibi_slopes=None, int? kv_group=None, int kv_offset=0, "
+      "Tensor? q_block=None, Tensor? k_block=None) -> (Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor q_pos, Tensor k_pos, Tensor? q_doc, Tensor? k_doc, bool causal, float scale, "
       "int? window=None, float? softcap=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
-      "int? kv_group=None, int kv_offset=0) -> (Tensor, Tensor, Tensor, Tensor)");
+      "int? kv_group=None, int kv_offset=0, Tensor? q_block=None, Tensor? k_block=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hyper_parallel, CPU, m) {

@@ -14,6 +14,9 @@
 //   v      [B, Hk, Skp, Dv]  values (for O = P V); Dv = padded value head dim (MLA: may
 //                             differ from the qk head dim Dp). out / dout / dv use Dv too.
 //   vt     [B, Hk, nkt, Dv, Bk]  values, transposed per key tile (for dP = dO V^T)
+//   qblk [B, Sqp], kblk [B, Skp] (optional, causal only): int32 block ids, -1 = none; key j is
+//     also visible to query i past the causal frontier when qblk[i] == kblk[j] >= 0 (same doc,
+//     inside the window): transformers' window AND (causal OR same block)
 //   qpos/qdoc [B, Sqp], kpos/kdoc [B, Skp]: int32 positions and mapped document ids
 //     (kDocKeyNone for keys that are never attended, kDocQueryNone for queries that see
 //     nothing); padding rows/columns carry the "none" ids, so they are always masked.
@@ -38,6 +41,8 @@ struct TileInfo {
   int32_t dmin, dmax;  // min / max mapped doc id
   int32_t any;         // at least one valid entry
   int32_t all;         // every entry valid
+  int32_t bmin, bmax;  // min / max block id over valid entries with a block (>= 0);
+                       //   INT32_MAX / INT32_MIN when the tile holds none (or no block ids given)
 };
 
 enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTilePartial = 2 };
@@ -63,6 +68,7 @@ struct FwdArgs {
   void* out;  // [B, Hq, Sqp, Dv]
   void* lse;  // [B, Hq, Sqp], natural log, -inf for queries that see no key
   const int32_t *qpos, *qdoc, *kpos, *kdoc;
+  const int32_t *qblk, *kblk;  // null (no block ids, or not causal), else [B, Sqp] / [B, Skp]
   const TileInfo *qti, *kti;  // [B, nqt], [B, nkt]
   int64_t B, Hq, Hk, Sqp, Skp, Dp, Dv, Bq, Bk, nqt, nkt;
   int64_t kv_group, kv_offset;  // query head h reads KV head (h + kv_offset) / kv_group

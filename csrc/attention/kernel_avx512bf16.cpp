@@ -166,7 +166,7 @@ void fwd_bf16(const FwdArgs& a) {
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
-      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window);
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window, a.qblk != nullptr);
       if (cls == kTileSkip) continue;
       if (xg)
         xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * (Dp / 2), Bk, S, Bk, 0);
@@ -177,7 +177,8 @@ void fwd_bf16(const FwdArgs& a) {
       if (a.alibi2)
         add_alibi<float>(S, Bq, Bk, qp, kp + kt * Bk, static_cast<const float*>(a.alibi2)[h]);
       if (cls == kTilePartial)
-        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
+        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window,
+                   blk_at(a.qblk, b * a.Sqp + qt * Bq), blk_at(a.kblk, b * a.Skp + kt * Bk));
       const bool any = softmax_tile<float, true>(S, Bq, mrow, lvec, O, Dv, cexp);
       if (!any) continue;
       rows_to_bf16(S, Bq, Bk, Pb);
@@ -246,7 +247,7 @@ void bwd_bf16(const BwdArgs& a) {
       for (int64_t h = h0; h < h_end && ki.any; ++h) {
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
-          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window, a.qblk != nullptr);
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const uint32_t* Q = static_cast<const uint32_t*>(a.q) + row0 * Dp / 2;
@@ -269,7 +270,8 @@ void bwd_bf16(const BwdArgs& a) {
                              static_cast<const float*>(a.alibi2)[h]);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
-                       a.causal, a.window);
+                       a.causal, a.window, blk_at(a.qblk, b * a.Sqp + qt * Bq),
+                       blk_at(a.kblk, b * a.Skp + kt * Bk));
           for (int i = 0; i < Bq; ++i) {  // P = 2^(c * S - lse2); masked -inf * c>0 -> 0
             float* p = P + (int64_t)i * Bk;
             const V lv = vsplat<float>(lse2[i]);

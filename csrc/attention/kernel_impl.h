@@ -228,10 +228,15 @@ void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb,
 // ---------------------------------------------------------------------------------------
 // Tile-pair class from the tile summaries. `window` > 0 adds the left sliding window
 // k_pos > q_pos - window: the pair is skipped when every key is at or before every query's
-// window start, and full only when every key is inside every query's window.
-inline int classify(const TileInfo& q, const TileInfo& k, int causal, int64_t window) {
+// window start, and full only when every key is inside every query's window. `blocks`: block
+// ids are given, so a pair past the causal frontier is skipped only when the two tiles' block
+// ranges cannot meet (a key there may share a query's image block).
+inline bool blocks_meet(const TileInfo& q, const TileInfo& k) {
+  return q.bmin <= k.bmax && k.bmin <= q.bmax;
+}
+inline int classify(const TileInfo& q, const TileInfo& k, int causal, int64_t window, bool blocks) {
   if (!q.any || !k.any) return kTileSkip;
-  if (causal && k.pmin > q.pmax) return kTileSkip;
+  if (causal && k.pmin > q.pmax && !(blocks && blocks_meet(q, k))) return kTileSkip;
   if (window > 0 && (int64_t)k.pmax + window <= (int64_t)q.pmin) return kTileSkip;
   if (k.dmax < q.dmin || q.dmax < k.dmin) return kTileSkip;
   const bool one_doc = q.dmin == q.dmax && k.dmin == k.dmax && q.dmin == k.dmin;
@@ -241,11 +246,31 @@ inline int classify(const TileInfo& q, const TileInfo& k, int causal, int64_t wi
   return kTilePartial;
 }
 
-// S[i, j] = -inf where key j is invisible to query i.
+// Block-id pointer at an offset, or null when there are no block ids.
+inline const int32_t* blk_at(const int32_t* base, int64_t off) { return base ? base + off : nullptr; }
+
+// S[i, j] = -inf where key j is invisible to query i. qb / kb (null, or block ids, -1 = none):
+// key j is also visible past the causal frontier when qb[i] == kb[j] >= 0 (same doc and window).
 template <typename T>
 inline void apply_mask(T* S, int Bq, int Bk, const int32_t* qp, const int32_t* qd,
-                       const int32_t* kp, const int32_t* kd, int causal, int64_t window) {
+                       const int32_t* kp, const int32_t* kd, int causal, int64_t window,
+                       const int32_t* qb = nullptr, const int32_t* kb = nullptr) {
   const T ninf = neg_inf<T>();
+  if (causal && qb) {
+    for (int i = 0; i < Bq; ++i) {
+      T* s = S + (int64_t)i * Bk;
+      const int32_t p = qp[i], d = qd[i], blk = qb[i];
+      const int64_t lo = window > 0 ? (int64_t)p - window : (int64_t)INT32_MIN - 1;
+      if (blk < 0) {
+        for (int j = 0; j < Bk; ++j)
+          s[j] = (kd[j] == d && kp[j] <= p && (int64_t)kp[j] > lo) ? s[j] : ninf;
+      } else {
+        for (int j = 0; j < Bk; ++j)
+          s[j] = (kd[j] == d && (kp[j] <= p || kb[j] == blk) && (int64_t)kp[j] > lo) ? s[j] : ninf;
+      }
+    }
+    return;
+  }
   for (int i = 0; i < Bq; ++i) {
     T* s = S + (int64_t)i * Bk;
     const int32_t p = qp[i], d = qd[i];
@@ -451,7 +476,7 @@ void fwd_worker(const FwdArgs& a) {
       lvec[i] = V{};  // per-lane partial row sums, reduced once at the end
     }
     for (int64_t kt = 0; kt < a.nkt; ++kt) {
-      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window);
+      const int cls = classify(qi, a.kti[b * a.nkt + kt], a.causal, a.window, a.qblk != nullptr);
       if (cls == kTileSkip) continue;
       if (xg)
         xg(Bq, Bk, Dp, Q, Dp, KT + kt * Bk * Dp, Bk, reinterpret_cast<float*>(S), Bk, 0);
@@ -461,7 +486,8 @@ void fwd_worker(const FwdArgs& a) {
       if (a.alibi2)
         add_alibi<T>(S, Bq, Bk, qp, kp + kt * Bk, static_cast<const T*>(a.alibi2)[h]);
       if (cls == kTilePartial)
-        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window);
+        apply_mask(S, Bq, Bk, qp, qd, kp + kt * Bk, kd + kt * Bk, a.causal, a.window,
+                   blk_at(a.qblk, b * a.Sqp + qt * Bq), blk_at(a.kblk, b * a.Skp + kt * Bk));
       const bool any = softmax_tile<T, false>(S, Bq, mrow, lvec, O, Dv, T(1));
       if (any && xg)
         xg(Bq, Dv, Bk, S, Bk, Vv + kt * Bk * Dv, Dv, reinterpret_cast<float*>(O), Dv, 1);
@@ -544,7 +570,7 @@ void bwd_worker(const BwdArgs& a) {
       for (int64_t h = h0; h < h_end && ki.any; ++h) {
         const int64_t bh = b * a.Hq + h;
         for (int64_t qt = 0; qt < a.nqt; ++qt) {
-          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window);
+          const int cls = classify(a.qti[b * a.nqt + qt], ki, a.causal, a.window, a.qblk != nullptr);
           if (cls == kTileSkip) continue;
           const int64_t row0 = bh * a.Sqp + qt * Bq;
           const T* Q = static_cast<const T*>(a.q) + row0 * Dp;
@@ -564,7 +590,8 @@ void bwd_worker(const BwdArgs& a) {
             add_alibi<T>(P, Bq, Bk, qpb + qt * Bq, kp + kt * Bk, static_cast<const T*>(a.alibi2)[h]);
           if (cls == kTilePartial)
             apply_mask(P, Bq, Bk, qpb + qt * Bq, qdb + qt * Bq, kp + kt * Bk, kd + kt * Bk,
-                       a.causal, a.window);
+                       a.causal, a.window, blk_at(a.qblk, b * a.Sqp + qt * Bq),
+                       blk_at(a.kblk, b * a.Skp + kt * Bk));
           for (int i = 0; i < Bq; ++i) {
             T* p = P + (int64_t)i * Bk;
             const V lv = vsplat<T>(lse2[i]);

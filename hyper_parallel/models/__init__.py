@@ -12,4 +12,4 @@ from . import falcon_h1, bamba, nemotron_h, granitemoehybrid, zamba2  # noqa: F4
 from . import jamba, falcon_mamba  # noqa: F401  Mamba1 core
 from . import lfm2, lfm2_moe, lfm3  # noqa: F401  short-conv halo core
 from . import qwen3_next, recurrent_gemma, kimi_linear, minimax, deepseek_v32, doge  # noqa: F401  own methods
-from . import qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe, llava  # noqa: F401  vision towers spread over CP
+from . import qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe, llava, gemma3  # noqa: F401  vision towers spread over CP

@@ -16,8 +16,12 @@ See ``docs/attention_engine.md`` for the full contract. In short::
   sequence positions, in any order (contiguous, zigzag, several ranges).
 * ``q_doc`` / ``k_doc`` (optional, together, same shapes as the positions): document ids for
   packed sequences; a key with a negative doc id (``-1``: padding) is never attended.
-* Key ``j`` is visible to query ``i`` iff ``(not causal or k_pos[j] <= q_pos[i])`` and (no
-  docs, or ``q_doc[i] == k_doc[j] >= 0``).
+* ``q_block`` / ``k_block`` (optional, together, same shapes as the positions): bidirectional
+  block ids (one image's tokens, Gemma 3; ``-1`` = no block). With ``causal`` a key of the query's
+  own block (``q_block[i] == k_block[j] >= 0``) is visible even in the query's future.
+* Key ``j`` is visible to query ``i`` iff ``(not causal or k_pos[j] <= q_pos[i] or
+  q_block[i] == k_block[j] >= 0)``, inside the window if any, and (no docs, or
+  ``q_doc[i] == k_doc[j] >= 0``): transformers' window AND (causal OR block).
 * ``window`` (left sliding window ``q_pos - window < k_pos``), ``softcap`` (``c tanh(s / c)``),
   ``sinks`` (``[Hq]`` valueless softmax logits; the returned lse includes them),
   ``alibi_slopes`` (``[Hq]``: ``+ slope * (k_pos - q_pos)``).
@@ -211,9 +215,18 @@ def _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale) -> float:
 
 # --------------------------------------------------------------------------------------------
 # public op
+def _validate_blocks(q_block, k_block, q, k) -> None:
+    """``q_block`` / ``k_block``: both None, or integer tensors shaped like the positions."""
+    if (q_block is None) != (k_block is None):
+        raise ValueError("attention: q_block and k_block must be given together (or both None)")
+    if q_block is not None:
+        _check_index(q_block, "q_block", q.shape[0], q.shape[2], q.device)
+        _check_index(k_block, "k_block", q.shape[0], k.shape[2], q.device)
+
+
 def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, scale=None,
               return_lse=False, window=None, softcap=None, sinks=None, alibi_slopes=None,
-              kv_group=None, kv_offset=0):
+              kv_group=None, kv_offset=0, q_block=None, k_block=None):
     """Attention of local queries at global positions ``q_pos`` over keys at ``k_pos``.
 
     Args:
@@ -225,6 +238,13 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
         causal: key ``j`` needs ``k_pos[j] <= q_pos[i]`` to be visible to query ``i``.
         q_doc, k_doc: optional document ids (same shapes as the positions, both or neither);
             visibility also needs ``q_doc[i] == k_doc[j]`` and ``k_doc[j] >= 0``.
+        q_block, k_block: optional block ids (same shapes as the positions, both or neither;
+            ``-1`` = none). With ``causal``, key ``j`` is also visible when
+            ``q_block[i] == k_block[j] >= 0`` even if ``k_pos[j] > q_pos[i]`` (one image's tokens
+            see each other, Gemma 3); the window and documents still apply: transformers'
+            ``window AND (causal OR block)``. Ignored without ``causal``. CPU only (CUDA and NPU
+            raise ``NotImplementedError``). The lse covers exactly the visible keys, so partial
+            attentions over disjoint key sets still merge.
         scale: score scale, default ``1 / sqrt(D)``.
         return_lse: also return the natural-log logsumexp of the visible scaled scores.
         window: int >= 1 or None. Left sliding window: key ``j`` also needs
@@ -265,12 +285,18 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
     ``NotImplementedError`` naming the device when it has no backend.
     """
     scale_f = _validate(q, k, v, q_pos, k_pos, causal, q_doc, k_doc, scale)
+    _validate_blocks(q_block, k_block, q, k)
     group, offset = kv_head_map(q.shape[1], k.shape[1], kv_group, kv_offset)
     plain = group * k.shape[1] == q.shape[1] and offset == 0
     window, softcap = _validate_options(window, softcap)
     _validate_per_head("sinks", sinks, q)
     _validate_alibi(alibi_slopes, q, softcap)
     dev = q.device.type
+    if q_block is not None and dev != "cpu":
+        raise NotImplementedError(
+            f"hyper_parallel.ops.attention: q_block / k_block (bidirectional blocks, e.g. Gemma 3 image tokens) "
+            f"are implemented by the CPU engine only, not on '{q.device}': run on CPU, or drop the block ids "
+            "(token_type_ids) and accept a causal mask inside images")
     if not plain and not kv_map_in_place(q.device):
         k, v = (expand_kv_heads(t, q.shape[1], group, offset) for t in (k, v))
         group, offset, plain = 1, 0, True
@@ -278,7 +304,8 @@ def attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None, sca
         _require_extension()
         out, lse = torch.ops.hyper_parallel.attn_fwd(q, k, v, q_pos, k_pos, q_doc, k_doc,
                                                      causal, scale_f, window, softcap, sinks,
-                                                     alibi_slopes, None if plain else group, offset)
+                                                     alibi_slopes, None if plain else group, offset,
+                                                     q_block, k_block)
     elif dev == "cuda":
         from ._cuda import cuda_attention
 
@@ -305,23 +332,25 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attn_fwd_fake(q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale, window=None,
-                   softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0):
+                   softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0,
+                   q_block=None, k_block=None):
     B, Hq, Sq, D = q.shape
     Dv = v.shape[3]
     return q.new_empty((B, Hq, Sq, Dv)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
 
 
 def _attn_bwd_fake(dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, causal, scale,
-                   window=None, softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0):
+                   window=None, softcap=None, sinks=None, alibi_slopes=None, kv_group=None, kv_offset=0,
+                   q_block=None, k_block=None):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, q_pos, k_pos, q_doc, k_doc, causal, scale = inputs[:9]
-    window, softcap, sinks, alibi, kv_group, kv_offset = (list(inputs[9:]) + [None] * 6)[:6]
+    window, softcap, sinks, alibi, kv_group, kv_offset, q_block, k_block = (list(inputs[9:]) + [None] * 8)[:8]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi)
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi, q_block, k_block)
     ctx.causal = causal
     ctx.scale = scale
     ctx.window = window
@@ -331,12 +360,12 @@ def _attn_setup_context(ctx, inputs, output):
 
 
 def _attn_backward(ctx, dout, dlse):
-    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi = ctx.saved_tensors
+    q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, sinks, alibi, q_block, k_block = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = torch.ops.hyper_parallel.attn_bwd(
         dout, dlse, q, k, v, out, lse, q_pos, k_pos, q_doc, k_doc, ctx.causal, ctx.scale,
-        ctx.window, ctx.softcap, sinks, alibi, ctx.kv_group, ctx.kv_offset)
+        ctx.window, ctx.softcap, sinks, alibi, ctx.kv_group, ctx.kv_offset, q_block, k_block)
     grads = [dq, dk, dv] + [None] * (ctx.n_inputs - 3)
     if ctx.n_inputs > 11 and sinks is not None:
         grads[11] = dsinks

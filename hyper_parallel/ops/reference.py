@@ -28,17 +28,24 @@ def _as_2d(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 1,
-               window=None) -> torch.Tensor:
+               window=None, q_block=None, k_block=None) -> torch.Tensor:
     """Boolean [B, 1, Sq, Sk] visibility (reference only: O(Sq*Sk) memory).
 
     ``window`` (int >= 1 or None): also require ``k_pos > q_pos - window`` (transformers'
     ``sliding_window_overlay``; with ``causal`` this is its ``sliding_window_causal_mask``).
+    ``q_block`` / ``k_block``: with ``causal``, a key of the query's block (``>= 0``) is visible
+    past the causal frontier (``window AND (causal OR block)``, transformers' Gemma 3 masks).
     """
     qp = _as_2d(q_pos, batch)[:, None, :, None]
     kp = _as_2d(k_pos, batch)[:, None, None, :]
     vis = torch.ones(qp.shape[0], 1, qp.shape[2], kp.shape[3], dtype=torch.bool, device=qp.device)
     if causal:
-        vis = vis & (kp <= qp)
+        past = kp <= qp
+        if q_block is not None:
+            qb = _as_2d(q_block, batch)[:, None, :, None]
+            kb = _as_2d(k_block, batch)[:, None, None, :]
+            past = past | ((qb == kb) & (qb >= 0))
+        vis = vis & past
     if window is not None:
         vis = vis & (kp.to(torch.int64) > qp.to(torch.int64) - int(window))
     if (q_doc is None) != (k_doc is None):
@@ -52,7 +59,7 @@ def visibility(q_pos, k_pos, causal: bool, q_doc=None, k_doc=None, batch: int = 
 
 def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc=None,
                         scale=None, return_lse=False, window=None, softcap=None, sinks=None,
-                        alibi_slopes=None, kv_group=None, kv_offset=0):
+                        alibi_slopes=None, kv_group=None, kv_offset=0, q_block=None, k_block=None):
     """Math reference of :func:`hyper_parallel.ops.attention` (TESTS ONLY: O(Sq*Sk) memory).
 
     q ``[B, Hq, Sq, D]``, k ``[B, Hk, Sk, D]``, v ``[B, Hk, Sk, Dv]`` with ``Hq % Hk == 0`` (or a head map);
@@ -64,7 +71,8 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
     head in every row's softmax denominator, with no value (gpt-oss ``s_aux``): the returned
     ``lse`` includes it; ``alibi_slopes`` ``[Hq]`` adds ``slope * (k_pos - q_pos)`` to every
     (scaled) score; ``kv_group`` / ``kv_offset``: query head ``h`` reads KV head
-    ``(h + kv_offset) // kv_group`` (default ``h // (Hq // Hk)``). Computes in float64 for float64 inputs, float32 otherwise,
+    ``(h + kv_offset) // kv_group`` (default ``h // (Hq // Hk)``); ``q_block`` / ``k_block``: see
+    :func:`visibility`. Computes in float64 for float64 inputs, float32 otherwise,
     materializing the ``[B, Hq, Sq, Sk]`` scores and the ``[B, 1, Sq, Sk]`` visibility mask.
     Returns ``out`` ``[B, Hq, Sq, Dv]`` in q's dtype (plus ``lse`` ``[B, Hq, Sq]`` in the compute
     dtype when ``return_lse``); queries seeing no key get ``out = 0`` and ``lse = -inf`` (``lse =
@@ -92,7 +100,8 @@ def reference_attention(q, k, v, *, q_pos, k_pos, causal=True, q_doc=None, k_doc
         rel = (_as_2d(k_pos, B)[:, None, None, :].to(torch.int64)
                - _as_2d(q_pos, B)[:, None, :, None].to(torch.int64)).to(acc)
         s = s + alibi_slopes.to(acc).view(1, Hq, 1, 1) * rel
-    vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B, window=window)
+    vis = visibility(q_pos, k_pos, causal, q_doc, k_doc, batch=B, window=window, q_block=q_block,
+                     k_block=k_block)
     s = s.masked_fill(~vis, float("-inf"))
     if sinks is not None:
         sk = sinks.to(acc).reshape(1, Hq, 1, 1).expand(B, Hq, Sq, 1)

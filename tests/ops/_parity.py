@@ -45,6 +45,8 @@ class Case:
     Dv: int | None = None  # value head dim (None: D)
     kv_group: int | None = None  # query head h reads KV head (h + kv_offset) // kv_group (None: GQA)
     kv_offset: int = 0
+    q_block: torch.Tensor | None = None  # bidirectional block ids (-1 = none), shaped like the positions
+    k_block: torch.Tensor | None = None
 
 
 def error(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -76,6 +78,8 @@ def feature_kwargs(c: Case) -> dict:
         kw["softcap"] = c.softcap
     if c.kv_group is not None:
         kw["kv_group"], kw["kv_offset"] = c.kv_group, c.kv_offset
+    if c.q_block is not None:
+        kw["q_block"], kw["k_block"] = c.q_block, c.k_block
     if c.sinks:
         g = torch.Generator().manual_seed(c.seed + 1000)
         sd = torch.float64 if c.dtype == torch.float64 else torch.float32  # a parameter's dtype

@@ -78,23 +78,25 @@ def image_batch(S: int = 48, seed: int = 3, video: bool = False):
     return ids, media, tokens
 
 
-def _plan(model, cp: int, method: str):
-    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention."""
+def _plan(model, cp: int, method: str, match: str = "*.self_attn", mode: str | None = None):
+    """(mesh, plan, model with CP applied) for ``method`` on every language-model attention (``match``);
+    ``mode="validate"``: every CP call also checked against the module's own attention (validate mode)."""
     mesh = mesh_ctx(cp)
-    entry = [{"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+    entry = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
               "inner_wrapper": "sdpa_hf_balanced" if method == "balanced" else METHODS[method][1]}]
     plan = ShardingPlanner(plan_overrides=entry).plan(model, mesh, cp_size=cp)
-    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False)
+    model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False, preflight_proof=False,
+                                   **({"mode": mode} if mode else {}))
     return mesh, plan, model
 
 
-def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None):
+def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None, block_ids=None):
     """The CP forward+backward of ``sum(logits * w)`` on this rank's shard, the media spread over the
-    CP group; -> (local logits, batch meta)."""
+    CP group (``block_ids``: the global rows' bidirectional blocks, Gemma 3); -> (local logits, batch meta)."""
     from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
 
     local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
-                               packed_documents=documents)
+                               packed_documents=documents, block_ids=block_ids)
     meta, S = local.meta, ids.shape[1]
     feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
     with cp_batch_context(meta):

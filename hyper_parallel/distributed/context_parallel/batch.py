@@ -122,6 +122,9 @@ def _validate(batch: dict, passthrough: set) -> tuple[int, int]:
                 f"unknown batch field {key!r} ({type(val).__name__}"
                 f"{' ' + str(tuple(val.shape)) if isinstance(val, torch.Tensor) else ''}): CP does not guess "
                 "how to shard it; declare it in passthrough=(...) to pass it through unchanged"
+                + ("; token_type_ids that make tokens attend bidirectionally (a VLM's image blocks) travel as "
+                   "block_ids=[B, S] block ids of the global rows instead (docs/vlm.md)" if key == "token_type_ids"
+                   else "")
             )
     clash = sorted(passthrough & set(SEQ_FIELDS + PACK_FIELDS))
     if clash:
@@ -241,7 +244,8 @@ def _local_lengths(start: torch.Tensor, length: torch.Tensor, lo: int, hi: int) 
 # ----------------------------------------------------------------------------- public API
 def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, ignore_index: int = -100,
                        pad_token_id: int = 0, passthrough: Iterable[str] = (),
-                       packed_documents: Optional[str] = None) -> CPBatch:
+                       packed_documents: Optional[str] = None,
+                       block_ids: Optional[torch.Tensor] = None) -> CPBatch:
     """Shard a global collated batch for this CP rank; see the module docstring for the contract.
 
     ``cp_mesh``: the 1-D cp DeviceMesh, its ProcessGroup, a MeshContext, explicit
@@ -250,6 +254,9 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     ``padding_multiple``). Returns a :class:`CPBatch`; ``meta.key_doc`` is [B, S_padded] global doc
     ids (-1 = padding) or None when there is neither padding nor packing. ``packed_documents``:
     ``meta.documents`` (:data:`.meta.PACKED_DOCUMENTS`, what a row of several documents means).
+    ``block_ids``: ``[B, S]`` integer bidirectional block ids of the GLOBAL rows (``-1`` = none; e.g. Gemma 3's
+    image blocks, ``models.gemma3.image_block_ids(token_type_ids)``): ``meta.key_block``, padded with -1
+    and sliced by the methods like the documents, so a query also sees the later keys of its block.
     """
     if packed_documents not in (None,) + PACKED_DOCUMENTS:
         raise CPBatchError(f"packed_documents must be one of {PACKED_DOCUMENTS} or None, got {packed_documents!r}")
@@ -330,10 +337,18 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
         if key in passthrough or (key not in out and key not in SEQ_FIELDS + PACK_FIELDS
                                   and key != "past_key_values"):
             out[key] = val
+    key_block = None
+    if block_ids is not None:
+        if not isinstance(block_ids, torch.Tensor) or block_ids.dtype.is_floating_point or \
+                block_ids.dtype == torch.bool or tuple(block_ids.shape) != (B, S):
+            raise CPBatchError(f"block_ids must be an integer tensor [B, S] = [{B}, {S}] of the global rows, got "
+                               f"{getattr(block_ids, 'dtype', type(block_ids).__name__)} "
+                               f"{list(getattr(block_ids, 'shape', []))}")
+        key_block = _pad(torch.where(block_ids >= 0, block_ids, -1).to(device=dev, dtype=torch.int64), n_pad, -1)
     out.meta = CPBatchMeta(cp_rank=cp_rank, cp_size=cp_size, global_seq_len=S_pad, local_seq_len=L,
                            key_doc=key_doc, policy=policy_name, causal=True, perm=perm,
                            position_ids=glob_pos, seq_len=S,   # global order, for RoPE (rope.py)
-                           documents=packed_documents)
+                           documents=packed_documents, key_block=key_block)
     # documents derived from restarting position_ids: the wrappers check on the first call that the
     # model's own (local) mask separates them too (some models build their mask without position_ids)
     out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None

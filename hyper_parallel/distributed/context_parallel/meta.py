@@ -69,6 +69,10 @@ class CPBatchMeta:
     # the declared meaning of packed documents (:data:`PACKED_DOCUMENTS`); None: undeclared, and a
     # method whose result depends on it refuses a row holding two documents (:func:`documents_semantics`)
     documents: Optional[str] = None
+    # bidirectional blocks [B, global_seq_len] int64, global order like ``key_doc`` (-1 = none; CP pad
+    # tokens -1): under the causal rule a key is also visible to the queries of its own block (one
+    # image's tokens, Gemma 3; numbered on the global row, so they compare across ranks). None: none.
+    key_block: Optional[torch.Tensor] = None
 
     @property
     def q_index(self) -> torch.Tensor:
@@ -101,6 +105,29 @@ class CPBatchMeta:
             return None
         return self.key_doc.index_select(1, index.to(self.key_doc.device))
 
+    def block_slice(self, index: torch.Tensor) -> Optional[torch.Tensor]:
+        """Bidirectional block ids [B, len(index)] of the given global indices (None when none)."""
+        if self.key_block is None:
+            return None
+        return self.key_block.index_select(1, index.to(self.key_block.device))
+
+    def block_reach(self, lo: int, hi: int) -> int:
+        """One past the last global index a query in ``[lo, hi)`` may see under the causal rule:
+        ``hi``, or further when a block of those queries continues past ``hi`` (its keys are visible).
+        Every rank computes the same value from the global ``key_block``."""
+        kb = self.key_block
+        if kb is None or hi >= kb.shape[1]:
+            return hi
+        reach = hi
+        for row in kb:                  # block ids are numbered per row
+            ids = row[lo:hi]
+            ids = ids[ids >= 0].unique()
+            if ids.numel():
+                later = torch.isin(row[hi:], ids).nonzero()
+                if later.numel():
+                    reach = max(reach, hi + int(later.max()) + 1)
+        return reach
+
 
 def documents_semantics(meta: CPBatchMeta, who: str) -> Optional[str]:
     """What ``meta``'s packed documents mean for a method whose result depends on it: None when no
@@ -116,6 +143,18 @@ def documents_semantics(meta: CPBatchMeta, who: str) -> Optional[str]:
             "packed_documents=...); HF Trainer: context_parallel(..., packed_documents=...)); docs/wrappers.md, "
             "\"Packed documents\"")
     return meta.documents
+
+
+def refuse_blocks(meta: CPBatchMeta, who: str) -> None:
+    """ValueError naming ``key_block`` when ``meta`` carries bidirectional blocks and the caller
+    (``who``: the module and its method) selects its keys itself instead of running the engine with
+    them. Local (every rank holds the same global ``key_block``), so raised before any collective."""
+    if meta.key_block is not None:
+        raise ValueError(
+            f"{who}: the batch carries bidirectional blocks (CPBatchMeta.key_block, e.g. Gemma 3's image tokens "
+            "from token_type_ids), which this method's own key selection does not apply; declare an attention "
+            "method that runs the engine (colossal, ulysses, load_balance, hybrid, balanced) or shard the batch "
+            "without block_ids (shard_batch_for_cp(..., block_ids=None))")
 
 
 def with_attention_chunk(meta: CPBatchMeta, chunk: int, batch: int) -> CPBatchMeta:

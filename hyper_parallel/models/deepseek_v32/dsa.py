@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
+from ...distributed.context_parallel.meta import refuse_blocks
 from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
 from ...distributed.context_parallel.mixers.rows import CPMixerError, bound_call, current_fqn, require_class
@@ -290,6 +291,7 @@ def dsa_all_gather_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh):
         if entry is None:
             return one_rank(*args, **kwargs)
         meta, a, hs = entry
+        refuse_blocks(meta, f"{fqn} ({what})")
         q_idx = meta.q_index.to(hs.device)
         doc_k = None if meta.key_doc is None else meta.key_doc.to(hs.device)
         doc_q = None if doc_k is None else doc_k[:, q_idx]

@@ -42,7 +42,7 @@ from ...distributed.context_parallel.collectives import all_gather_seq
 from ...distributed.context_parallel.interception.model_mask import IGNORES_MODEL_MASK
 from ...distributed.context_parallel import catalogue
 from ...distributed.context_parallel.mixers import register_catalogue_names
-from ...distributed.context_parallel.meta import current_cp_batch_meta
+from ...distributed.context_parallel.meta import current_cp_batch_meta, refuse_blocks
 from ...distributed.context_parallel.mixers.rows import bound_call, current_fqn, require_class
 from ...distributed.context_parallel.registry import inner_wrapper
 from ...distributed.context_parallel.semantics import register_uncarried
@@ -190,6 +190,8 @@ def doge_dynamic_mask_cp_wrapper(target_module, mesh, tp_mesh, cp_mesh, ep_mesh)
         window = getattr(m.config, "sliding_window", None)     # the model's mask is then a sliding window
         longest = longest_document(meta)
         selects = min(longest, window or longest) > m.keep_window_size    # some query sees more keys than kept
+        if selects:     # before the gather: every rank holds the same meta, so all refuse together
+            refuse_blocks(meta, "Doge dynamic-mask attention (its top-k key selection)")
         B, L, _ = hs.shape
         shape = (B, L, -1, m.head_dim)
         q = m.q_norm(m.q_proj(hs).view(shape)).transpose(1, 2)

@@ -101,9 +101,11 @@ class ContextParallelStrategy:
             if t[2] != meta.local_seq_len:
                 raise ValueError(f"{who}: {name} local sequence length {t[2]} != meta.local_seq_len "
                                  f"{meta.local_seq_len} (global {meta.global_seq_len} / cp {meta.cp_size})")
-        if meta.key_doc is not None and tuple(meta.key_doc.shape) != (q[0], meta.global_seq_len):
-            raise ValueError(f"{who}: meta.key_doc has shape {tuple(meta.key_doc.shape)}, expected "
-                             f"[B={q[0]}, S={meta.global_seq_len}]")
+        for field in ("key_doc", "key_block"):
+            t = getattr(meta, field)
+            if t is not None and tuple(t.shape) != (q[0], meta.global_seq_len):
+                raise ValueError(f"{who}: meta.{field} has shape {tuple(t.shape)}, expected "
+                                 f"[B={q[0]}, S={meta.global_seq_len}]")
         self.validate(num_q_heads=q[1], num_kv_heads=k[1], cp_size=cp_size)
 
 
@@ -164,7 +166,8 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos
     """Run :func:`hyper_parallel.ops.attention` for queries/keys at global indices ``q_pos``/``k_pos``.
 
     Doc ids come from ``meta.key_doc`` (padding = -1 is never attended, packed documents do
-    not see each other); causality from ``meta.causal``; ``window`` / ``softcap`` / ``sinks``
+    not see each other); bidirectional block ids from ``meta.key_block`` (a query also sees the
+    later keys of its own block: Gemma 3's image tokens); causality from ``meta.causal``; ``window`` / ``softcap`` / ``sinks``
     (``[q.shape[1]]``) are passed through. No dense mask is ever built here. ``return_lse``:
     return ``(out, lse)`` as :func:`hyper_parallel.ops.attention` (for partial attentions over
     disjoint key sets merged with :func:`hyper_parallel.ops.merge.merge_partial_attention`).
@@ -176,6 +179,8 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos
     if q_doc is not None:
         q_doc, k_doc = q_doc.to(dev), k_doc.to(dev)
     extra = {}
+    if meta.key_block is not None:
+        extra.update(q_block=meta.block_slice(q_pos).to(dev), k_block=meta.block_slice(k_pos).to(dev))
     if window is not None:
         extra["window"] = int(window)
     if softcap is not None:

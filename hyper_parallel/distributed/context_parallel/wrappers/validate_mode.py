@@ -170,7 +170,8 @@ def _model_mask(module: nn.Module, cfg, call: AttentionCall, hidden: torch.Tenso
     transformers' own mask function for the layer's type (``config.layer_types[layer_idx]``, else
     the config's ``sliding_window``: Mistral-style models), evaluated with the original
     attention implementation's mask format on the gathered (padded) sequence; padding and packed
-    documents of the batch (``meta.key_doc``) enter as an ``and_mask_function``.
+    documents of the batch (``meta.key_doc``) enter as an ``and_mask_function``; bidirectional blocks
+    (``meta.key_block``) as transformers' Gemma 3 masks compose them: window AND (causal OR block).
     """
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -191,6 +192,14 @@ def _model_mask(module: nn.Module, cfg, call: AttentionCall, hidden: torch.Tenso
         def and_fn(b, h, q_idx, kv_idx):
             return (docs[b, q_idx] == docs[b, kv_idx]) & (docs[b, kv_idx] >= 0)
 
+    if meta.key_block is not None:
+        from transformers.masking_utils import and_masks, blockwise_overlay, sliding_window_overlay
+
+        window_fn = sliding_window_overlay(cfg.sliding_window) if sliding else None
+        extra = [f for f in (and_fn, window_fn) if f is not None]
+        return create_causal_mask(config=mask_cfg, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=None, or_mask_function=blockwise_overlay(meta.key_block.to(hidden.device)),
+                                  and_mask_function=and_masks(*extra) if extra else None, allow_is_causal_skip=False)
     fn = create_sliding_window_causal_mask if sliding else create_causal_mask
     return fn(config=mask_cfg, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None,
               and_mask_function=and_fn, allow_is_causal_skip=False)

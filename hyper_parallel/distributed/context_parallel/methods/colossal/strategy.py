@@ -74,6 +74,10 @@ class AllGatherStrategy(CPGroupStrategy):
         self.check_inputs(q, k, v, meta, cp_size=self.cp_size, cp_rank=self.cp_rank)
         check_sinks(type(self).__name__, sinks, q.shape[1])
         ranges = window_kv_ranges(self.cp_size, meta.local_seq_len, window, meta.causal)
+        if ranges is not None and meta.causal and meta.key_block is not None:
+            # a block (image) of this rank's queries continuing on later ranks: those chunks are visible
+            L = meta.local_seq_len
+            ranges = [(lo, max(hi, (meta.block_reach(r * L, (r + 1) * L) - 1) // L)) for r, (lo, hi) in enumerate(ranges)]
         if ranges is None:
             k_all, v_all = flex_cp_allgather(k, v, 2, self.group)
             k_pos = meta.k_index

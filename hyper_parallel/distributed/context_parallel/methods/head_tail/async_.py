@@ -78,7 +78,8 @@ def head_tail_attend(plan, c, q, k, v, meta, sinks, kw: dict, keep: bool) -> tor
             for q_part, chunk in zip(q_c.chunk(2, dim=2), head_tail_sub_chunks(r, C)):
                 lo = chunk * sub + ci * rows
                 q_pos = torch.arange(lo, lo + rows, dtype=torch.int64)
-                n_keys = lo + rows if meta.causal else meta.global_seq_len   # keys past the last query
+                # keys past the last query (but the rest of a block they belong to: meta.key_block)
+                n_keys = meta.block_reach(lo, lo + rows) if meta.causal else meta.global_seq_len
                 trace_event("compute", f"attention_chunk{chunk}")
                 res.append(engine_attention(q_part, k[:, :, :n_keys], v[:, :, :n_keys], q_pos=q_pos,
                                             k_pos=torch.arange(n_keys, dtype=torch.int64), sinks=sinks, **kw))

@@ -13,7 +13,9 @@ is balanced:
   q   [B,Hq,S/C,D] --A2A dispatch(cp)--> q_head, q_tail [B,Hq,S/2C,D]
   o_head = engine(q_head, K[:(r+1)S/2C],   q_pos = r*S/2C + arange,        k_pos = 0..)
   o_tail = engine(q_tail, K[:(2C-r)S/2C],  q_pos = (2C-1-r)*S/2C + arange, k_pos = 0..)
-           (keys past the last query are dropped when causal: every rank sees (2C+1)*S/2C keys)
+           (keys past the last query are dropped when causal: every rank sees (2C+1)*S/2C keys;
+            with bidirectional blocks, meta.key_block, the prefix reaches the end of the last block
+            its queries belong to)
   (o_head, o_tail) --A2A combine(cp)--> out [B,Hq,S/C,D] chunk r
 Backward mirrors every exchange: dO dispatch, dQ combine, dK/dV ReduceScatter. Between forward and
 backward the rank keeps its local K/V, not the gathered ones (the two engine calls save key prefixes,
@@ -73,7 +75,9 @@ class HeadTailStrategy(CPGroupStrategy):
         with regather:
             for q_part, chunk in zip((q_head, q_tail), head_tail_sub_chunks(r, C)):
                 q_pos = torch.arange(chunk * sub, (chunk + 1) * sub, dtype=torch.int64)
-                n_keys = (chunk + 1) * sub if meta.causal else meta.global_seq_len
+                # keys past the last query are invisible when causal, except the rest of a block (image)
+                # the sub-chunk's queries belong to (meta.key_block)
+                n_keys = meta.block_reach(chunk * sub, (chunk + 1) * sub) if meta.causal else meta.global_seq_len
                 k_pos = torch.arange(n_keys, dtype=torch.int64)
                 outs.append(engine_attention(q_part, k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos=q_pos,
                                              k_pos=k_pos, meta=meta, scale=scale, window=window, softcap=softcap,

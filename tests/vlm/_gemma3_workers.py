@@ -1,0 +1,81 @@
+"""Gemma 3 (``Gemma3ForConditionalGeneration``) under CP, module-level for the rank pool.
+
+A tiny Gemma 3: a 1-layer SigLIP on 8x8 images (16 patches, average-pooled to ``mm_tokens_per_image = 4``
+tokens), 2 language layers (one sliding-window, one full), 2 rows of 32 tokens holding 5 images placed so
+that images cross the CP shard edges (contiguous halves and quarters, and the Head-Tail sub-chunks). The
+reference is the same model on one rank, in train mode, given ``token_type_ids`` (so transformers builds
+its bidirectional image masks); the CP run carries the same visibility as block ids of the global rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.vlm._workers import _cp_step, _errors, _plan
+
+IMAGE, BOI, EOI = 100, 101, 102
+TOKENS = 4           # mm_tokens_per_image
+WINDOW = 3           # sliding window, shorter than an image: the window cuts inside a block
+# (row, first placeholder) of each image: row 0 crosses the CP=2 edge at 16 (14..17) and the CP=4 edge at 8
+# (7..10); row 1 crosses 24 (22..25) and holds one image in a single shard (3..6) and one at the row's end
+PLACES = [(0, 7), (0, 14), (1, 3), (1, 22), (1, 27)]
+
+
+def build_gemma3():
+    """(model, one-rank reference) with identical weights; the projector's weight (zero at init in
+    transformers) drawn at random, so the images reach the language model and the tower gets gradients."""
+    import transformers as T
+
+    tc = T.Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+                            attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    vc = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=8, patch_size=2, num_channels=3, vision_use_head=False, attention_dropout=0.0)
+    cfg = T.Gemma3Config(text_config=tc, vision_config=vc, mm_tokens_per_image=TOKENS, image_token_index=IMAGE,
+                         boi_token_index=BOI, eoi_token_index=EOI)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.Gemma3ForConditionalGeneration(cfg).float().train()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+    ref = T.Gemma3ForConditionalGeneration(cfg).float().train()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def gemma3_batch(S: int = 32, seed: int = 3, shift: int = 0):
+    """``(input_ids [2, S], pixel_values [5, 3, 8, 8])``: BOI, 4 placeholders, EOI per image at PLACES
+    (moved ``shift`` tokens right)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, IMAGE, (2, S), generator=g)
+    for b, at in PLACES:
+        at += shift
+        ids[b, at - 1], ids[b, at:at + TOKENS], ids[b, (at + TOKENS) % S] = BOI, IMAGE, EOI
+    return ids, torch.randn(len(PLACES), 3, 8, 8, generator=g)
+
+
+def gemma3_parity(cp: int = 2, method: str = "colossal", mode: str | None = None) -> dict:
+    """One forward+backward at ``cp`` with ``method`` against one rank; also how much the bidirectional
+    part moves the reference's logits (``token_type_ids`` given vs not). The balanced split pads rows to
+    128 and holds halves of them: its rows are 128 tokens with the images moved to cross 64. ``mode="validate"``: each CP
+    attention call is also compared with the layer's own attention under transformers' mask built with the
+    blocks (raises on a mismatch)."""
+    from hyper_parallel.models.gemma3 import image_block_ids, image_media
+
+    model, ref = build_gemma3()
+    ids, pix = gemma3_batch(128, shift=50) if method == "balanced" else gemma3_batch()
+    S, V = ids.shape[1], ref.config.text_config.vocab_size
+    tt = (ids == IMAGE).long()
+    w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))
+    ref_logits = ref(input_ids=ids, pixel_values=pix, token_type_ids=tt, use_cache=False).logits
+    (ref_logits * w).sum().backward()
+    with torch.no_grad():
+        causal_only = ref(input_ids=ids, pixel_values=pix, use_cache=False).logits
+    bidir = ((causal_only - ref_logits.detach()).abs().max() / ref_logits.detach().abs().max()).item()
+
+    mesh, plan, model = _plan(model, cp, method, match="model.language_model.layers.*.self_attn", mode=mode)
+    pos = torch.arange(S).expand(2, S)
+    blocks = image_block_ids(ids, model.config)
+    logits, meta, local = _cp_step(model, mesh, plan, ids, pos, {"image": image_media(pix)}, w, block_ids=blocks)
+    return {**_errors(model, ref, logits, ref_logits, meta, mesh, S, tower="vision_tower"), "bidirectional": bidir,
+            "local_tokens": int((local["input_ids"] == IMAGE).sum()), "blocks": int(blocks.max()) + 1}
