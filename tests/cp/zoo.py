@@ -171,17 +171,22 @@ def build_tiny(model_type: str):
     return None, " | ".join(dict.fromkeys(reasons))
 
 
-def declarations(model: nn.Module) -> list:
+def declarations(model: nn.Module, skip=None) -> list:
     """plan_overrides for ``model``: every softmax attention (by leaf name) with ``sdpa_hf`` (or its
-    family's method), known token mixers with their catalogue method; the rest is left to the proof."""
+    family's method), known token mixers with their catalogue method; the rest is left to the proof.
+    ``skip(fqn)``: modules left undeclared (a registered vision tower); a leaf name they share is
+    declared by exact module paths."""
     from hyper_parallel.distributed.context_parallel.mixers import HALO_FAMILIES
     from hyper_parallel.distributed.context_parallel.mixers.mamba2 import MAMBA2_FAMILIES
     from hyper_parallel.models.qwen3_next.gated_deltanet import GDN_CLASSES
 
     mixers = _mixer_classes()
-    found = []                                   # (fqn, leaf, method) of every module to declare
+    found, skipped = [], set()                   # (fqn, leaf, method) of every module to declare
     for fqn, mod in model.named_modules():
         leaf, cls = fqn.rsplit(".", 1)[-1], type(mod).__name__
+        if skip is not None and skip(fqn):
+            skipped.add(leaf)
+            continue
         method = None
         if cls in _SPECIAL:
             method = _SPECIAL[cls]
@@ -203,7 +208,7 @@ def declarations(model: nn.Module) -> list:
     entries, seen = [], set()
     for fqn, leaf, method in found:
         # one method per attention leaf name: a wildcard; several (hybrids naming every mixer alike): exact fqns
-        match = f"*.{leaf}" if leaf in ATTN_NAMES and len(methods_of[leaf]) == 1 else fqn
+        match = f"*.{leaf}" if leaf in ATTN_NAMES and len(methods_of[leaf]) == 1 and leaf not in skipped else fqn
         if match in seen:
             continue
         seen.add(match)

@@ -29,7 +29,7 @@ from ..context_parallel import catalogue
 from ..context_parallel.meta import INDEPENDENT
 from ..context_parallel.model_spec import find_attention_boundaries
 from ..context_parallel.semantics import is_token_mixer, mixer_hint
-from ..context_parallel.vision import carried_towers, vision_tower
+from ..context_parallel.vision import carried_towers, media_inputs, media_module, vision_tower
 from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
                                         registered_names, wrapper_info)
 from ..errors import CPConfigError
@@ -225,6 +225,9 @@ class PlanOverrideResolver:
                 continue
             cp_specs.append(spec)
 
+        if self.cp_size > 1:           # before any declared method is bound: its own checks would speak first
+            self._refuse_uncarried_media(model, boundaries, names)
+        tower = vision_tower(model) if self.cp_size > 1 else None
         owner: dict[str, ModuleShardingSpec] = {}
         targets: list[ResolvedCPTarget] = []
         for spec in cp_specs:
@@ -244,6 +247,12 @@ class PlanOverrideResolver:
                 raise CPConfigError(spec.field("inner_target"), "is required for a CP method", module=matched[0],
                                     fix="add 'inner_target: self' (or the attribute path of the inner attention)")
             for fqn in matched:
+                if tower is not None and tower.holds(fqn):
+                    raise CPConfigError(spec.field("match"), f"{type(names[fqn]).__name__} belongs to the registered "
+                                        f"vision tower ({tower.prefix}), which runs per rank on whole images, not "
+                                        f"under CP (accelerator.cp_size={self.cp_size})", module=fqn,
+                                        fix="match the language model's attentions only (e.g. "
+                                            "'model.language_model.layers.*.self_attn'; docs/vlm.md)")
                 if fqn not in boundaries and not self._declares_mixer(spec, fqn):
                     raise CPConfigError(spec.field("match"),
                                         f"{type(names[fqn]).__name__} is not an attention boundary", module=fqn,
@@ -260,20 +269,9 @@ class PlanOverrideResolver:
                 targets.append(self._resolve_target(spec, fqn, names))
 
         if self.cp_size > 1:
-            tower = vision_tower(model)
             for fqn in boundaries:
                 if tower is not None and tower.holds(fqn):
                     continue         # the tower runs per rank on whole images (context_parallel/vision.py)
-                if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
-                    raise CPConfigError(
-                        "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
-                        "shards the language model's token sequence only, while the vision tower runs on image "
-                        "patches and the model scatters its features into the whole token sequence — not carried "
-                        f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
-                        module=fqn, fix="train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds "
-                        "with get_rope_index's 3-D position_ids, docs/strategies/batch_contract.md), the "
-                        f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
-                        f"({', '.join(carried_towers())}: docs/vlm.md)")
                 if fqn not in owner and is_token_mixer(names[fqn]):
                     raise CPConfigError("plan_overrides", "is named like an attention boundary but its forward makes "
                                         "no SDPA or attention-interface call, and no CP method is declared for it "
@@ -286,6 +284,34 @@ class PlanOverrideResolver:
                                         fix="add {match: '*.self_attn', when: cp, region_dispatch: false, "
                                             "inner_target: self, inner_wrapper: <method>}")
         return ResolvedPlan(self.cp_size, boundaries, targets, skipped)
+
+    def _refuse_uncarried_media(self, model: nn.Module, boundaries: list, names: dict) -> None:
+        """A model that takes images or video is planned at cp > 1 only with its family's tower registered
+        (context_parallel/vision.py): otherwise its vision attention, or its media input, is refused."""
+        tower = vision_tower(model)
+        fix = ("train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds with get_rope_index's "
+               "3-D position_ids, docs/strategies/batch_contract.md), the multimodal model with "
+               f"accelerator.cp_size=1, or a VLM whose tower is carried ({', '.join(carried_towers())}: docs/vlm.md)")
+        for fqn in boundaries:
+            if tower is not None and tower.holds(fqn):
+                continue         # the tower runs per rank on whole images (context_parallel/vision.py)
+            if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
+                raise CPConfigError(
+                    "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
+                    "shards the language model's token sequence only, while the vision tower runs on image "
+                    "patches and the model scatters its features into the whole token sequence — not carried "
+                    f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
+                    module=fqn, fix=fix)
+        inputs = media_inputs(model)
+        if tower is None and inputs:     # a tower without a recognised attention (patch projection, VQ, conv)
+            where = media_module(model)
+            raise CPConfigError(
+                "plan_overrides", f"{type(model).__name__} takes images or video ({', '.join(inputs)}) through "
+                f"{type(names[where]).__name__ if where else 'its media encoder'}, and no vision tower is "
+                f"registered for model_type {getattr(model.config, 'model_type', '?')!r}: under CP the media "
+                "features would be scattered into a shard of the token sequence without being spread or exchanged "
+                f"(media_embeddings_for_cp) — not carried (accelerator.cp_size={self.cp_size})",
+                module=where or None, fix=fix)
 
     def _resolve_target(self, spec: ModuleShardingSpec, fqn: str, names: dict) -> ResolvedCPTarget:
         module = names[fqn]
