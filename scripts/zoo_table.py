@@ -101,16 +101,19 @@ def write(state: dict) -> dict:
             "own config class (every sub-config — text, vision, projector — with small sizes; `tests/cp/zoo_vlm.py`:",
             "`build_tiny`), the language model's attentions declared with `zoo.declarations` (a registered tower's",
             "modules left out), planned and applied at cp 2 (`ShardingPlanner.plan` -> `apply_sharding_plan`).",
-            "A type whose vision tower is registered (docs/vlm.md) then runs one step with images spread by",
-            "`media_embeddings_for_cp` against the same model on one rank (`tests/vlm/_workers.py`: `vlm_parity`,",
-            "Colossal, 2 rows of 48 tokens with 3 images; logits of every token and every gradient, tower",
-            f"included, tolerance {zoo.TOL:g} relative to the reference's largest).",
+            "A type whose vision tower is registered (docs/vlm.md) then runs its family's one-step test",
+            "(`zoo_vlm.PARITY`, tests/vlm/: 2 rows with several images, Colossal) with the images spread by",
+            "`media_embeddings_for_cp` against the same model on one rank: logits of every token and every",
+            f"gradient, tower included, tolerance {zoo.TOL:g} relative to the reference's largest.",
             "",
-            "* **PASS**: a registered tower, within tolerance. **REFUSED**: the planner's message, before any",
-            "  collective (a vision attention, or a media input without a registered tower, is refused at",
-            "  cp > 1). **NOT BUILT**: transformers cannot build it tiny here (the reason). **WRONG**: a wrong",
-            "  result, or accepted at cp 2 without a registered tower (its tower would see a shard) — a bug.",
-            "  **ERROR**: the sweep itself failed. **NOT RUN**: not reached.",
+            "* **PASS**: a registered tower, within tolerance (or a mapped class that takes no images, compared",
+            "  on text rows as above). **REFUSED**: the planner's message, before any collective — an",
+            "  unregistered model's vision attention, or where none is recognised its media input (its fix,",
+            "  cut off below: cp_size 1, the language model alone under CP, or a VLM whose tower is carried, a new",
+            "  family registering its tower from `models/<model_type>/vision.py`). **NOT BUILT**: transformers",
+            "  cannot build it tiny here (the reason). **WRONG**: a wrong result, or a model taking images accepted",
+            "  at cp 2 without a registered tower (its tower would see a shard) — a bug. **ERROR**: the sweep",
+            "  itself failed. **NOT RUN**: not reached.",
             _summary(vlm),
             "* CI runs `zoo_vlm.SUBSET` (`tests/cp/test_zoo.py`); `HYPER_PARALLEL_ZOO=all` runs all.",
             "* Rerun some rows (the others kept): `PYTHONPATH=. nice -n 10 python scripts/zoo_table.py --vlm TYPE ...`.",
@@ -163,12 +166,11 @@ def main(argv: list) -> None:
     def env() -> str:
         return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
                 f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
-                f"(load average {os.getloadavg()[0]:.0f} when written), {time.time() - t0:.0f}s so far")
+                f"(load average {os.getloadavg()[0]:.0f} when written), {time.time() - t0:.0f}s so far"
+                + (f" (this run: the rows of {len(names)} named types)" if prior is not None else ""))
 
     def save(pending: list) -> dict:
-        kept = {r["arch"] for r in prior["results"]} if prior else set()    # not reached yet: the old row stays
-        state[table] = {"results": _merged(prior, results), "not_run": [n for n in pending if n not in kept]
-                        + _left(prior, names), "env": env()}
+        state[table] = rerun_table(prior, results, pending, names, env())
         return write(state)
     try:
         for i, n in enumerate(names):
@@ -189,6 +191,15 @@ def main(argv: list) -> None:
     finally:
         pool.shutdown()
     print(save(names[len(results):]))
+
+
+def rerun_table(prior, results: list, pending: list, names: list, env: str) -> dict:
+    """The table after rerunning ``names`` (``results`` done so far, ``pending`` not yet): with a ``prior``
+    table only the rows of ``names`` change (a row not reached yet keeps its old result; the prior's
+    other rows, and their order, are kept); without one, the table is these rows alone."""
+    kept = {r["arch"] for r in prior["results"]} if prior else set()
+    return {"results": _merged(prior, results), "not_run": [n for n in pending if n not in kept]
+            + _left(prior, names), "env": env}
 
 
 def _left(prior, names: list) -> list:

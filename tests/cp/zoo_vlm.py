@@ -12,15 +12,28 @@ cp 2 without a registered tower, whose tower would see only a shard).
 """
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
 
 from tests.cp import zoo
 
-#: CI subset: a registered tower (PASS with images) and an unregistered one (REFUSED)
-SUBSET = ("qwen2_5_vl", "llava")
+#: CI subset: a registered tower (PASS with images) and a model whose tower has no attention (Fuyu's patch
+#: projection: REFUSED by its media input, which no family's registration changes)
+SUBSET = ("qwen2_5_vl", "fuyu")
 MAX_PARAMS = 50_000_000
+#: a registered tower's family test (tests/vlm/): model_type -> (module, function, kwargs), called with cp=2
+#: on every rank; one step with images through media_embeddings_for_cp against one rank -> its errors
+#: (``logits``, ``grads`` relative; ``vision_grad_max`` > 0: the tower is trained)
+PARITY = {"qwen2_vl": ("tests.vlm._workers", "vlm_parity", {"arch": "qwen2_vl"}),
+          "qwen2_5_vl": ("tests.vlm._workers", "vlm_parity", {"arch": "qwen2_5_vl"}),
+          "qwen3_vl": ("tests.vlm._workers", "vlm_parity", {"arch": "qwen3_vl"}),
+          # the families landing from their own branches (their tests' workers)
+          "llava": ("tests.vlm._family_workers", "family_parity", {"arch": "llava"}),
+          "qwen3_5": ("tests.vlm._family_workers", "family_parity", {"arch": "qwen3_5"}),
+          "qwen3_5_moe": ("tests.vlm._family_workers", "family_parity", {"arch": "qwen3_5_moe"}),
+          "gemma3": ("tests.vlm._gemma3_workers", "gemma3_parity", {})}
 #: vision / projector sizes over zoo._TINY (where the sub-config has the field)
 _VISION = dict(depth=2, num_layers=2, num_hidden_layers=2, num_heads=4, embed_dim=64, out_hidden_size=64,
                projection_dim=64, hidden_size=64, intermediate_size=64, mlp_ratio=1, num_attention_heads=4,
@@ -44,24 +57,26 @@ def _tiny_kwargs(cfg, sizes: dict) -> dict:
     for k, v in sizes.items():
         if not zoo._has(cfg, k):
             continue
-        old = getattr(cfg, k, None)
+        old = vars(cfg).get(k)
         if isinstance(old, (list, tuple, dict)):       # e.g. per-stage widths: left at their defaults
             continue
         kw[k] = float(v) if isinstance(old, float) and not isinstance(v, bool) else v
     for k, v in vars(cfg).items():
         if ("drop" in k or "pdrop" in k) and isinstance(v, float):
             kw[k] = 0.0
-    if "num_hidden_layers" in kw and isinstance(getattr(cfg, "num_hidden_layers", None), int):
+    zoo.mla_sizes(kw)
+    if "num_hidden_layers" in kw and isinstance(vars(cfg).get("num_hidden_layers"), int):
         # as zoo.build_tiny: 2+ layers, every per-layer kind kept
         n = max([kw["num_hidden_layers"]] + [len(v) for v in zoo._layered(cfg, kw["num_hidden_layers"]).values()])
         kw["num_hidden_layers"] = n
         kw.update(zoo._layered(cfg, n))
-    rope = getattr(cfg, "rope_parameters", None)
-    heads = kw.get("num_attention_heads") or getattr(cfg, "num_attention_heads", 0) or 1
+    rope = vars(cfg).get("rope_parameters")
+    rope = rope if isinstance(rope, dict) and "rope_type" in rope else None        # one flat dict (not per layer)
+    heads = kw.get("num_attention_heads") or vars(cfg).get("num_attention_heads") or 1
     half = (kw.get("head_dim") or kw.get("hidden_size", 0) // heads) // 2
     # 3-D RoPE (its sections, or the model's default [16, 24, 24]): sections summing to the tiny head's half
-    sec = rope.get("mrope_section") if isinstance(rope, dict) else None
-    if isinstance(rope, dict) and not sec and "mrope_section" in getattr(type(cfg), "ignore_keys_at_rope_validation", ()):
+    sec = rope.get("mrope_section") if rope else None
+    if rope and not sec and "mrope_section" in getattr(type(cfg), "ignore_keys_at_rope_validation", ()):
         sec = [16, 24, 24]
     if sec and half and "hidden_size" in kw:
         new = [max(1, half * s // sum(sec)) for s in sec]
@@ -74,6 +89,8 @@ def _sub_dict(sub, sizes: dict) -> dict:
     from transformers import PretrainedConfig
 
     d = sub.to_dict()
+    if d.get("per_layer_config"):         # layers configured by index: their count stays
+        sizes = {k: v for k, v in sizes.items() if k != "num_hidden_layers"}
     d.update(_tiny_kwargs(sub, sizes))
     for name in getattr(sub, "sub_configs", {}) or {}:        # nested sub-configs, tiny as well
         inner = getattr(sub, name, None)
@@ -137,7 +154,7 @@ def build_tiny(model_type: str):
 
 def run_one(model_type: str) -> dict:
     """One image-text-to-text type at CP=2 on this rank (all ranks call it): the outcome dict."""
-    from hyper_parallel.distributed.context_parallel.vision import vision_tower
+    from hyper_parallel.distributed.context_parallel.vision import media_inputs, vision_tower
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.cp.common import mesh_ctx
@@ -154,17 +171,24 @@ def run_one(model_type: str) -> dict:
     mesh = mesh_ctx(2)
     try:
         plan = ShardingPlanner(plan_overrides=entries).plan(model, mesh, cp_size=2)
-        apply_sharding_plan(model, plan, mesh, fsdp=False)
+        model, _ = apply_sharding_plan(model, plan, mesh, fsdp=False)
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         status = "REFUSED" if zoo._refusal(exc) else "ERROR"
         return {**out, "status": status, "detail": f"{type(exc).__name__}: {str(exc)[:400]}",
                 "time_s": time.perf_counter() - t0}
-    if tower is None:      # accepted with no registered tower: its tower would see only this rank's shard
+    if tower is None and media_inputs(model):    # accepted with no registered tower: it would see a shard
         return {**out, "status": "WRONG", "detail": "accepted at cp 2 without a registered vision tower",
                 "time_s": time.perf_counter() - t0}
-    from tests.vlm._workers import vlm_parity      # the family's images through media_embeddings_for_cp
-
-    st = vlm_parity(cp=2, arch=model_type)
+    if tower is None:      # the mapped class takes no images (a text model): the text zoo's comparison
+        ref, _ = build_tiny(model_type)
+        ref.load_state_dict(model.state_dict())
+        return zoo.compare(model, ref, mesh, plan, {**out, "detail": f"{type(model).__name__} takes no images: "
+                                                                     "compared on text rows"}, t0)
+    if model_type not in PARITY:
+        return {**out, "status": "ERROR", "detail": f"registered tower, but no one-step test with images in "
+                                                    f"zoo_vlm.PARITY for {model_type!r}", "time_s": time.perf_counter() - t0}
+    module, fn, kw = PARITY[model_type]
+    st = getattr(importlib.import_module(module), fn)(cp=2, **kw)
     ok = st["logits"] <= zoo.TOL and st["grads"] <= zoo.TOL and st["vision_grad_max"] > 0
     return {**out, "status": "PASS" if ok else "WRONG", "logits_rel": st["logits"], "grads": st["grads"],
             "detail": "" if ok else f"worst {st['worst']}", "time_s": time.perf_counter() - t0}

@@ -35,13 +35,10 @@ def build_vlm(arch: str = "qwen2_5_vl"):
         vc = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TPATCH, deepstack_visual_indexes=[0],
                   num_position_embeddings=64, in_channels=3)
-    elif arch == "qwen2_vl":
+    else:
         cls, cfg_cls = T.Qwen2VLForConditionalGeneration, T.Qwen2VLConfig
         vc = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TPATCH, in_channels=3)
-    else:
-        raise ValueError(f"no tiny build for {arch!r} here (qwen2_vl, qwen2_5_vl, qwen3_vl): add its tower's "
-                         "sizes and image layout to tests/vlm/_workers.py")
     tc = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16,
               rope_scaling=({"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}

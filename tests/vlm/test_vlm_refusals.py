@@ -30,14 +30,15 @@ def test_media_input_without_registered_tower_refused():
     msg = str(ei.value)
     print(msg)
     assert "module 'model.vision_embed_tokens'" in msg and "pixel_values" in msg, msg
-    assert "no vision tower is registered for model_type 'fuyu'" in msg and "accelerator.cp_size=1" in msg, msg
+    assert "(model_type 'fuyu')" in msg and "whose tower is not registered" in msg, msg
+    assert "accelerator.cp_size=1" in msg, msg
     _resolve(model, 1)
 
 
 def test_vision_attention_refused_before_a_declared_method_is_checked():
-    """LLaVA with ``*.self_attn`` declared (which also matches its CLIP tower's attention): the refusal
-    is the vision encoder's, not the declared wrapper's own check on the tower's attention."""
-    model, why = zoo_vlm.build_tiny("llava")
+    """PaliGemma with ``*.self_attn`` declared (which also matches its SigLIP tower's attention): the
+    refusal is the vision encoder's, not the declared wrapper's own check on the tower's attention."""
+    model, why = zoo_vlm.build_tiny("paligemma")
     assert model is not None, why
     with pytest.raises(CPConfigError) as ei:
         _resolve(model, 2)
@@ -49,8 +50,8 @@ def test_vision_attention_refused_before_a_declared_method_is_checked():
 
 def test_registered_tower_resolves_at_cp2_and_refuses_a_method_on_it():
     """Qwen2.5-VL (registered): with the language model's attentions declared its tower needs no method
-    and is not refused; a CP method declared on the tower's attention (``*.attn`` also matches
-    ``model.visual.blocks.0.attn``) is refused by name — the tower runs per rank on whole images."""
+    and is not refused; an entry matching only the tower's attentions (the zoo's ``*.attn``:
+    ``model.visual.blocks.N.attn``) is refused by name — the tower runs per rank on whole images."""
     from hyper_parallel.distributed.context_parallel.vision import vision_tower
 
     model, why = zoo_vlm.build_tiny("qwen2_5_vl")
@@ -61,4 +62,26 @@ def test_registered_tower_resolves_at_cp2_and_refuses_a_method_on_it():
         _resolve(model, 2)
     msg = str(ei.value)
     print(msg)
-    assert "module 'model.visual.blocks.0.attn'" in msg and "registered vision tower (model.visual)" in msg, msg
+    assert "module 'model.visual.blocks.0.attn'" in msg and "only modules of the vision tower (model.visual)" in msg, msg
+
+
+def test_every_image_text_to_text_class_that_takes_images_is_seen():
+    """Every class of transformers' image-text-to-text mapping whose ``forward`` takes anything named
+    like a medium (pixel, image, video, patch) has a media input the planner recognises
+    (``media_inputs``), so none can be planned at cp > 1 without a registered tower, built or not."""
+    import inspect
+    import re
+
+    import transformers as T
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    medium = re.compile(r"pixel|image|video|patch")
+    unseen, seen = [], 0
+    for model_type, name in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()):
+        cls = getattr(T, name)
+        params = [p for p in inspect.signature(cls.forward).parameters if medium.search(p)]
+        if params and not media_inputs(cls):
+            unseen.append((model_type, params))
+        seen += bool(params)
+    print(f"{seen} of {len(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)} classes take media; unrecognised: {unseen}")
+    assert seen >= 90 and not unseen, unseen

@@ -225,13 +225,22 @@ class PlanOverrideResolver:
                 continue
             cp_specs.append(spec)
 
-        if self.cp_size > 1:           # before any declared method is bound: its own checks would speak first
-            self._refuse_uncarried_media(model, boundaries, names)
-        tower = vision_tower(model) if self.cp_size > 1 else None
+        tower = vision_tower(model)
+        if self.cp_size > 1:
+            self._refuse_uncarried_vision(model, names, boundaries, tower)
         owner: dict[str, ModuleShardingSpec] = {}
         targets: list[ResolvedCPTarget] = []
         for spec in cp_specs:
             matched = [n for n in names if n and fnmatch.fnmatchcase(n, spec.match)]
+            if tower is not None and matched:       # a carried tower runs per rank on whole media, never under CP
+                outside = [n for n in matched if not tower.holds(n)]
+                if not outside:
+                    raise CPConfigError(spec.field("match"), f"pattern {spec.match!r} matches only modules of the "
+                                        f"vision tower ({tower.prefix}), which runs per rank on whole media, not "
+                                        "under CP (context_parallel/vision.py)", module=matched[0],
+                                        fix="drop this entry; declare methods for the language model's attentions "
+                                            "only (e.g. match: 'model.language_model.layers.*.self_attn')")
+                matched = outside
             if not matched:
                 raise CPConfigError(spec.field("match"), f"pattern {spec.match!r} matches no module of "
                                     f"{type(model).__name__}",
@@ -247,12 +256,6 @@ class PlanOverrideResolver:
                 raise CPConfigError(spec.field("inner_target"), "is required for a CP method", module=matched[0],
                                     fix="add 'inner_target: self' (or the attribute path of the inner attention)")
             for fqn in matched:
-                if tower is not None and tower.holds(fqn):
-                    raise CPConfigError(spec.field("match"), f"{type(names[fqn]).__name__} belongs to the registered "
-                                        f"vision tower ({tower.prefix}), which runs per rank on whole images, not "
-                                        f"under CP (accelerator.cp_size={self.cp_size})", module=fqn,
-                                        fix="match the language model's attentions only (e.g. "
-                                            "'model.language_model.layers.*.self_attn'; docs/vlm.md)")
                 if fqn not in boundaries and not self._declares_mixer(spec, fqn):
                     raise CPConfigError(spec.field("match"),
                                         f"{type(names[fqn]).__name__} is not an attention boundary", module=fqn,
@@ -285,33 +288,39 @@ class PlanOverrideResolver:
                                             "inner_target: self, inner_wrapper: <method>}")
         return ResolvedPlan(self.cp_size, boundaries, targets, skipped)
 
-    def _refuse_uncarried_media(self, model: nn.Module, boundaries: list, names: dict) -> None:
-        """A model that takes images or video is planned at cp > 1 only with its family's tower registered
-        (context_parallel/vision.py): otherwise its vision attention, or its media input, is refused."""
-        tower = vision_tower(model)
-        fix = ("train the language model under CP (e.g. Qwen3_5ForCausalLM on inputs_embeds with get_rope_index's "
-               "3-D position_ids, docs/strategies/batch_contract.md), the multimodal model with "
-               f"accelerator.cp_size=1, or a VLM whose tower is carried ({', '.join(carried_towers())}: docs/vlm.md)")
+    def _refuse_uncarried_vision(self, model: nn.Module, names: dict, boundaries: list, tower) -> None:
+        """At cp_size > 1, refuse (before any declaration is read) the first attention of a vision encoder
+        whose family registers no tower (an unregistered VLM), naming it and the fix; or, where no such
+        attention is recognised, a model that takes images or video (``vision.media_inputs``) without a
+        registered tower, naming its media encoder."""
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
         for fqn in boundaries:
             if tower is not None and tower.holds(fqn):
-                continue         # the tower runs per rank on whole images (context_parallel/vision.py)
+                continue
             if _VISION.search(type(names[fqn]).__name__) or any(_VISION.search(p) for p in fqn.split(".")):
                 raise CPConfigError(
-                    "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder: CP "
-                    "shards the language model's token sequence only, while the vision tower runs on image "
-                    "patches and the model scatters its features into the whole token sequence — not carried "
+                    "plan_overrides", f"{type(names[fqn]).__name__} is the attention of a vision encoder of "
+                    f"{type(model).__name__} (model_type {model_type!r}), whose tower is not registered"
+                    ": CP shards the language model's token sequence only, while the vision tower "
+                    "runs on image patches and the model feeds its features to the token sequence — not carried "
                     f"(accelerator.cp_size={self.cp_size}; refused whether or not a method is declared)",
-                    module=fqn, fix=fix)
+                    module=fqn, fix="train the language model alone under CP (its *ForCausalLM on inputs_embeds with "
+                    "the model's position ids, docs/strategies/batch_contract.md), the "
+                    f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
+                    f"({', '.join(carried_towers())}: docs/vlm.md; a new family registers its tower from "
+                    "models/<model_type>/vision.py)")
         inputs = media_inputs(model)
-        if tower is None and inputs:     # a tower without a recognised attention (patch projection, VQ, conv)
+        if tower is None and inputs:     # a tower with no attention recognised above (patch projection, VQ, conv)
             where = media_module(model)
             raise CPConfigError(
-                "plan_overrides", f"{type(model).__name__} takes images or video ({', '.join(inputs)}) through "
-                f"{type(names[where]).__name__ if where else 'its media encoder'}, and no vision tower is "
-                f"registered for model_type {getattr(model.config, 'model_type', '?')!r}: under CP the media "
-                "features would be scattered into a shard of the token sequence without being spread or exchanged "
-                f"(media_embeddings_for_cp) — not carried (accelerator.cp_size={self.cp_size})",
-                module=where or None, fix=fix)
+                "plan_overrides", f"{type(model).__name__} (model_type {model_type!r}) takes images or video "
+                f"({', '.join(inputs)}) through {type(names[where]).__name__ if where else 'its media encoder'}, "
+                "whose tower is not registered: under CP the media features would be scattered into a shard of "
+                "the token sequence without being spread over the CP group or exchanged (media_embeddings_for_cp) "
+                f"— not carried (accelerator.cp_size={self.cp_size})", module=where or None,
+                fix="the multimodal model with accelerator.cp_size=1, the language model alone under CP, or a VLM "
+                f"whose tower is carried ({', '.join(carried_towers())}: docs/vlm.md; a new family registers its "
+                "tower from models/<model_type>/vision.py)")
 
     def _resolve_target(self, spec: ModuleShardingSpec, fqn: str, names: dict) -> ResolvedCPTarget:
         module = names[fqn]
