@@ -4,10 +4,11 @@
 CP=2 through the library API (``ShardingPlanner.plan`` -> ``apply_sharding_plan``) with the zoo's
 declarations on the language model's attentions.
 
-Outcomes (docs/zoo.md, second table): ``PASS`` (a registered tower: logits of every token and every
-gradient, tower included, equal one rank with images spread by ``media_embeddings_for_cp``,
-``tests/vlm/_workers.py``), ``REFUSED`` (the planner's message), ``NOT BUILT`` (transformers cannot build
-it tiny here: the reason), ``WRONG`` (a bug: a wrong result, or a model with a vision input accepted at
+Outcomes (docs/zoo.md, second table): ``PASS`` (a registered tower: its family's one-step test,
+``PARITY``, gives logits of every token and every gradient, tower included, equal to one rank with the
+images spread by ``media_embeddings_for_cp``; or a mapped class that takes no images, compared on text
+rows as the text zoo does), ``REFUSED`` (the planner's message), ``NOT BUILT`` (transformers cannot build
+it tiny here: the reason), ``WRONG`` (a bug: a wrong result, or a model with a media input accepted at
 cp 2 without a registered tower, whose tower would see only a shard).
 """
 from __future__ import annotations
@@ -119,7 +120,8 @@ def tiny_config(model_type: str, level: int = 0):
         has_text |= is_text
         kw[name] = _sub_dict(sub, text if is_text else (_VISION if level < 2 else {}))
     # the language model's sizes at the top level where there is no text sub-config (Chameleon, Emu3)
-    kw.update(_tiny_kwargs(base, text if not has_text else {k: v for k, v in zoo._TINY.items() if k in zoo._MINIMAL}))
+    minimal = {k: v for k, v in zoo._TINY.items() if k in zoo._MINIMAL}
+    kw.update(_tiny_kwargs(base, text if not has_text else minimal))
     kw.update(_EXTRA.get(model_type, {}))
     kw["use_cache"] = False
     return cls(**kw)
@@ -185,8 +187,8 @@ def run_one(model_type: str) -> dict:
         return zoo.compare(model, ref, mesh, plan, {**out, "detail": f"{type(model).__name__} takes no images: "
                                                                      "compared on text rows"}, t0)
     if model_type not in PARITY:
-        return {**out, "status": "ERROR", "detail": f"registered tower, but no one-step test with images in "
-                                                    f"zoo_vlm.PARITY for {model_type!r}", "time_s": time.perf_counter() - t0}
+        return {**out, "status": "ERROR", "time_s": time.perf_counter() - t0,
+                "detail": f"registered tower, but no one-step test with images in zoo_vlm.PARITY for {model_type!r}"}
     module, fn, kw = PARITY[model_type]
     st = getattr(importlib.import_module(module), fn)(cp=2, **kw)
     ok = st["logits"] <= zoo.TOL and st["grads"] <= zoo.TOL and st["vision_grad_max"] > 0

@@ -62,7 +62,8 @@ def test_registered_tower_resolves_at_cp2_and_refuses_a_method_on_it():
         _resolve(model, 2)
     msg = str(ei.value)
     print(msg)
-    assert "module 'model.visual.blocks.0.attn'" in msg and "only modules of the vision tower (model.visual)" in msg, msg
+    assert "module 'model.visual.blocks.0.attn'" in msg, msg
+    assert "only modules of the vision tower (model.visual)" in msg, msg
 
 
 def test_every_image_text_to_text_class_that_takes_images_is_seen():
