@@ -39,11 +39,13 @@ PARITY = {"qwen2_vl": ("tests.vlm._workers", "vlm_parity", {"arch": "qwen2_vl"})
 _VISION = dict(depth=2, num_layers=2, num_hidden_layers=2, num_heads=4, embed_dim=64, out_hidden_size=64,
                projection_dim=64, hidden_size=64, intermediate_size=64, mlp_ratio=1, num_attention_heads=4,
                vision_output_dim=64, projector_hidden_size=64, qformer_hidden_size=64, encoder_hidden_size=64,
-               num_global_layers=1, decoder_layers=2, encoder_layers=2)
+               num_global_layers=1, decoder_layers=2, encoder_layers=2, text_hidden_size=64, vocab_size=128)
 _TEXT_CONFIGS = ("text_config", "decoder")
-#: model_type -> top-level config kwargs of its own (Chameleon / Emu3 need an image vocabulary)
+#: model_type -> config kwargs of its own (a sub-config's under its name): Chameleon / Emu3 need an image
+#: vocabulary, Molmo2's adapter the layers of the tiny tower
 _IMAGE_VOCAB = {"<image>": 100, **{f"IMGIMG{chr(65 + i)}Z": 110 + i for i in range(10)}}
-_EXTRA = {"chameleon": dict(vocabulary_map=_IMAGE_VOCAB), "emu3": dict(vocabulary_map=_IMAGE_VOCAB)}
+_EXTRA = {"chameleon": dict(vocabulary_map=_IMAGE_VOCAB), "emu3": dict(vocabulary_map=_IMAGE_VOCAB),
+          "molmo2": dict(adapter_config=dict(vision_feature_layer=[-1, -2]))}
 
 
 def architectures() -> list:
@@ -122,15 +124,21 @@ def tiny_config(model_type: str, level: int = 0):
     # the language model's sizes at the top level where there is no text sub-config (Chameleon, Emu3)
     minimal = {k: v for k, v in zoo._TINY.items() if k in zoo._MINIMAL}
     kw.update(_tiny_kwargs(base, text if not has_text else minimal))
-    kw.update(_EXTRA.get(model_type, {}))
+    for k, v in _EXTRA.get(model_type, {}).items():
+        if isinstance(kw.get(k), dict) and isinstance(v, dict):
+            kw[k].update(v)
+        else:
+            kw[k] = v
     kw["use_cache"] = False
     return cls(**kw)
 
 
 def build_tiny(model_type: str):
-    """(model in train mode, fp32, None) or (None, the reason it is not built tiny here)."""
+    """(the mapped class in train mode, fp32, None) or (None, the reason it is not built tiny here)."""
     import transformers as T
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    model_cls = getattr(T, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
     reasons = []
     for level in (0, 1, 2, 3):
         try:
@@ -141,13 +149,12 @@ def build_tiny(model_type: str):
         for impl in ("sdpa", "eager"):
             try:
                 with torch.device("meta"):
-                    n = sum(p.numel() for p in T.AutoModelForImageTextToText.from_config(
-                        cfg, attn_implementation=impl).parameters())
+                    n = sum(p.numel() for p in model_cls._from_config(cfg, attn_implementation=impl).parameters())
                 if n > MAX_PARAMS:
                     reasons.append(f"not tiny: {n / 1e6:.0f}M parameters with the tiny sizes")
                     break
                 torch.manual_seed(0)
-                model = T.AutoModelForImageTextToText.from_config(cfg, attn_implementation=impl)
+                model = model_cls._from_config(cfg, attn_implementation=impl)
                 return model.float().train(), None
             except Exception as exc:  # noqa: BLE001
                 reasons.append(f"build: {type(exc).__name__}: {str(exc)[:160]}")
