@@ -1,11 +1,12 @@
-"""Run the architecture zoo (tests/cp/zoo.py) over every causal-LM architecture of the installed
-transformers at CP=2 on 2 local gloo ranks, and write docs/zoo.md (the list and the result table)
-plus benchmarks/results/zoo.json.
+"""Run the architecture zoo at CP=2 on 2 local gloo ranks and write docs/zoo.md (two tables) plus
+benchmarks/results/zoo.json: every causal-LM architecture of the installed transformers
+(tests/cp/zoo.py), and with ``--vlm`` every image-text-to-text type (tests/cp/zoo_vlm.py).
 
-    PYTHONPATH=. nice -n 5 python scripts/zoo_table.py [--budget SECONDS] [--per-model SECONDS] [model_type ...]
+    PYTHONPATH=. nice -n 10 python scripts/zoo_table.py [--vlm] [--budget SECONDS] [--per-model SECONDS] [model_type ...]
 
-The table is rewritten after every architecture; with ``--budget`` the sweep stops after that many
-seconds and lists the architectures it did not reach as NOT RUN (the subset of the CI test runs first).
+Named types rerun only their rows (the table's other rows and the other table are kept); with none the
+whole table is rerun (the other one kept). The file is rewritten after every type; with ``--budget`` the
+sweep stops after that many seconds and lists the types it did not reach as NOT RUN (the CI subset first).
 """
 from __future__ import annotations
 
@@ -19,23 +20,55 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from hyper_parallel.testing.multirank import RankPool  # noqa: E402
-from tests.cp import zoo  # noqa: E402
+from tests.cp import zoo, zoo_vlm  # noqa: E402
 
 
 def _cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def write(results: list, pending: list, env: str) -> dict:
+TABLES = {"causal_lm": zoo, "image_text_to_text": zoo_vlm}
+_PATH = os.path.join(ROOT, "benchmarks", "results", "zoo.json")
+
+
+def _counts(results: list, pending: list) -> dict:
     counts = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     if pending:
         counts["NOT RUN"] = len(pending)
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "zoo.json"), "w") as fh:
-        json.dump({"env": env, "tolerance": zoo.TOL, "kinds": zoo.KINDS, "S": zoo.S, "counts": counts,
-                   "results": results, "not_run": pending}, fh, indent=1)
+    return counts
+
+
+def _rows(results: list, pending: list, tower: bool) -> list:
+    head = "| model_type | status | logits rel | grads rel |" + (" tower |" if tower else "") + " declared | detail |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        lr = f"{r['logits_rel']:.1e}" if "logits_rel" in r else ""
+        gr = f"{r['grads']:.1e}" if "grads" in r else ""
+        decl = "; ".join(r.get("declared", []))
+        tw = f" {r['tower']} |" if tower and r.get("tower") else (" |" if tower else "")
+        lines.append(f"| `{r['arch']}` | {r['status']} | {lr} | {gr} |{tw} {_cell(decl)} | "
+                     f"{_cell(r.get('detail', ''))[:300]} |")
+    lines.extend(f"| `{n}` | NOT RUN | | |{' |' if tower else ''} | |" for n in pending)
+    return lines
+
+
+def _summary(t: dict) -> str:
+    return f"* Run: {t['env']}. Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(t["counts"].items())) + "."
+
+
+def write(state: dict) -> dict:
+    """Write zoo.json (both tables: ``state[name] = {results, not_run, env}``) and docs/zoo.md from it."""
+    for t in state.values():
+        t["counts"] = _counts(t["results"], t["not_run"])
+    text = state.get("causal_lm", {"results": [], "not_run": [], "env": "not run", "counts": {}})
+    os.makedirs(os.path.dirname(_PATH), exist_ok=True)
+    with open(_PATH, "w") as fh:        # the causal-LM table at the top level, as before; the second beside it
+        json.dump({"env": text["env"], "tolerance": zoo.TOL, "kinds": zoo.KINDS, "S": zoo.S, "counts": text["counts"],
+                   "results": text["results"], "not_run": text["not_run"],
+                   **({"image_text_to_text": state["image_text_to_text"]} if "image_text_to_text" in state else {})},
+                  fh, indent=1)
     lines = [
         "# Architecture zoo: every causal-LM architecture under CP",
         "",
@@ -45,49 +78,87 @@ def write(results: list, pending: list, env: str) -> dict:
         "Doge `doge_dynamic_mask`, known token mixers their catalogue method), planned and applied at cp 2",
         "through `ShardingPlanner.plan` -> `apply_sharding_plan` with the default preflight proof, then",
         f"compared with CP=1 (logits and every gradient, plain and packed rows, S={zoo.S}, fp32,",
-        f"tolerance {zoo.TOL:g} relative to max |logits| / the largest gradient).",
+        f"tolerance {zoo.TOL:g} relative to max |logits| / the largest gradient). The image-text-to-text",
+        "types are the [second table](#image-text-to-text-types-under-cp).",
         "",
         "* **PASS**: applied and within tolerance. **REFUSED**: refused before the first step (or at the",
         "  first call) with the message quoted. **SKIP**: transformers cannot build it tiny here, or it is",
         "  not a decoder-only causal LM (the reason). **WRONG** / **ERROR** would be bugs (ERROR also",
         "  covers a case that ran past the per-model time limit). **NOT RUN**: the sweep's time budget ended",
         "  first.",
-        f"* Run: {env}. Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".",
+        _summary(text),
         "* CI runs the subset `zoo.SUBSET` (`tests/cp/test_zoo.py`); `HYPER_PARALLEL_ZOO=all` runs all.",
+        "* Rerun some rows (the others kept): `PYTHONPATH=. nice -n 10 python scripts/zoo_table.py TYPE ...`.",
         "",
-        "| model_type | status | logits rel | grads rel | declared | detail |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lr = f"{r['logits_rel']:.1e}" if "logits_rel" in r else ""
-        gr = f"{r['grads']:.1e}" if "grads" in r else ""
-        decl = "; ".join(r.get("declared", []))
-        lines.append(f"| `{r['arch']}` | {r['status']} | {lr} | {gr} | {_cell(decl)} | "
-                     f"{_cell(r.get('detail', ''))[:300]} |")
-    lines.extend(f"| `{n}` | NOT RUN | | | | |" for n in pending)
+    ] + _rows(text["results"], text["not_run"], tower=False)
+    if "image_text_to_text" in state:
+        vlm = state["image_text_to_text"]
+        lines += [
+            "",
+            "## Image-text-to-text types under CP",
+            "",
+            "Every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, built tiny from its",
+            "own config class (every sub-config — text, vision, projector — with small sizes; `tests/cp/zoo_vlm.py`:",
+            "`build_tiny`), the language model's attentions declared with `zoo.declarations` (a registered tower's",
+            "modules left out), planned and applied at cp 2 (`ShardingPlanner.plan` -> `apply_sharding_plan`).",
+            "A type whose vision tower is registered (docs/vlm.md) then runs its family's one-step test",
+            "(`zoo_vlm.PARITY`, tests/vlm/: 2 rows with several images, Colossal) with the images spread by",
+            "`media_embeddings_for_cp` against the same model on one rank: logits of every token and every",
+            f"gradient, tower included, tolerance {zoo.TOL:g} relative to the reference's largest.",
+            "",
+            "* **PASS**: a registered tower, within tolerance (or a mapped class that takes no images, compared",
+            "  on text rows as above). **REFUSED**: the planner's message, before any collective — an",
+            "  unregistered model's vision attention, or where none is recognised its media input (its fix,",
+            "  cut off below: cp_size 1, the language model alone under CP, or a VLM whose tower is carried, a new",
+            "  family registering its tower from `models/<model_type>/vision.py`). **NOT BUILT**: transformers",
+            "  cannot build it tiny here (the reason). **WRONG**: a wrong result, or a model taking images accepted",
+            "  at cp 2 without a registered tower (its tower would see a shard) — a bug. **ERROR**: the sweep",
+            "  itself failed. **NOT RUN**: not reached.",
+            _summary(vlm),
+            "* CI runs `zoo_vlm.SUBSET` (`tests/cp/test_zoo.py`); `HYPER_PARALLEL_ZOO=all` runs all.",
+            "* Rerun some rows (the others kept): `PYTHONPATH=. nice -n 10 python scripts/zoo_table.py --vlm TYPE ...`.",
+            "",
+        ] + _rows(vlm["results"], vlm["not_run"], tower=True)
     with open(os.path.join(ROOT, "docs", "zoo.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    return counts
+    return {k: t["counts"] for k, t in state.items()}
+
+
+def _load() -> dict:
+    """Both tables as last written (a missing file or table: absent)."""
+    if not os.path.exists(_PATH):
+        return {}
+    with open(_PATH) as fh:
+        raw = json.load(fh)
+    state = {"causal_lm": {k: raw[k] for k in ("env", "results", "not_run")}}
+    if "image_text_to_text" in raw:
+        state["image_text_to_text"] = raw["image_text_to_text"]
+    return state
 
 
 def main(argv: list) -> None:
     import torch
     import transformers
 
-    budget = per_model = prior = None
-    names = []
+    budget = per_model = None
+    names, table = [], "causal_lm"
     it = iter(argv)
     for a in it:
         if a == "--budget":
             budget = float(next(it))
         elif a == "--per-model":
             per_model = float(next(it))
-        elif a == "--merge":          # rerun the named architectures, keep the other rows of zoo.json
-            with open(os.path.join(ROOT, "benchmarks", "results", "zoo.json")) as fh:
-                prior = json.load(fh)
+        elif a == "--vlm":            # the image-text-to-text table
+            table = "image_text_to_text"
+        elif a == "--merge":          # kept for old command lines: naming types always keeps the other rows
+            pass
         else:
             names.append(a)
-    names = names or ([n for n in zoo.SUBSET] + [n for n in zoo.architectures() if n not in zoo.SUBSET])
+    mod = TABLES[table]
+    state = _load()
+    # named types: only their rows are rerun (the table's other rows and the other table kept); none: the whole table
+    prior = state.get(table) if names else None
+    names = names or ([n for n in mod.SUBSET] + [n for n in mod.architectures() if n not in mod.SUBSET])
     t0 = time.time()
     pool = RankPool(2)
     results = []
@@ -95,13 +166,18 @@ def main(argv: list) -> None:
     def env() -> str:
         return (f"transformers {transformers.__version__}, torch {torch.__version__}, "
                 f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
-                f"(load average {os.getloadavg()[0]:.0f} when written), {time.time() - t0:.0f}s so far")
+                f"(load average {os.getloadavg()[0]:.0f} when written), {time.time() - t0:.0f}s so far"
+                + (f" (this run: the rows of {len(names)} named types)" if prior is not None else ""))
+
+    def save(pending: list) -> dict:
+        state[table] = rerun_table(prior, results, pending, names, env())
+        return write(state)
     try:
         for i, n in enumerate(names):
             if budget is not None and time.time() - t0 > budget:
                 break
             try:
-                r0, r1 = pool.run(zoo.run_many, [n], timeout=per_model or 900.0)
+                r0, r1 = pool.run(mod.run_many, [n], timeout=per_model or 900.0)
                 r = r0[0]
                 if r1[0]["status"] != r["status"]:
                     r = {**r, "status": "ERROR", "detail": f"ranks disagree: {r['status']} / {r1[0]['status']}"}
@@ -109,12 +185,21 @@ def main(argv: list) -> None:
                 r = {"arch": n, "status": "ERROR", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 pool.shutdown()
                 pool = RankPool(2)
-            print(f"{r['arch']:<26} {r['status']:<8} {r.get('detail', '')[:150]}", flush=True)
+            print(f"{r['arch']:<26} {r['status']:<9} {r.get('detail', '')[:150]}", flush=True)
             results.append(r)
-            write(_merged(prior, results), names[i + 1:] + _left(prior, names), env())
+            save(names[i + 1:])
     finally:
         pool.shutdown()
-    print(write(_merged(prior, results), names[len(results):] + _left(prior, names), env()))
+    print(save(names[len(results):]))
+
+
+def rerun_table(prior, results: list, pending: list, names: list, env: str) -> dict:
+    """The table after rerunning ``names`` (``results`` done so far, ``pending`` not yet): with a ``prior``
+    table only the rows of ``names`` change (a row not reached yet keeps its old result; the prior's
+    other rows, and their order, are kept); without one, the table is these rows alone."""
+    kept = {r["arch"] for r in prior["results"]} if prior else set()
+    return {"results": _merged(prior, results), "not_run": [n for n in pending if n not in kept]
+            + _left(prior, names), "env": env}
 
 
 def _left(prior, names: list) -> list:

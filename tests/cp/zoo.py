@@ -140,6 +140,15 @@ def _has(cfg, name: str) -> bool:
     return True
 
 
+def mla_sizes(kw: dict) -> None:
+    """The tiny sizes of multi-head latent attention, in place: the rotary width is ``head_dim``, and K/V
+    are expanded to every query head."""
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+
+
 def build_tiny(model_type: str):
     """(model in train mode, None) or (None, reason transformers cannot build it tiny): the full tiny
     overrides, then only the sizes, then only vocabulary / dropout (each with 2+ layers, every
@@ -157,10 +166,7 @@ def build_tiny(model_type: str):
     for k, v in vars(base).items():                         # every dropout of the config off (train mode)
         if ("drop" in k or "pdrop" in k) and isinstance(v, float) and not isinstance(v, bool):
             full[k] = 0.0
-    if "qk_rope_head_dim" in full and "head_dim" in full:     # MLA: the rotary width is head_dim
-        full["head_dim"] = full["qk_rope_head_dim"]
-    if "kv_lora_rank" in full and "num_key_value_heads" in full:  # MLA expands K/V to every query head
-        full["num_key_value_heads"] = full.get("num_attention_heads", 4)
+    mla_sizes(full)
     reasons = []
     for keys in (None, _SIZES, _MINIMAL):
         kw = full if keys is None else {k: v for k, v in full.items() if k in keys or "drop" in k}
@@ -171,17 +177,22 @@ def build_tiny(model_type: str):
     return None, " | ".join(dict.fromkeys(reasons))
 
 
-def declarations(model: nn.Module) -> list:
+def declarations(model: nn.Module, skip=None) -> list:
     """plan_overrides for ``model``: every softmax attention (by leaf name) with ``sdpa_hf`` (or its
-    family's method), known token mixers with their catalogue method; the rest is left to the proof."""
+    family's method), known token mixers with their catalogue method; the rest is left to the proof.
+    ``skip(fqn)``: modules left undeclared (a registered vision tower); a leaf name they share is
+    declared by exact module paths."""
     from hyper_parallel.distributed.context_parallel.mixers import HALO_FAMILIES
     from hyper_parallel.distributed.context_parallel.mixers.mamba2 import MAMBA2_FAMILIES
     from hyper_parallel.models.qwen3_next.gated_deltanet import GDN_CLASSES
 
     mixers = _mixer_classes()
-    found = []                                   # (fqn, leaf, method) of every module to declare
+    found, skipped = [], set()                   # (fqn, leaf, method) of every module to declare
     for fqn, mod in model.named_modules():
         leaf, cls = fqn.rsplit(".", 1)[-1], type(mod).__name__
+        if skip is not None and skip(fqn):
+            skipped.add(leaf)
+            continue
         method = None
         if cls in _SPECIAL:
             method = _SPECIAL[cls]
@@ -203,7 +214,7 @@ def declarations(model: nn.Module) -> list:
     entries, seen = [], set()
     for fqn, leaf, method in found:
         # one method per attention leaf name: a wildcard; several (hybrids naming every mixer alike): exact fqns
-        match = f"*.{leaf}" if leaf in ATTN_NAMES and len(methods_of[leaf]) == 1 else fqn
+        match = f"*.{leaf}" if leaf in ATTN_NAMES and len(methods_of[leaf]) == 1 and leaf not in skipped else fqn
         if match in seen:
             continue
         seen.add(match)
@@ -226,7 +237,6 @@ def run_one(model_type: str) -> dict:
     from hyper_parallel.distributed.plan.applier import apply_sharding_plan
     from hyper_parallel.distributed.plan.planner import ShardingPlanner
     from tests.cp.common import mesh_ctx
-    from tests.cp.test_mixer_cp import parity_step
 
     t0 = time.perf_counter()
     out = {"arch": model_type}
@@ -248,6 +258,14 @@ def run_one(model_type: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         return {**out, "status": "REFUSED", "detail": f"{type(exc).__name__}: {str(exc)[:400]}",
                 "time_s": time.perf_counter() - t0}
+    return compare(model, ref, mesh, plan, out, t0)
+
+
+def compare(model, ref, mesh, plan, out: dict, t0: float) -> dict:
+    """The CP model against ``ref`` on plain and packed text rows: ``out`` with PASS / WRONG and the errors,
+    or REFUSED / ERROR at the first step."""
+    from tests.cp.test_mixer_cp import parity_step
+
     worst = {"logits_rel": 0.0, "grads": 0.0}
     for i, kind in enumerate(KINDS):
         try:
@@ -259,7 +277,7 @@ def run_one(model_type: str) -> dict:
         worst = {k: max(worst[k], st[k]) for k in worst}
     ok = worst["logits_rel"] <= TOL and worst["grads"] <= TOL
     return {**out, "status": "PASS" if ok else "WRONG", "logits_rel": worst["logits_rel"], "grads": worst["grads"],
-            "detail": "", "time_s": time.perf_counter() - t0}
+            "detail": out.get("detail", ""), "time_s": time.perf_counter() - t0}
 
 
 def run_many(model_types: list) -> list:

@@ -16,6 +16,8 @@ A rank that encodes nothing still joins both exchanges.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from typing import Callable, Optional
 
 import torch
@@ -23,8 +25,11 @@ import torch
 from .batch import shard_batch_for_cp
 from .comm.primitives import AllToAllUneven, resolve_group
 
-__all__ = ["MediaKind", "MediaInputs", "VisionTower", "register_vision_tower", "vision_tower", "assign_media", "exchange_media_tokens",
-           "media_token_layout", "media_embeddings_for_cp"]
+__all__ = ["MediaKind", "MediaInputs", "VisionTower", "register_vision_tower", "vision_tower", "assign_media",
+           "exchange_media_tokens", "media_token_layout", "media_embeddings_for_cp", "media_input_names", "media_module"]
+
+_MEDIA_INPUT = re.compile(r"pixel_values|flattened_patches|image_patches")      # transformers' media inputs
+_MEDIA_MODULE = re.compile(r"vision|visual|vq|image|patch|img", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,25 @@ def carried_towers(with_inputs: bool = False) -> tuple:
     """The model types whose media are carried under CP (for messages); ``with_inputs``: only those
     whose raw media the trainer's media source can read (:class:`MediaInputs` registered)."""
     return tuple(t for t, v in _TOWERS.items() if v.inputs is not None or not with_inputs)
+
+
+def media_input_names(model) -> list:
+    """The parameters of ``model.forward`` that take images or video (``pixel_values``, ``image_patches``,
+    ...): a model with any is a VLM, planned at cp > 1 only with its tower registered."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [p for p in params if _MEDIA_INPUT.search(p)]
+
+
+def media_module(model) -> str:
+    """The path of ``model``'s outermost module named like a media encoder (vision, visual, vq, image,
+    patch), or ``""`` (for messages)."""
+    for fqn, _ in model.named_modules():
+        if fqn and _MEDIA_MODULE.search(fqn.rsplit(".", 1)[-1]):
+            return fqn
+    return ""
 
 
 def assign_media(cost: list, cp_size: int) -> list:

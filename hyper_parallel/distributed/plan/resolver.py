@@ -29,7 +29,7 @@ from ..context_parallel import catalogue
 from ..context_parallel.meta import INDEPENDENT
 from ..context_parallel.model_spec import find_attention_boundaries
 from ..context_parallel.semantics import is_token_mixer, mixer_hint
-from ..context_parallel.vision import carried_towers, vision_tower
+from ..context_parallel.vision import carried_towers, media_input_names, media_module, vision_tower
 from ..context_parallel.registry import (WrapperInfo, get_registered, import_target,
                                         registered_names, wrapper_info)
 from ..errors import CPConfigError
@@ -290,7 +290,9 @@ class PlanOverrideResolver:
 
     def _refuse_uncarried_vision(self, model: nn.Module, names: dict, boundaries: list, tower) -> None:
         """At cp_size > 1, refuse (before any declaration is read) the first attention of a vision encoder
-        whose family registers no tower (an unregistered VLM), naming it and the fix."""
+        whose family registers no tower (an unregistered VLM), naming it and the fix; or, where no such
+        attention is recognised, a model that takes images or video (``vision.media_input_names``) without a
+        registered tower, naming its media encoder."""
         model_type = getattr(getattr(model, "config", None), "model_type", "?")
         for fqn in boundaries:
             if tower is not None and tower.holds(fqn):
@@ -307,6 +309,18 @@ class PlanOverrideResolver:
                     f"multimodal model with accelerator.cp_size=1, or a VLM whose tower is carried "
                     f"({', '.join(carried_towers())}: docs/vlm.md; a new family registers its tower from "
                     "models/<model_type>/vision.py)")
+        inputs = media_input_names(model)
+        if tower is None and inputs:     # a tower with no attention recognised above (patch projection, VQ, conv)
+            where = media_module(model)
+            raise CPConfigError(
+                "plan_overrides", f"{type(model).__name__} (model_type {model_type!r}) takes images or video "
+                f"({', '.join(inputs)}) through {type(names[where]).__name__ if where else 'its media encoder'}, "
+                "whose tower is not registered: under CP the media features would be scattered into a shard of "
+                "the token sequence without being spread over the CP group or exchanged (media_embeddings_for_cp) "
+                f"— not carried (accelerator.cp_size={self.cp_size})", module=where or None,
+                fix="the multimodal model with accelerator.cp_size=1, the language model alone under CP, or a VLM "
+                f"whose tower is carried ({', '.join(carried_towers())}: docs/vlm.md; a new family registers its "
+                "tower from models/<model_type>/vision.py)")
 
     def _resolve_target(self, spec: ModuleShardingSpec, fqn: str, names: dict) -> ResolvedCPTarget:
         module = names[fqn]
