@@ -41,7 +41,7 @@ from .grad_utils import clean_param_name, clip_grad_norm_global, full_copy, is_d
 from .metrics import Progress, RunLog, check_output_paths
 from .model import check_fsdp_dtypes, head_probe_model, is_meta_model, materialize, run_model
 from .nonfinite import NonFiniteError, NonFiniteGuard
-from .media import check_media_run
+from .media import check_media_run, freeze_vision_tower
 from .pipeline import adopt_stage, check_pipeline_head, check_pipeline_run, make_pipeline, virtual_stages
 from .step import StepProbe, StepResult, run_step
 from .tiled_mlp import install_tiled_mlp
@@ -126,6 +126,8 @@ class BaseTrainer:
                                             tp_size=self.cfg.accelerator.tp_size)
                           if self.cfg.schedule.tiled_mlp else [])
         self.capture_logits = False      # run_step sets it when a probe asks for the logits
+        if cfg.model.freeze_vision_tower:  # before the optimizer and the gradient sync read requires_grad
+            freeze_vision_tower(model)
         self.model, self.tp_grad_info = self.parallelize(model)
         self.activation_offload = (install_activation_offload(self.model, self.platform)
                                    if cfg.schedule.activation_offload else [])

@@ -54,6 +54,9 @@ class ModelConfig:
     attn_implementation: str = option("sdpa", help="HF attention implementation (the CP wrappers intercept SDPA)")
     dtype: str = option("float32", help="parameter dtype (keep float32; use schedule.mixed_precision for bf16)")
     seed: int = option(0, help="init seed (the same model on every rank and in every run)")
+    freeze_vision_tower: bool = option(False, help="a vision-language model's tower is not trained: with data.source: "
+                                                   "media its media are encoded without autograd and exchanged with no "
+                                                   "backward exchange (docs/vlm.md)")
 
 
 DATA_SOURCES = ("bytes", "files", "media")

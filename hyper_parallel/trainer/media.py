@@ -51,8 +51,14 @@ class MediaSample:
 
 
 def check_media_run(cfg) -> None:
-    """What ``data.source: media`` does not combine with yet, refused by field before anything is built
-    (local: the same error on every rank)."""
+    """What ``data.source: media`` does not combine with yet, and ``model.freeze_vision_tower`` on a model
+    without a tower, refused by field before anything is built (local: the same error on every rank)."""
+    from ..distributed.context_parallel.vision import carried_towers
+
+    arch = cfg.model.architecture
+    if cfg.model.freeze_vision_tower and arch is not None and arch not in carried_towers():
+        raise CPConfigError("model.freeze_vision_tower", f"model.architecture {arch!r} has no registered vision tower",
+                            fix="remove it (it applies to a vision-language model: docs/vlm.md)")
     if cfg.data.source != "media":
         return
     a = cfg.accelerator
@@ -61,12 +67,25 @@ def check_media_run(cfg) -> None:
         if value > 1:
             raise CPConfigError(field, f"is {value}, but data.source: media runs with CP, DP and FSDP only (the vision "
                                 "tower is replicated and runs per rank on its own media)", fix=f"set {field}: 1")
-    from ..distributed.context_parallel.vision import carried_towers
-
-    arch, known = cfg.model.architecture, carried_towers(with_inputs=True)
+    known = carried_towers(with_inputs=True)
     if arch is not None and arch not in known:
         raise CPConfigError("model.architecture", f"is {arch!r}, whose media path is not registered, but data.source "
                             "is media", fix=f"use one of {list(known)}, or data.source: files")
+
+
+def freeze_vision_tower(model) -> int:
+    """``model.freeze_vision_tower``: the registered tower's parameters stop requiring gradients (no
+    optimizer state, no gradient sync); -> how many were frozen. CPConfigError for a model without one."""
+    from ..distributed.context_parallel.vision import vision_tower
+
+    tower = vision_tower(model)
+    if tower is None:
+        raise CPConfigError("model.freeze_vision_tower", f"{type(model).__name__} has no registered vision tower",
+                            fix="remove it (it applies to a vision-language model: docs/vlm.md)")
+    frozen = [p for n, p in model.named_parameters() if tower.holds(n)]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
 
 
 def media_inputs(model):

@@ -55,7 +55,8 @@ class TextTrainer(BaseTrainer):
         media = {k: (pv.to(self.device), grid) for k, (pv, grid) in prepared.media.items()}
         cp = self.cp_size > 1
         return media_embeddings_for_cp(self.model, prepared.global_ids, media, self.mesh.cp_mesh if cp else None,
-                                       (self.cp_policy or CONTIGUOUS_POLICY) if cp else CONTIGUOUS_POLICY)
+                                       (self.cp_policy or CONTIGUOUS_POLICY) if cp else CONTIGUOUS_POLICY,
+                                       frozen=self.cfg.model.freeze_vision_tower)
 
     def compute_loss(self, prepared: PreparedBatch):
         """-> (logits, local loss sum, local valid targets). With an MoE router loss on

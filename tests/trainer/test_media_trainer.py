@@ -124,3 +124,22 @@ def test_a_record_the_model_cannot_place_is_refused_by_record(tmp_path):
     n = int((ids == model.config.image_token_id).sum())
     assert n == int(grid.prod(-1).sum()) // 4 and pv.shape[0] == int(grid.prod(-1).sum())
     assert torch.all(batch["labels"][ids == model.config.image_token_id] == cfg.data.ignore_index)
+
+
+def test_frozen_tower_trains_the_rest_equally_and_keeps_the_tower(ranks, tmp_path):
+    """``model.freeze_vision_tower``: CP 2 equals CP 1 (losses) and the tower's parameters are the initial
+    ones after the steps, at both sizes."""
+    from hyper_parallel.trainer.model import HyperAutoModel
+
+    over = ("schedule.steps=2", "model.freeze_vision_tower=true", "logging.export_hf=false")
+    cp2 = ranks(2).run(MW.train_media, _cfg(tmp_path / "cp2", *over), timeout=600)[0]
+    cp1 = ranks(1).run(MW.train_media, _cfg(tmp_path / "cp1", *over, "accelerator.cp_size=1"), timeout=600)[0]
+    start = {n: p.detach().float() for n, p in
+             HyperAutoModel.from_config(_loaded().model, image_text=True).named_parameters()}
+    rel = max(abs(a - b) / abs(a) for a, b in zip(cp1["losses"], cp2["losses"]))
+    moved = {n: max((r["params"][n] - start[n]).abs().max().item() for r in (cp1, cp2)) for n in start}
+    tower = max(v for n, v in moved.items() if ".visual." in n)
+    rest = max(v for n, v in moved.items() if ".visual." not in n)
+    print(f"frozen tower: losses cp1 {cp1['losses']} cp2 {cp2['losses']} (rel {rel:.2e}); the tower moved {tower:.1e}, "
+          f"the rest up to {rest:.1e}")
+    assert rel <= TOL and tower == 0.0 and rest > 0

@@ -90,7 +90,7 @@ def _plan(model, cp: int, method: str, match: str = "*.self_attn", mode: str | N
     return mesh, plan, model
 
 
-def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None, block_ids=None):
+def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None, block_ids=None, frozen=False):
     """The CP forward+backward of ``sum(logits * w)`` on this rank's shard, the media spread over the
     CP group (``block_ids``: the global rows' bidirectional blocks, Gemma 3); -> (local logits, batch meta)."""
     from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
@@ -98,7 +98,7 @@ def _cp_step(model, mesh, plan, ids, pos, media: dict, w, documents=None, block_
     local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos}, mesh.cp_mesh, plan.batch_policy,
                                packed_documents=documents, block_ids=block_ids)
     meta, S = local.meta, ids.shape[1]
-    feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy)
+    feats = media_embeddings_for_cp(model, ids, media, mesh.cp_mesh, plan.batch_policy, frozen=frozen)
     with cp_batch_context(meta):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
                        mm_encoder_outputs=feats).logits
@@ -131,10 +131,15 @@ def _errors(model, ref, logits, ref_logits, meta, mesh, S: int, tower: str = "vi
     return {"logits": diff / ref_logits.abs().max().item(), "grads": gerr / gmax, "worst": worst, "vision_grad_max": vis}
 
 
-def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl", video: bool = False) -> dict:
+def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "qwen2_5_vl", video: bool = False,
+               frozen: bool = False) -> dict:
     """One forward+backward at ``cp`` with the CP ``method`` (colossal, ulysses, head_tail; balanced: the
-    balanced split, whose shards hold non-contiguous placeholders) against one rank."""
+    balanced split, whose shards hold non-contiguous placeholders) against one rank. ``frozen``: the tower
+    frozen on both sides (``requires_grad`` off on the reference; ``frozen=True`` on the CP side)."""
     model, ref = build_vlm(arch)
+    if frozen:
+        for m in (model, ref):
+            m.model.visual.requires_grad_(False)
     ids, media, tokens = image_batch(S, video=video)
     mtt = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     grids = {f"{k}_grid_thw": v[1] for k, v in media.items()}
@@ -146,12 +151,13 @@ def vlm_parity(cp: int = 2, S: int = 48, method: str = "colossal", arch: str = "
     (ref_logits * w).sum().backward()
 
     mesh, plan, model = _plan(model, cp, method)
-    logits, meta, local = _cp_step(model, mesh, plan, ids, pos, media, w)
+    logits, meta, local = _cp_step(model, mesh, plan, ids, pos, media, w, frozen=frozen)
     assert (meta.perm is not None) == (method == "balanced")
     owner = assign_media([r for k in media for r in media[k][1].prod(-1).tolist()], cp)
     return {**_errors(model, ref, logits, ref_logits, meta, mesh, S),
             "images_mine": [i for i, o in enumerate(owner) if o == mesh.cp_rank],
-            "local_tokens": int(((local["input_ids"] == IMAGE) | (local["input_ids"] == VIDEO)).sum())}
+            "local_tokens": int(((local["input_ids"] == IMAGE) | (local["input_ids"] == VIDEO)).sum()),
+            "tower_grads": sum(p.grad is not None for p in model.model.visual.parameters())}
 
 def _sample(n: int, images: list, g) -> torch.Tensor:
     """One sample of ``n`` tokens with the given images' placeholder runs (``images``: token counts)."""

@@ -49,3 +49,13 @@ def test_packed_multimodal_rows_equal_one_rank(ranks, method):
               f"(tol {TOL:g}); {got['documents']} documents per row at most; the reference's second sample vs "
               f"itself alone: {got['alone']:.2e}")
         assert got["logits"] <= TOL and got["grads"] <= TOL and got["documents"] == 2 and got["alone"] <= 1e-5, got
+
+
+def test_frozen_tower_equals_one_rank_with_no_tower_gradient(ranks):
+    """A frozen tower (``media_embeddings_for_cp(..., frozen=True)``): the media encoded without autograd and
+    exchanged once; the language model's logits and gradients equal the one-rank model whose tower does
+    not require gradients, and no tower parameter gets a gradient on any rank."""
+    for r, got in enumerate(ranks(2).run(vlm_parity, 2, 48, "colossal", "qwen2_5_vl", False, True, timeout=600)):
+        print(f"frozen tower rank {r}: logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} (tol {TOL:g}); "
+              f"tower parameters with a gradient: {got['tower_grads']}")
+        assert got["logits"] <= TOL and got["grads"] <= TOL and got["tower_grads"] == 0, got

@@ -15,6 +15,7 @@ A rank that encodes nothing still joins both exchanges.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
@@ -176,7 +177,8 @@ def exchange_media_tokens(embeds: torch.Tensor, owner: list, medium: torch.Tenso
     return out.index_copy(0, order, got) if got.numel() else got
 
 
-def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh, policy) -> dict:
+def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh, policy, *,
+                            frozen: bool = False) -> dict:
     """This CP rank's ``mm_encoder_outputs`` for the global batch ``input_ids [B, S]``: ``media`` maps a
     kind of the registered tower (``"image"``, ``"video"``) to ``(pixel_values, grid_thw)``; returns kind
     -> the model's encoder output holding the rows of the placeholders in this rank's shard (local
@@ -184,7 +186,9 @@ def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh
     rank encodes its own with the tower, and every token's tensors are exchanged to the rank holding its
     placeholder (one exchange per kind). Pass the result as ``mm_encoder_outputs`` with the local
     ``input_ids``. Collective over ``cp_mesh``; differentiable (the tower's gradient returns to the rank
-    that encoded each medium)."""
+    that encoded each medium). ``frozen`` (a frozen tower; every rank alike): the media are encoded without
+    autograd and exchanged once, with no backward exchange — the tower keeps no activations and gets no
+    gradient."""
     tower = vision_tower(model)
     if tower is None:
         raise ValueError(f"no vision tower registered for model_type {getattr(model.config, 'model_type', '?')!r} "
@@ -221,9 +225,10 @@ def media_embeddings_for_cp(model, input_ids: torch.Tensor, media: dict, cp_mesh
         starts = [0] + torch.tensor(rows[k]).cumsum(0).tolist()
         if mine:      # one tensor per token: the embedding and its extras side by side, exchanged once
             pv = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in mine])
-            embeds = torch.cat(kind.encode(model, pv, grid_thw[mine]), dim=-1)
+            with torch.no_grad() if frozen else contextlib.nullcontext():
+                embeds = torch.cat(kind.encode(model, pv, grid_thw[mine]), dim=-1)
         else:         # still joins both exchanges (its backward receives nothing)
-            embeds = torch.zeros(0, sum(widths), dtype=weight.dtype, device=weight.device, requires_grad=True)
+            embeds = torch.zeros(0, sum(widths), dtype=weight.dtype, device=weight.device, requires_grad=not frozen)
         medium, offset, needs = layouts[k]
         local = exchange_media_tokens(embeds, owner, medium, offset, needs, tokens[k], cp_mesh)
         out[k] = kind.wrap(list(local.split(widths, dim=-1)))
