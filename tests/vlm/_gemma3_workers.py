@@ -79,3 +79,58 @@ def gemma3_parity(cp: int = 2, method: str = "colossal", mode: str | None = None
     logits, meta, local = _cp_step(model, mesh, plan, ids, pos, {"image": image_media(pix)}, w, block_ids=blocks)
     return {**_errors(model, ref, logits, ref_logits, meta, mesh, S, tower="vision_tower"), "bidirectional": bidir,
             "local_tokens": int((local["input_ids"] == IMAGE).sum()), "blocks": int(blocks.max()) + 1}
+
+
+# packed rows (``gemma3_packed_parity``): (row, start, length, first placeholder of each image, local to the
+# sample); row 0 = a text-only sample + a sample whose image crosses the CP=2 edge at 16 (14..17), row 1 = one
+# sample with two images (5..8 in one shard, 14..17 across the edge)
+PACKED = [(0, 0, 10, []), (0, 10, 22, [4]), (1, 0, 32, [5, 14])]
+
+
+def gemma3_packed_parity(cp: int = 2, method: str = "colossal") -> dict:
+    """Packed multimodal rows (:data:`PACKED`), positions restarting per sample, against each sample run
+    alone on one rank (with its own images and ``token_type_ids``): logits of every token and every
+    gradient (tower included). The CP side is declared ``packed_documents="independent"`` and carries the
+    image blocks of the global rows. Transformers' own packed row is not the reference: its sliding layer
+    reads the image blocks at the samples' restarting positions instead of the row's indices, so an image
+    of a later sample loses its bidirectional part there; how far that row is from the samples alone is
+    returned (``transformers_packed``), with how much the bidirectional part moves the samples alone."""
+    from hyper_parallel.models.gemma3 import image_block_ids, image_media
+
+    model, ref = build_gemma3()
+    g = torch.Generator().manual_seed(5)
+    S, V = 32, ref.config.text_config.vocab_size
+    ids, pos = torch.zeros(2, S, dtype=torch.long), torch.zeros(2, S, dtype=torch.long)
+    for b, at, n, images in PACKED:
+        s = torch.randint(3, IMAGE, (n,), generator=g)
+        for i in images:
+            s[i - 1], s[i:i + TOKENS], s[i + TOKENS] = BOI, IMAGE, EOI
+        ids[b, at:at + n], pos[b, at:at + n] = s, torch.arange(n)
+    pix = torch.randn(sum(len(p[3]) for p in PACKED), 3, 8, 8, generator=g)
+    w = torch.randn(2, S, V, generator=torch.Generator().manual_seed(9))
+
+    ref_logits, first, bidir = torch.zeros(2, S, V), 0, 0.0
+    for b, at, n, images in PACKED:        # the reference: each sample alone, its gradients summed
+        s, px = ids[b:b + 1, at:at + n], pix[first:first + len(images)]
+        kw = {"pixel_values": px, "token_type_ids": (s == IMAGE).long()} if images else {}
+        out = ref(input_ids=s, use_cache=False, **kw).logits
+        (out * w[b:b + 1, at:at + n]).sum().backward()
+        ref_logits[b, at:at + n] = out[0].detach()
+        if images:
+            with torch.no_grad():
+                causal = ref(input_ids=s, pixel_values=px, use_cache=False).logits
+            bidir = max(bidir, ((causal - out.detach()).abs().max() / out.detach().abs().max()).item())
+        first += len(images)
+    with torch.no_grad():
+        packed = ref(input_ids=ids, position_ids=pos, pixel_values=pix, token_type_ids=(ids == IMAGE).long(),
+                     use_cache=False).logits
+    hf_packed = ((packed - ref_logits).abs().max() / ref_logits.abs().max()).item()
+
+    mesh, plan, model = _plan(model, cp, method, match="model.language_model.layers.*.self_attn")
+    blocks = image_block_ids(ids, model.config)
+    logits, meta, local = _cp_step(model, mesh, plan, ids, pos, {"image": image_media(pix)}, w,
+                                   documents="independent", block_ids=blocks)
+    docs = int(meta.key_doc.max()) + 1 if meta.key_doc is not None else 1
+    return {**_errors(model, ref, logits, ref_logits, meta, mesh, S, tower="vision_tower"), "documents": docs,
+            "local_tokens": int((local["input_ids"] == IMAGE).sum()), "bidirectional": bidir,
+            "transformers_packed": hf_packed}

@@ -1,13 +1,14 @@
 """Gemma 3 under CP: the SigLIP tower + projector spread over the CP group, and the bidirectional attention
 inside each image (transformers' token_type_ids masks) carried to the engine as block ids of the global rows,
 exact where an image crosses a shard edge. Logits and every gradient (tower included) against the same model
-on one rank given token_type_ids; fp32, tolerance 1e-5."""
+on one rank given token_type_ids (packed rows: each sample alone, given its token_type_ids); fp32,
+tolerance 1e-5."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.vlm._gemma3_workers import IMAGE, PLACES, TOKENS, gemma3_batch, gemma3_parity
+from tests.vlm._gemma3_workers import IMAGE, PACKED, PLACES, TOKENS, gemma3_batch, gemma3_packed_parity, gemma3_parity
 
 TOL = 1e-5
 CASES = [(2, "colossal", None), (2, "ulysses", None), (2, "head_tail", None), (4, "colossal", None),
@@ -33,6 +34,28 @@ def test_gemma3_images_across_shard_edges_equal_one_rank(ranks, cp, method, mode
         assert got["logits"] <= TOL and got["grads"] <= TOL, got
 
 
+@pytest.mark.parametrize("method", ["colossal", "ulysses"])
+def test_gemma3_packed_multimodal_rows_equal_each_sample_alone(ranks, method):
+    """Packed rows (row 0: a text-only sample + a sample whose image crosses the CP=2 edge; row 1: one sample
+    with two images), positions restarting per sample, ``packed_documents="independent"``, image blocks of the
+    global rows: logits of every token and every gradient (tower included) against each sample run alone on
+    one rank given its token_type_ids. Transformers' own packed row is printed, not compared: its sliding
+    layer loses the image blocks of a later sample."""
+    res = ranks(2).run(gemma3_packed_parity, 2, method, timeout=600)
+    assert sum(got["local_tokens"] for got in res) == sum(len(p[3]) for p in PACKED) * TOKENS, res
+    for r, got in enumerate(res):
+        print(f"gemma3 packed rows, {method} rank {r}: logits rel {got['logits']:.2e}, grads rel {got['grads']:.2e} "
+              f"(worst {got['worst']}; vision grad max {got['vision_grad_max']:.2e}; tol {TOL:g}); "
+              f"{got['documents']} documents per row at most; samples alone with vs without token_type_ids: "
+              f"{got['bidirectional']:.2e}; transformers' packed row vs the samples alone: "
+              f"{got['transformers_packed']:.2e}")
+        assert got["documents"] == 2 and got["bidirectional"] > 1e-3 and got["vision_grad_max"] > 0, got
+        assert got["logits"] <= TOL and got["grads"] <= TOL, got
+        assert got["transformers_packed"] > 1e-3, ("transformers' packed row now equals the samples alone: "
+                                                   "shard_batch_for_cp may take packed_documents='as_transformers' "
+                                                   "with block_ids", got)
+
+
 def test_image_block_ids_are_the_runs_of_placeholders():
     """One id per image run, numbered per global row; an image straddling a shard edge keeps one id."""
     from types import SimpleNamespace
@@ -56,3 +79,31 @@ def test_image_block_ids_are_the_runs_of_placeholders():
         refuse_blocks(halves[0], "m (top-k)")
     with pytest.raises(ValueError, match="travel as block_ids"):
         shard_batch_for_cp({"input_ids": ids, "token_type_ids": (ids == IMAGE).long()}, (0, 2), "all_gather")
+
+
+def test_blocks_on_packed_rows_need_independent():
+    """block_ids on a row of several packed documents: only packed_documents='independent' is taken (transformers'
+    packed sliding mask differs, see the packed parity test); undeclared or 'as_transformers' is refused on every
+    rank alike, and rows without an image, or not packed, keep every declaration."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.distributed.context_parallel import shard_batch_for_cp
+    from hyper_parallel.models.gemma3 import image_block_ids
+
+    ids, _ = gemma3_batch()
+    pos = torch.arange(32).expand(2, 32).clone()
+    pos[0, 10:] -= 10                                       # row 0: two documents, its image (14..17) in the second
+    blk = image_block_ids(ids, SimpleNamespace(image_token_id=IMAGE))
+    batch = {"input_ids": ids, "position_ids": pos}
+    for rank in range(2):
+        for declared in (None, "as_transformers"):
+            with pytest.raises(ValueError, match=rf"packed_documents={declared!r} with block_ids on a row of several "
+                                                 r"packed documents.*declare packed_documents='independent'"):
+                shard_batch_for_cp(batch, (rank, 2), "all_gather", packed_documents=declared, block_ids=blk)
+        meta = shard_batch_for_cp(batch, (rank, 2), "all_gather", packed_documents="independent", block_ids=blk).meta
+        assert meta.documents == "independent" and meta.packs_documents and torch.equal(meta.key_block[:, :32], blk)
+    no_image = torch.full_like(blk, -1)
+    assert shard_batch_for_cp(batch, (0, 2), "all_gather", packed_documents="as_transformers",
+                              block_ids=no_image).meta.packs_documents
+    unpacked = {"input_ids": ids, "position_ids": torch.arange(32).expand(2, 32)}
+    assert shard_batch_for_cp(unpacked, (0, 2), "all_gather", block_ids=blk).meta.key_block is not None

@@ -256,7 +256,8 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
     ``meta.documents`` (:data:`.meta.PACKED_DOCUMENTS`, what a row of several documents means).
     ``block_ids``: ``[B, S]`` integer bidirectional block ids of the GLOBAL rows (``-1`` = none; e.g. Gemma 3's
     image blocks, ``models.gemma3.image_block_ids(token_type_ids)``): ``meta.key_block``, padded with -1
-    and sliced by the methods like the documents, so a query also sees the later keys of its block.
+    and sliced by the methods like the documents, so a query also sees the later keys of its block. With
+    blocks on a row of several packed documents only ``packed_documents="independent"`` is taken.
     """
     if packed_documents not in (None,) + PACKED_DOCUMENTS:
         raise CPBatchError(f"packed_documents must be one of {PACKED_DOCUMENTS} or None, got {packed_documents!r}")
@@ -349,6 +350,19 @@ def shard_batch_for_cp(global_batch: dict, cp_mesh, policy="all_gather", *, igno
                            key_doc=key_doc, policy=policy_name, causal=True, perm=perm,
                            position_ids=glob_pos, seq_len=S,   # global order, for RoPE (rope.py)
                            documents=packed_documents, key_block=key_block)
+    if packed_documents != "independent" and key_block is not None and bool((key_block >= 0).any()) \
+            and out.meta.packs_documents:
+        # transformers 5.24 (create_masks_for_vision_model) applies the image blocks of its sliding layers
+        # before remapping the indices to the documents' restarting positions: a later document's queries
+        # read the block ids at the row's first indices, so its image loses its bidirectional part (and text
+        # there may gain one). The engine applies the blocks at the row's indices: each document alone, which
+        # is then the one meaning CP computes, and it is declared, not assumed.
+        raise CPBatchError(
+            f"packed_documents={packed_documents!r} with block_ids on a row of several packed documents: plain "
+            "transformers' sliding-window mask reads the image blocks at the documents' restarting positions "
+            "instead of the row's indices (a later document's image loses its bidirectional attention there), "
+            "which CP does not reproduce; declare packed_documents='independent' (each document as if alone, its "
+            "images bidirectional; docs/vlm.md, \"Gemma 3\")")
     # documents derived from restarting position_ids: the wrappers check on the first call that the
     # model's own (local) mask separates them too (some models build their mask without position_ids)
     out.meta.__dict__["docs_from_positions"] = restart is not None and b.get("seq_lens") is None
