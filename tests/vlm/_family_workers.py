@@ -12,7 +12,7 @@ import torch
 from hyper_parallel.distributed.context_parallel.vision import assign_media, vision_tower
 from hyper_parallel.distributed.plan import ShardingPlanner, apply_sharding_plan
 
-from tests.vlm._workers import END, IMAGE, MERGE, PATCH, START, TPATCH, VIDEO, _cp_step, _errors, build_vlm
+from tests.vlm._workers import END, IMAGE, MERGE, PATCH, START, TPATCH, VIDEO, _cp_step, _errors, build_vlm, twins
 from tests.wrappers._workers import METHODS, mesh_ctx
 
 LLAVA_SIZE, LLAVA_PATCH = 8, 2          # every LLaVA image 8 x 8 pixels: 16 patches
@@ -58,12 +58,7 @@ def build_family(arch: str, strategy: str = "default"):
             cfg_cls, cls = T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration
         cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
                       vision_start_token_id=START, vision_end_token_id=END)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = cls(cfg).float().train()
-    ref = cls(cfg).float().train()
-    ref.load_state_dict(model.state_dict())
-    return model, ref
+    return twins(cls, cfg)
 
 
 # ------------------------------------------------------------------------------------------- batches

@@ -46,6 +46,11 @@ def build_vlm(arch: str = "qwen2_5_vl"):
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = cfg_cls(vision_config=vc, text_config=tc, image_token_id=IMAGE, video_token_id=VIDEO,
                   vision_start_token_id=START, vision_end_token_id=END)
+    return twins(cls, cfg)
+
+
+def twins(cls, cfg):
+    """(model, one-rank reference): two fp32 ``cls(cfg)`` in train mode with identical weights (seed 0)."""
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = cls(cfg).float().train()
