@@ -108,4 +108,13 @@ def release_subgroups(limit: int = 0) -> int:
     _clear_sharding_prop_cache()
     del groups
     gc.collect()          # models and meshes in reference cycles still hold the groups' threads
+    # a DeviceMesh keeps its groups in ``_pg_registry`` (read only under torch.compile): a mesh that
+    # outlives this (held by a cache) kept every destroyed group's backend and threads alive
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
     return count
