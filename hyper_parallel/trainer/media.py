@@ -88,8 +88,8 @@ def freeze_vision_tower(model) -> int:
     return len(frozen)
 
 
-def media_inputs(model):
-    """The model family's :class:`MediaInputs` and tower; CPConfigError naming the fix otherwise."""
+def media_tower(model):
+    """The model's registered tower, with its :class:`MediaInputs`; CPConfigError naming the fix otherwise."""
     from ..distributed.context_parallel.vision import carried_towers, vision_tower
 
     tower = vision_tower(model)
@@ -102,12 +102,13 @@ def media_inputs(model):
     return tower
 
 
-def _load_records(files: list) -> list:
+def _load_records(path: Path, first: int) -> list:
+    """The records of one jsonl file (``first``: the index of its first record among all files')."""
     import datasets
 
-    ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
+    ds = datasets.load_dataset("json", data_files=[str(path)], split="train")
     out = []
-    for i, rec in enumerate(ds):
+    for i, rec in enumerate(ds, start=first):
         if not isinstance(rec.get("text"), str):
             raise CPConfigError("data.files", f"media record {i} has no 'text' string",
                                 fix='each record: {"text": "... <image> ...", "images": [paths], "videos": [[frames]]}')
@@ -132,7 +133,7 @@ def build_sample(rec: dict, record: int, base: Path, model, tower, tokenizer, ma
     cfg, inputs = model.config, tower.inputs
     parts = MARKER.split(rec["text"])
     texts, kinds = parts[0::2], parts[1::2]
-    given = {"image": [p for p in (rec.get("images") or [])], "video": [v for v in (rec.get("videos") or [])]}
+    given = {"image": list(rec.get("images") or []), "video": list(rec.get("videos") or [])}
     for kind in ("image", "video"):
         if kinds.count(kind) != len(given[kind]):
             raise CPConfigError("data.files", f"media record {record}: {kinds.count(kind)} <{kind}> markers but "
@@ -200,13 +201,20 @@ class MediaBatcher:
         self.S = -(-seq_len // m) * m
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.seed, self.shuffle, self.pad, self.ignore = seed, shuffle, pad_token_id, ignore_index
+        self._epoch_order = (None, [])
+
+    def _order(self, epoch: int) -> list:
+        """The rows' order in ``epoch`` (a new one per epoch with ``shuffle``), computed once per epoch."""
+        if self._epoch_order[0] != epoch:
+            n = len(self.rows)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch))).tolist() \
+                if self.shuffle else list(range(n))
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
 
     def _row(self, g: int) -> list:
         epoch, i = divmod(g, len(self.rows))
-        if not self.shuffle:
-            return self.rows[i]
-        perm = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(mix_seed(self.seed, epoch)))
-        return self.rows[int(perm[i])]
+        return self.rows[self._order(epoch)[i]]
 
     def batch(self, index: int) -> dict:
         B, S = self.micro_batch_size, self.S
@@ -241,12 +249,12 @@ def build_media_stream(cfg, model, *, dp_rank: int, dp_size: int):
     from .data import DataStream
     from .data_sources import load_tokenizer, resolve_files
 
-    tower = media_inputs(model)
+    tower = media_tower(model)
     files = resolve_files(cfg.files)
     tokenizer = load_tokenizer(cfg.tokenizer)
     samples = []
     for f in files:
-        for rec in _load_records([f]):
+        for rec in _load_records(f, len(samples)):
             samples.append(build_sample(rec, len(samples), f.parent, model, tower, tokenizer,
                                         cfg.media_max_pixels or DEFAULT_MAX_PIXELS, cfg.ignore_index))
     if not samples:

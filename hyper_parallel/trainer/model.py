@@ -113,7 +113,7 @@ def run_model(cfg):
                                       image_text=cfg.data.source == "media")
 
 
-def _auto_class(image_text: bool):
+def auto_class(image_text: bool):
     import transformers
 
     return transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
@@ -129,7 +129,7 @@ def build_meta_model(hf_cfg, *, dtype, attn_implementation: str, image_text: boo
     from transformers import initialization as hf_init
 
     with torch.device("meta"), hf_init.meta_device_safe_creation_ops():
-        model = _auto_class(image_text).from_config(hf_cfg, attn_implementation=attn_implementation, dtype=dtype)
+        model = auto_class(image_text).from_config(hf_cfg, attn_implementation=attn_implementation, dtype=dtype)
     model.__dict__["_hp_image_text"] = image_text
     model.__dict__["_hp_pristine"] = copy.deepcopy(model)   # not a registered submodule
     return model
@@ -246,7 +246,7 @@ class _ConstructedBuffers:
             nn.Module.register_parameter = to_meta
             try:
                 cfg = copy.deepcopy(self.pristine.config)
-                model = _auto_class(self.pristine.__dict__.get("_hp_image_text", False)).from_config(
+                model = auto_class(self.pristine.__dict__.get("_hp_image_text", False)).from_config(
                     cfg, attn_implementation=cfg._attn_implementation)
             finally:
                 nn.Module.register_parameter = register

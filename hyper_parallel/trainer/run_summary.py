@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .model import _auto_class
+from .model import auto_class
 
 __all__ = ["summary_lines"]
 
@@ -46,7 +46,7 @@ def summary_lines(trainer, results: list) -> list[str]:
     lines.append("artifacts:")
     for name, path in found:
         if path.exists():
-            auto = _auto_class(cfg.data.source == "media").__name__     # the class the run built
+            auto = auto_class(cfg.data.source == "media").__name__     # the class the run built
             note = f"  ({auto} / AutoTokenizer.from_pretrained)" if name == "HF export" else ""
             lines.append(f"  {name:<12} {path.resolve()}{note}")
     return lines
