@@ -2,12 +2,17 @@
 
     torchrun --nproc-per-node 2 examples/hf/sft_cp.py      # CP=2 on 2 CPU ranks
     torchrun --nproc-per-node 1 examples/hf/sft_cp.py      # CP=1: the reference, same losses
+    torchrun --nproc-per-node 2 examples/hf/sft_cp.py --fsdp2   # CP=2 with the model FSDP2-sharded
 
 Trains a tiny random Llama (examples/models/tiny_llama.yaml, vocabulary of the shipped BPE
 tokenizer) on prompt/completion pairs cut from examples/data/stdlib_small.jsonl: packing=True
 (padding-free rows, positions restarting per document), completion-only loss, gradient
 accumulation 2, fp32, 6 optimizer steps; prints every step's loss and the eval loss on rank 0, then
 saves a plain HF directory to runs/hf_sft_cp<N>/final. Nothing is downloaded.
+
+``--fsdp2``: the model is loaded as transformers shards it at load time,
+``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE))`` (FSDP2 over
+every rank); a real script passes its checkpoint there. Same losses as without it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,13 @@ def main() -> None:
         cfg = LlamaConfig(**{**yaml.safe_load(f), "vocab_size": len(tok)})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    if "--fsdp2" in sys.argv[1:] and cp > 1:
+        from transformers.distributed import DistributedConfig
+
+        init = os.path.join(ROOT, "runs", "hf_sft_init", f"rank{os.environ.get('RANK', '0')}")
+        model.save_pretrained(init)        # the tiny random model as a checkpoint (a real script has one)
+        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa",
+                                                     distributed_config=DistributedConfig(fsdp_size=cp))
 
     rows = []
     with open(os.path.join(ROOT, "examples", "data", "stdlib_small.jsonl")) as f:

@@ -58,7 +58,10 @@ def model_config(arch: str):
     raise ValueError(arch)
 
 
-def build_model(arch: str):
+def build_model(arch: str, fsdp_dir: str | None = None):
+    """The tiny random model of ``arch``; with ``fsdp_dir`` (and more than one rank) it is saved there
+    and loaded back as a user loads a checkpoint sharded by transformers' own FSDP2:
+    ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=world))``."""
     import transformers as T
 
     torch.manual_seed(0)
@@ -68,7 +71,26 @@ def build_model(arch: str):
     for m in model.modules():          # gpt-oss: default init leaves the sinks at 0; make them matter per head
         if hasattr(m, "sinks"):
             m.sinks.data.copy_(torch.linspace(-1.0, 1.5, m.sinks.numel()))
-    return model
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if fsdp_dir is None or world == 1:
+        return model
+    from transformers.distributed import DistributedConfig
+
+    src = os.path.join(fsdp_dir, "model")
+    if dist.get_rank() == 0:
+        model.save_pretrained(src)
+    dist.barrier()
+    return T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation=cfg._attn_implementation,
+                                                  distributed_config=DistributedConfig(fsdp_size=world)).train()
+
+
+def full_params(model) -> dict:
+    """Every parameter of ``model`` as a plain tensor (a DTensor shard gathered: a collective, every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def examples(n: int, seed: int, *, completion_mask: bool = True, labels: bool = False):
@@ -124,16 +146,16 @@ def _common_args(out: str, steps: int, **extra) -> dict:
     return args
 
 
-def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
+def build_trainer(entry: str, arch: str, out: str, steps: int, fsdp_dir: str | None = None, **extra):
     """The user's script, before ``context_parallel``: one of 'sft_packing' (TRL SFTTrainer,
     packing + padding-free, completion-only), 'sft_padded' (no packing: padded rows with a mask),
     'sft_lora' (packing + LoRA on attention and MLP), 'trainer_flatten' (transformers Trainer +
-    DataCollatorWithFlattening, labels -100 on prompts)."""
+    DataCollatorWithFlattening, labels -100 on prompts). ``fsdp_dir``: :func:`build_model`'s."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    model = build_model(arch)
+    model = build_model(arch, fsdp_dir)
     rec = _Losses()
     if entry == "trainer_flatten":
         from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
@@ -167,17 +189,19 @@ def build_trainer(entry: str, arch: str, out: str, steps: int, **extra):
 
 def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = True, evaluate: bool = True,
                plan: str | None = None, save_dir: str | None = None, packed_documents: str | None = None,
-               **extra) -> dict:
+               fsdp_dir: str | None = None, **extra) -> dict:
     """Train ``steps`` optimizer steps at CP degree ``cp`` (the pool's size) and report (module doc).
     ``plan``: a key of PLANS (default: ``arch``). ``save_dir``: after training, the Trainer's
     ``save_model`` writes the model (LoRA: the adapter) to ``save_dir/model`` and rank 0 writes the
-    merged LoRA model to ``save_dir/merged``."""
+    merged LoRA model to ``save_dir/merged``. ``fsdp_dir``: the model is loaded sharded by transformers'
+    FSDP2 (:func:`build_model`)."""
     from hyper_parallel.integrations.hf import context_parallel
 
     _dist_env()
     with tempfile.TemporaryDirectory() as out:
-        trainer, rec = build_trainer(entry, arch, out, steps, **extra)
-        init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer, rec = build_trainer(entry, arch, out, steps, fsdp_dir=fsdp_dir, **extra)
+        init = full_params(trainer.model)
+        sharded = sorted({type(p).__name__ for p in trainer.model.parameters()})     # as loaded
         context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan or arch], packed_documents=packed_documents)
         trainer.train()
         eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
@@ -185,9 +209,11 @@ def train_case(entry: str, arch: str, cp: int, steps: int = 5, params: bool = Tr
         result = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "eval_loss": eval_loss,
                   "aux": getattr(getattr(model, "config", None), "output_router_logits", None) or None,
                   "metrics": rec.metrics,
-                  "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+                  "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+                  "sharded": sharded}
+        final = full_params(model) if params else None
         if params and trainer.args.process_index == 0:
-            result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result["params"] = final
             result["init"] = init
         if save_dir is not None:
             trainer.save_model(os.path.join(save_dir, "model"))
@@ -229,8 +255,9 @@ class _UnknownCollator:
 
 def refusal_cases(cases) -> list[str]:
     """For each ``(entry, extra)``: build the script (cp = the pool's size) with ``extra``
-    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` / ``_moe_router`` to swap the collator,
-    the model's attention implementation or the declaration, or set ``output_router_logits`` — call ``context_parallel`` and return the
+    TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` / ``_moe_router`` / ``_distributed_config`` to
+    swap the collator, the model's attention implementation or the declaration, set ``output_router_logits``,
+    or mark the model as sharded at load time with that ``DistributedConfig`` — call ``context_parallel`` and return the
     refusal's message ("no refusal" if none)."""
     import torch.distributed as dist
 
@@ -243,6 +270,7 @@ def refusal_cases(cases) -> list[str]:
         extra = dict(extra)
         collator, attn, plan = extra.pop("_collator", None), extra.pop("_attn", None), extra.pop("_plan", None)
         router = extra.pop("_moe_router", False)
+        sharded_as = extra.pop("_distributed_config", None)
         with tempfile.TemporaryDirectory() as out:
             trainer, _ = build_trainer(entry, "llama", out, 1, **extra)
             if collator:
@@ -251,6 +279,11 @@ def refusal_cases(cases) -> list[str]:
                 trainer.model.config._attn_implementation = attn
             if router:        # what an MoE config with its router loss on declares
                 trainer.model.config.output_router_logits = True
+            if sharded_as is not None:   # what from_pretrained(distributed_config=...) records on the model
+                from transformers.distributed import DistributedConfig
+
+                trainer.model.config.distributed_config = DistributedConfig(**sharded_as)
+                trainer.model._is_distributed_loading_by_transformers = True
             try:
                 context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"] if plan is None else plan)
                 out_msgs.append("no refusal")

@@ -27,11 +27,14 @@ FULL = os.environ.get("HYPER_PARALLEL_HF", "") == "all"
 full_only = pytest.mark.skipif(not FULL, reason="full HF matrix: set HYPER_PARALLEL_HF=all")
 
 
-def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, param_tol: float = TOL,
+def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, param_tol: float = TOL, dp: int = 1,
              **extra) -> dict:
+    """The script at cp 1 on ``dp`` ranks against cp 2 on ``2 dp`` ranks (``dp`` data-parallel groups)."""
     save_dir = extra.pop("save_dir", None)
-    ref = ranks(1).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
-    got = ranks(2).run(W.train_case, entry, arch, 2, plan=plan, save_dir=save_dir, timeout=300, **extra)[0]
+    ref = ranks(dp).run(W.train_case, entry, arch, 1, plan=plan, timeout=300, **extra)[0]
+    got = ranks(2 * dp).run(W.train_case, entry, arch, 2, plan=plan, save_dir=save_dir, timeout=300, **extra)[0]
+    if extra.get("fsdp_dir"):
+        assert "DTensor" in got["sharded"], got["sharded"]     # FSDP2 really sharded the CP run's model
     assert len(ref["loss"]) == len(got["loss"]) == 5, (ref["loss"], got["loss"])
     loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
     eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
@@ -105,6 +108,43 @@ def test_sft_lora_llama(ranks, tmp_path):
     assert err <= 1e-5 and (a - plain).abs().max().item() > 1e-4
 
 
+def test_trainer_fsdp2_llama(ranks, tmp_path):
+    """FSDP2 under the HF Trainer: the model is loaded as transformers shards it at load time
+    (``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=world))``, FSDP2 over all
+    ranks; the Trainer then neither wraps it in DDP nor shards it again), CP added by
+    ``context_parallel``. FSDP2's reduce-scatter averages over all ranks as DDP does, so the same loss
+    normalisation gives the CP=1 numbers: Trainer + flattening at cp 2 (both ranks one FSDP2 group)
+    against the plain script at cp 1; the model the Trainer saves (gathered from the shards) reloads
+    with plain transformers and gives the logged eval loss."""
+    import transformers as T
+
+    out = _compare(ranks, "trainer_flatten", save_dir=str(tmp_path / "saved"), fsdp_dir=str(tmp_path / "load"))
+    model = T.AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / "model", dtype="float32",
+                                                   attn_implementation="sdpa")
+    got = W.plain_eval_loss(model, "trainer_flatten")
+    rel = abs(got - out["got"]["eval_loss"]) / abs(got)
+    print(f"reloaded with plain transformers: eval loss {got:.6f} vs logged under CP x FSDP2 "
+          f"{out['got']['eval_loss']:.6f} (rel {rel:.2e}, tol {TOL:g})")
+    assert rel <= TOL
+
+
+@full_only
+def test_sft_fsdp2_dp2_cp2(ranks, tmp_path):
+    """SFTTrainer packing + completion-only on 4 ranks, dp 2 x cp 2, FSDP2 over all 4 (transformers'
+    DistributedConfig) against the plain script on 2 ranks (DDP, cp 1). SGD (note above SGD): the
+    parameters within 1e-5 of the largest (measured 3.7e-9); under AdamW lr 1e-2 one embedding
+    element differs by 1.1e-4 of the largest, as in the same comparison without FSDP (1.8e-4)."""
+    _compare(ranks, "sft_packing", dp=2, fsdp_dir=str(tmp_path), **SGD)
+
+
+@full_only
+def test_sft_lora_fsdp2(ranks, tmp_path):
+    """LoRA on a model FSDP2 shards at load time: peft adds the adapters after sharding, the Trainer
+    keeps them replicated (broadcast, gradients averaged over all ranks), CP=2 == CP=1."""
+    out = _compare(ranks, "sft_lora", fsdp_dir=str(tmp_path))
+    assert all("lora_" in n for n in out["ref"]["trainable"])
+
+
 @full_only
 def test_sft_padded_rows_llama(ranks):
     """No packing: right-padded rows with an attention mask, completion-only."""
@@ -158,14 +198,27 @@ def test_refusals_before_the_first_step(ranks):
     every rank by context_parallel (before trainer.train())."""
     cases = [(entry, extra) for _, extra, _ in REFUSALS for entry in ("trainer_flatten",)]
     cases += [("trainer_flatten", {"_collator": "unknown"}), ("trainer_flatten", {"_attn": "flash_attention_2"}),
-              ("trainer_flatten", {"_plan": []})]
+              ("trainer_flatten", {"_plan": []}),
+              # transformers' own TP, or FSDP2 over fewer ranks than launched, on a model sharded at load time
+              ("trainer_flatten", {"_distributed_config": {"tp_size": 2}}),
+              ("trainer_flatten", {"_distributed_config": {"fsdp_size": 1}})]
     expected = [field for _, _, field in REFUSALS] + ["Trainer.data_collator", "model.config.attn_implementation",
-                                                       "plan_overrides"]
+                                                       "plan_overrides", "from_pretrained(distributed_config).tp_size",
+                                                       "from_pretrained(distributed_config).fsdp_size"]
+    assert len(cases) == len(expected)
     results = ranks(2).run(W.refusal_cases, cases, timeout=300)
     for rank, messages in enumerate(results):
         for msg, field in zip(messages, expected):
             print(f"rank {rank}: {msg}")
             assert f"[{field}]" in msg and "Fix:" in msg, (field, msg)
+
+
+# AdamW divides each gradient element by its running RMS: an element whose gradient nearly cancels
+# (|g| ~ eps) turns a last-bit difference of the summation order into a visible update difference.
+# Cases where that happens compare the parameters under SGD (the gradients themselves, at an lr that
+# moves the parameters) and keep AdamW in the full matrix with its measured tolerance; transformers
+# compared with itself under AdamW shows the same effect (test_adamw_amplifies_summation_order).
+SGD = {"optim": "sgd", "learning_rate": 0.5}
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
@@ -174,12 +227,38 @@ def test_sft_packing_independent_documents(ranks, arch):
     plain transformers (gpt-oss: its mask ignores position_ids, so packed documents see each other;
     Qwen3-Next: the Gated DeltaNet's state crosses them, and transformers refuses the packed row on
     CPU): declared ``packed_documents="independent"``, the declared methods run at cp 1 as a CP group
-    of one, so CP=2 == CP=1 with each packed document computed alone. Qwen3-Next's parameters: 5e-5
-    of the largest, as for Ulysses above — measured 2.8e-5 in the Gated DeltaNet's ``in_proj_ba``
-    (AdamW's g / sqrt(v) turns the different summation order of near-zero gradients into a visible
-    update difference); losses and the eval loss 8.6e-8."""
-    _compare(ranks, "sft_packing", arch, packed_documents="independent",
-             param_tol=5e-5 if arch == "qwen3_next" else TOL)
+    of one, so CP=2 == CP=1 with each packed document computed alone. Qwen3-Next under SGD (module
+    note above): every parameter within 1e-5 of the largest (measured 4.3e-9); under AdamW see
+    test_sft_packing_qwen3_next_adamw."""
+    _compare(ranks, "sft_packing", arch, packed_documents="independent", **(SGD if arch == "qwen3_next" else {}))
+
+
+@full_only
+def test_sft_packing_qwen3_next_adamw(ranks):
+    """The Qwen3-Next packed case under AdamW lr 1e-2: parameters 5e-5 of the largest — measured 2.8e-5
+    in the Gated DeltaNet's ``in_proj_ba`` (near-zero gradients amplified by g / sqrt(v)); 2.9e-6 at lr
+    1e-3; losses and the eval loss 8.6e-8."""
+    _compare(ranks, "sft_packing", "qwen3_next", packed_documents="independent", param_tol=5e-5)
+
+
+@full_only
+def test_adamw_amplifies_summation_order(ranks):
+    """The noise floor of the AdamW parameter comparison, without CP: the plain script on one rank with
+    batch 2 x gradient accumulation 2 against batch 4 x 1 — the same rows, the same loss in exact
+    math, another summation order. Its losses agree to fp32 rounding, yet its parameters after 5 AdamW
+    steps at lr 1e-2 differ by more than 1e-5 of the largest (measured 2.7e-5, an embedding element
+    whose gradient nearly cancels): below that floor a parameter comparison under AdamW measures the
+    summation order, not CP. CP=2's difference on the same script is 2.0e-6
+    (test_sft_packing_completion_only_llama)."""
+    a = ranks(1).run(W.train_case, "sft_packing", "llama", 1, evaluate=False, timeout=300)[0]
+    b = ranks(1).run(W.train_case, "sft_packing", "llama", 1, evaluate=False, timeout=300,
+                     per_device_train_batch_size=4, gradient_accumulation_steps=1)[0]
+    pmax = max(p.abs().max().item() for p in a["params"].values())
+    diff, name = max(((a["params"][n] - b["params"][n]).abs().max().item(), n) for n in a["params"])
+    loss_rel = max(abs(x - y) / abs(x) for x, y in zip(a["loss"], b["loss"]))
+    print(f"one rank, batch 2 x GA 2 vs batch 4 x GA 1: losses max rel {loss_rel:.2e}, parameters "
+          f"{diff / pmax:.2e} of the largest ({name})")
+    assert loss_rel <= TOL and diff > TOL * pmax
 
 
 @pytest.mark.parametrize("average", [True, False])

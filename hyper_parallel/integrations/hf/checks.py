@@ -22,6 +22,11 @@ KNOWN_COLLATORS = {
 }
 
 
+FSDP2_FIX = ("leave TrainingArguments.fsdp unset and load the model sharded by transformers' own FSDP2: "
+             "from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE)) "
+             "(docs/hf_integration.md, 'FSDP2')")
+
+
 def collator_name(collator) -> str:
     """``module.qualname`` of a collator function or of a collator object's class."""
     target = collator if isinstance(collator, (types.FunctionType, types.BuiltinFunctionType)) else type(collator)
@@ -66,9 +71,8 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
          "set label_smoothing_factor=0"),
         ("fsdp", bool(getattr(args, "fsdp", None)) or bool(getattr(trainer, "is_fsdp_enabled", False)),
          "accelerate runs DDP here, not FSDP (distributed_type MULTI_CPU: the fsdp setting would be ignored "
-         "silently)" if on_cpu_ddp else "FSDP through the HF Trainer is not wired to the CP mesh yet (gradients "
-         "would be averaged over the wrong group)", "train with DDP (no fsdp) at cp > 1, or use hyper-train for "
-         "FSDP2 x CP"),
+         "silently)" if on_cpu_ddp else "accelerate's FSDP preparation would shard the model over a mesh it "
+         "reads from a ParallelismConfig, which CP leaves unset", FSDP2_FIX),
         ("parallelism_config", getattr(trainer.accelerator, "parallelism_config", None) is not None,
          "accelerate's ParallelismConfig is set; it would install its own context parallelism / mesh next "
          "to hyper_parallel's", "leave parallelism_config unset: the CP degree and methods come from "
@@ -89,6 +93,7 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
             raise CPConfigError(f"TrainingArguments.{field}", problem + f" (cp_size={cp_size})", fix=fix)
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_load_time_sharding(base, world)
     impl = getattr(getattr(base, "config", None), "_attn_implementation", None) or ""
     if impl.startswith("flash_attention") and args.device.type == "cpu":
         raise CPConfigError("model.config.attn_implementation",
@@ -120,6 +125,29 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
         raise CPConfigError("model.forward", "the model's forward takes no num_items_in_batch, so its loss "
                             "would be the mean over one CP shard", module=type(base).__name__,
                             fix="use a causal LM whose forward accepts **kwargs, or pass compute_loss_func")
+
+
+def check_load_time_sharding(base, world: int) -> None:
+    """A model sharded at load time (``from_pretrained(distributed_config=...)``) is taken under CP when it
+    is FSDP2 alone over every rank (HSDP included): its reduce-scatter then averages over all ``world``
+    ranks, as DDP does. Tensor, pipeline or expert parallelism of transformers' own is refused."""
+    cfg = getattr(getattr(base, "config", None), "distributed_config", None)
+    if cfg is None or not getattr(base, "is_distributed_loading_by_transformers", False):
+        return
+    for field in ("tp_size", "pp_size", "ep_size"):
+        if (getattr(cfg, field, None) or 1) > 1:
+            raise CPConfigError(f"from_pretrained(distributed_config).{field}",
+                                f"{field}={getattr(cfg, field)}: transformers' own {field[:2].upper()} shards the "
+                                "model on a mesh CP does not share (the CP ranks would hold different shards)",
+                                module=type(base).__name__,
+                                fix=f"load with {field}=1 (FSDP2 alone: fsdp_size=WORLD_SIZE), or use hyper-train "
+                                    "for TP/PP/EP x CP")
+    shards = (getattr(cfg, "fsdp_size", None) or 1) * (getattr(cfg, "dp_replicate_size", None) or 1)
+    if shards != world:
+        raise CPConfigError("from_pretrained(distributed_config).fsdp_size",
+                            f"FSDP2 spans {shards} of the {world} ranks: its gradient average would not be over "
+                            "the CP x DP ranks the loss is normalised for", module=type(base).__name__,
+                            fix="load with fsdp_size x dp_replicate_size = WORLD_SIZE")
 
 
 def _base_compute_loss():

@@ -15,8 +15,11 @@ Call it after building a ``transformers.Trainer`` or a TRL ``SFTTrainer`` and be
    gathering (:mod:`.evaluation`), and a
    callback that leaves the CP batch context when training ends.
 
-Gradients: the model is prepared by the Trainer as plain DDP over all ``W`` ranks, which averages;
-the loss normalisation of :mod:`.forward` makes that average the CP=1 gradient. Returns the trainer.
+Gradients: the model is prepared by the Trainer as plain DDP over all ``W`` ranks, or — loaded
+sharded by transformers' own FSDP2 (``from_pretrained(distributed_config=DistributedConfig(
+fsdp_size=W))``, checked by :func:`.checks.check_load_time_sharding`) — left to FSDP2's
+reduce-scatter over those ``W`` ranks. Both average; the loss normalisation of :mod:`.forward`
+makes that average the CP=1 gradient (docs/hf_integration.md, "FSDP2"). Returns the trainer.
 """
 from __future__ import annotations
 
