@@ -134,3 +134,34 @@ def gemma3_packed_parity(cp: int = 2, method: str = "colossal") -> dict:
     return {**_errors(model, ref, logits, ref_logits, meta, mesh, S, tower="vision_tower"), "documents": docs,
             "local_tokens": int((local["input_ids"] == IMAGE).sum()), "bidirectional": bidir,
             "transformers_packed": hf_packed}
+
+
+def gemma3_token_type_ids_without_blocks(cp: int = 2) -> dict:
+    """The CP forward given the shard's ``token_type_ids`` directly, without block ids in the batch (what
+    a plain transformers loop passes): refused at the forward's entry (the message), and given with
+    block ids it is taken (the logits equal the run without it)."""
+    from hyper_parallel.distributed.context_parallel import cp_batch_context, shard_batch_for_cp
+    from hyper_parallel.distributed.context_parallel.vision import media_embeddings_for_cp
+    from hyper_parallel.models.gemma3 import image_block_ids, image_media
+
+    model, _ = build_gemma3()
+    ids, pix = gemma3_batch()
+    mesh, plan, model = _plan(model, cp, "colossal", match="model.language_model.layers.*.self_attn")
+    pos = torch.arange(ids.shape[1]).expand(2, -1)
+    tt = (ids == IMAGE).long()
+    out = {}
+    for name, blocks in (("without", None), ("with", image_block_ids(ids, model.config))):
+        local = shard_batch_for_cp({"input_ids": ids, "position_ids": pos, "token_type_ids": tt}, mesh.cp_mesh,
+                                   plan.batch_policy, block_ids=blocks, passthrough=("token_type_ids",))
+        feats = media_embeddings_for_cp(model, ids, {"image": image_media(pix)}, mesh.cp_mesh, plan.batch_policy)
+        local_tt = tt.index_select(1, local.meta.q_index.clamp(max=ids.shape[1] - 1))
+        with cp_batch_context(local.meta), torch.no_grad():
+            try:
+                logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
+                               mm_encoder_outputs=feats, token_type_ids=local_tt).logits
+                plain = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
+                              mm_encoder_outputs=feats).logits
+                out[name] = f"taken, logits differ by {(logits - plain).abs().max().item():.1e}"
+            except ValueError as exc:
+                out[name] = str(exc)
+    return out

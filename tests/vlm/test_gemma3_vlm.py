@@ -107,3 +107,15 @@ def test_blocks_on_packed_rows_need_independent():
                               block_ids=no_image).meta.packs_documents
     unpacked = {"input_ids": ids, "position_ids": torch.arange(32).expand(2, 32)}
     assert shard_batch_for_cp(unpacked, (0, 2), "all_gather", block_ids=blk).meta.key_block is not None
+
+
+def test_token_type_ids_without_block_ids_is_refused(ranks):
+    """Gemma 3's token_type_ids given to the CP forward with no block ids in the batch would be dropped
+    (the CP attention reads visibility from the meta only, so images would attend causally): refused on
+    every rank at the forward's entry, naming the input and the fix; with block ids it is taken."""
+    from tests.vlm._gemma3_workers import gemma3_token_type_ids_without_blocks
+
+    for rank, got in enumerate(ranks(2).run(gemma3_token_type_ids_without_blocks, 2, timeout=300)):
+        print(f"rank {rank}: {got}")
+        assert "'token_type_ids' was given to the forward under CP" in got["without"] and "block_ids" in got["without"]
+        assert got["with"] == "taken, logits differ by 0.0e+00", got

@@ -27,7 +27,8 @@ from .batch import shard_batch_for_cp
 from .comm.primitives import AllToAllUneven, resolve_group
 
 __all__ = ["MediaKind", "MediaInputs", "VisionTower", "register_vision_tower", "vision_tower", "assign_media",
-           "exchange_media_tokens", "media_token_layout", "media_embeddings_for_cp", "media_input_names", "media_module"]
+           "exchange_media_tokens", "media_token_layout", "media_embeddings_for_cp", "media_input_names", "media_module",
+           "install_block_input_guard"]
 
 _MEDIA_INPUT = re.compile(r"pixel_values|flattened_patches|image_patches")      # transformers' media inputs
 _MEDIA_MODULE = re.compile(r"vision|visual|vq|image|patch|img", re.IGNORECASE)
@@ -68,13 +69,16 @@ class VisionTower:
     """A VLM family's media path: ``prefix`` (the tower's module path: its attentions are not CP
     boundaries), ``kinds`` (name -> :class:`MediaKind`, the keys of transformers' ``mm_encoder_outputs``),
     ``tokens(config, grid_thw)`` (tokens per medium), ``rows(grid_thw)`` (``pixel_values`` rows per
-    medium) and ``inputs`` (:class:`MediaInputs`, or None: the trainer's media source refuses the family)."""
+    medium), ``inputs`` (:class:`MediaInputs`, or None: the trainer's media source refuses the family) and
+    ``block_input`` (the model-forward input through which transformers makes tokens attend
+    bidirectionally, e.g. Gemma 3's ``token_type_ids``, or None: :func:`install_block_input_guard`)."""
 
     prefix: str
     kinds: dict
     tokens: Callable
     rows: Callable
     inputs: Optional[MediaInputs] = None
+    block_input: Optional[str] = None
 
     def holds(self, fqn: str) -> bool:
         """Whether module ``fqn`` belongs to the tower (not a CP boundary, not a CP rotary module)."""
@@ -98,6 +102,35 @@ def carried_towers(with_inputs: bool = False) -> tuple:
     """The model types whose media are carried under CP (for messages); ``with_inputs``: only those
     whose raw media the trainer's media source can read (:class:`MediaInputs` registered)."""
     return tuple(t for t, v in _TOWERS.items() if v.inputs is not None or not with_inputs)
+
+
+def install_block_input_guard(model, replace_forward: Callable) -> None:
+    """Refuse the tower's ``block_input`` (e.g. Gemma 3's ``token_type_ids``) given to ``model.forward``
+    under a CP batch meta without bidirectional blocks: the model would build its mask from it, which
+    the CP attention never reads (it takes visibility from ``CPBatchMeta.key_block`` only), so the
+    images would silently attend causally. Raised at the forward's entry, before any collective, on
+    every rank given the input. The fix: the blocks as ``shard_batch_for_cp(..., block_ids=...)``."""
+    tower = vision_tower(model)
+    name = getattr(tower, "block_input", None)
+    if name is None:
+        return
+    from .meta import current_cp_batch_meta
+
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        meta = current_cp_batch_meta(required=False)
+        if kwargs.get(name) is not None and meta is not None and meta.key_block is None:
+            raise ValueError(
+                f"{type(model).__name__}: '{name}' was given to the forward under CP, but the CP batch carries no "
+                f"bidirectional blocks; the CP attention reads visibility from the batch meta only, so the image "
+                f"tokens would attend causally. Fix: pass the blocks as shard_batch_for_cp(..., block_ids="
+                f"image_block_ids(input_ids, config)) of the global rows and drop '{name}' from the forward "
+                "(docs/vlm.md, 'Gemma 3')")
+        return original(*args, **kwargs)
+
+    forward.__wrapped__ = original
+    replace_forward(model, forward)
 
 
 def media_input_names(model) -> list:

@@ -51,7 +51,7 @@ from ..context_parallel.mixers.layout import on_contiguous_layout
 from ..context_parallel.mixers.rows import documents_alone
 from ..context_parallel.model_proof import NO_INSTANCE_FORWARD
 from ..context_parallel.rope import check_rotary_modules, find_rotary_modules, install_cp_rope
-from ..context_parallel.vision import vision_tower
+from ..context_parallel.vision import install_block_input_guard, vision_tower
 from ..errors import CPConfigError
 from .planner import ShardingPlan
 from ..tensor_parallel import TPGradInfo, apply_tensor_parallel, replicated_grad_info
@@ -357,6 +357,8 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
             install_cp_rope(model, installed.replace_forward)
             # 2c. no model-level attention mask where every CP method ignores it (DSA, Doge)
             install_no_model_mask(model, installed.replace_forward)
+            # 2d. a VLM's bidirectional-visibility input (Gemma 3's token_type_ids) only as batch block ids
+            install_block_input_guard(model, installed.replace_forward)
         # 3. activation checkpointing
         if activation_checkpointing:
             _apply_ac(model, plan, installed)

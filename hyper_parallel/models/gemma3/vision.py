@@ -50,6 +50,6 @@ TOWER = VisionTower(prefix="model.vision_tower",
                     kinds={"image": MediaKind(lambda cfg: cfg.image_token_id, _images,
                                               lambda cfg: [cfg.text_config.hidden_size], _wrap)},
                     tokens=lambda cfg, grid: [int(cfg.mm_tokens_per_image)] * len(grid),
-                    rows=lambda grid: [1] * len(grid))
+                    rows=lambda grid: [1] * len(grid), block_input="token_type_ids")
 
 register_vision_tower("gemma3", TOWER)
