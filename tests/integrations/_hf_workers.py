@@ -245,6 +245,20 @@ def plain_eval_loss(model, entry: str) -> float:
     return sum(losses) / len(losses)
 
 
+def grpo_trainer(out: str):
+    """A TRL GRPOTrainer on the tiny Llama (a constant reward, prompts of random ids; nothing downloaded)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    prompts = Dataset.from_list([{"prompt": "def f(x):"}] * 8)
+    args = GRPOConfig(**_common_args(out, 1, per_device_train_batch_size=4, gradient_accumulation_steps=1),
+                      num_generations=2, max_completion_length=8)
+    return GRPOTrainer(model=build_model("llama"), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                       args=args, train_dataset=prompts, processing_class=tok)
+
+
 class _UnknownCollator:
     def __init__(self, inner):
         self.inner = inner
@@ -257,7 +271,9 @@ def refusal_cases(cases) -> list[str]:
     """For each ``(entry, extra)``: build the script (cp = the pool's size) with ``extra``
     TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` / ``_moe_router`` / ``_distributed_config`` to
     swap the collator, the model's attention implementation or the declaration, set ``output_router_logits``,
-    or mark the model as sharded at load time with that ``DistributedConfig`` — call ``context_parallel`` and return the
+    or mark the model as sharded at load time with that ``DistributedConfig``; ``_loss``: 'func' (a
+    ``compute_loss_func``), 'subclass' (an overridden ``compute_loss``), 'grpo' (TRL's GRPOTrainer instead) —
+    call ``context_parallel`` and return the
     refusal's message ("no refusal" if none)."""
     import torch.distributed as dist
 
@@ -271,6 +287,7 @@ def refusal_cases(cases) -> list[str]:
         collator, attn, plan = extra.pop("_collator", None), extra.pop("_attn", None), extra.pop("_plan", None)
         router = extra.pop("_moe_router", False)
         sharded_as = extra.pop("_distributed_config", None)
+        loss = extra.pop("_loss", None)
         with tempfile.TemporaryDirectory() as out:
             trainer, _ = build_trainer(entry, "llama", out, 1, **extra)
             if collator:
@@ -279,6 +296,13 @@ def refusal_cases(cases) -> list[str]:
                 trainer.model.config._attn_implementation = attn
             if router:        # what an MoE config with its router loss on declares
                 trainer.model.config.output_router_logits = True
+            if loss == "func":           # a user's loss function on the model's outputs and the labels
+                trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean()
+            elif loss == "subclass":     # a Trainer subclass with its own compute_loss
+                trainer.__class__ = type("MyTrainer", (type(trainer),), {
+                    "compute_loss": lambda self, model, inputs, **kw: model(**inputs).logits.mean()})
+            elif loss == "grpo":
+                trainer = grpo_trainer(out)
             if sharded_as is not None:   # what from_pretrained(distributed_config=...) records on the model
                 from transformers.distributed import DistributedConfig
 

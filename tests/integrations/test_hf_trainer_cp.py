@@ -146,6 +146,13 @@ def test_sft_lora_fsdp2(ranks, tmp_path):
 
 
 @full_only
+def test_sft_dft_loss_llama(ranks):
+    """TRL's DFT loss (``loss_type='dft'``: each token's NLL weighted by its detached probability), which the
+    compute_loss_func refusal names as a fix: a per-token loss of the fused head, exact under CP."""
+    _compare(ranks, "sft_packing", loss_type="dft")
+
+
+@full_only
 def test_sft_padded_rows_llama(ranks):
     """No packing: right-padded rows with an attention mask, completion-only."""
     _compare(ranks, "sft_padded")
@@ -201,10 +208,15 @@ def test_refusals_before_the_first_step(ranks):
               ("trainer_flatten", {"_plan": []}),
               # transformers' own TP, or FSDP2 over fewer ranks than launched, on a model sharded at load time
               ("trainer_flatten", {"_distributed_config": {"tp_size": 2}}),
-              ("trainer_flatten", {"_distributed_config": {"fsdp_size": 1}})]
+              ("trainer_flatten", {"_distributed_config": {"fsdp_size": 1}}),
+              # a loss of the user's (a function, an override), or GRPO's policy loss: it would see one shard
+              ("trainer_flatten", {"_loss": "func"}), ("sft_packing", {"_loss": "func"}),
+              ("trainer_flatten", {"_loss": "subclass"}), ("trainer_flatten", {"_loss": "grpo"})]
     expected = [field for _, _, field in REFUSALS] + ["Trainer.data_collator", "model.config.attn_implementation",
                                                        "plan_overrides", "from_pretrained(distributed_config).tp_size",
-                                                       "from_pretrained(distributed_config).fsdp_size"]
+                                                       "from_pretrained(distributed_config).fsdp_size",
+                                                       "Trainer.compute_loss_func", "Trainer.compute_loss_func",
+                                                       "Trainer.compute_loss", "Trainer.compute_loss"]
     assert len(cases) == len(expected)
     results = ranks(2).run(W.refusal_cases, cases, timeout=300)
     for rank, messages in enumerate(results):

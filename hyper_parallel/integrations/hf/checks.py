@@ -27,6 +27,37 @@ FSDP2_FIX = ("leave TrainingArguments.fsdp unset and load the model sharded by t
              "(docs/hf_integration.md, 'FSDP2')")
 
 
+# the losses whose arithmetic under CP is known (the model's own token loss, TRL's fused head)
+KNOWN_LOSSES = {
+    "transformers.trainer.Trainer.compute_loss",
+    "trl.trainer.sft_trainer.SFTTrainer.compute_loss",
+}
+
+
+def check_loss(trainer) -> None:
+    """Refuse a loss that would see one CP shard as if it were the row: a ``compute_loss`` other than
+    transformers' Trainer's or TRL SFTTrainer's (a subclass's own, GRPO's policy loss, DPO's, ...) and
+    a ``compute_loss_func`` (it receives the shard's logits and its unshifted labels)."""
+    fn = type(trainer).compute_loss
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    if name not in KNOWN_LOSSES:
+        rl = any(c.__name__ in ("GRPOTrainer", "RLOOTrainer") for c in type(trainer).__mro__)
+        problem = (f"{type(trainer).__name__}'s policy loss (per-completion means, advantages over generation "
+                   "groups gathered across processes) is not computed over the CP group: each rank would score "
+                   "only its shard of every completion" if rl else
+                   f"{name} is not a loss whose arithmetic under CP is known: it would compute on one shard's "
+                   "logits and targets as if they were the row's")
+        raise CPConfigError("Trainer.compute_loss", problem,
+                            fix="train with transformers' Trainer or TRL's SFTTrainer and the model's own token "
+                                "loss (SFTConfig(loss_type='nll' | 'dft')), or run this trainer at cp_size 1")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise CPConfigError("Trainer.compute_loss_func",
+                            "it receives one CP shard's logits and that shard's unshifted labels (shifting them "
+                            "on the shard loses a target at every shard edge, and its mean is the shard's)",
+                            fix="drop compute_loss_func: the model's own loss (or SFTConfig(loss_type='dft')) is "
+                                "computed exactly under CP")
+
+
 def collator_name(collator) -> str:
     """``module.qualname`` of a collator function or of a collator object's class."""
     target = collator if isinstance(collator, (types.FunctionType, types.BuiltinFunctionType)) else type(collator)
@@ -113,6 +144,7 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
         from .forward import router_spec
 
         router_spec(base)       # a router loss the trainer cannot reproduce (a z-loss, ...) is refused here
+    check_loss(trainer)
     name = collator_name(trainer.data_collator)
     if not accept_collator and name not in KNOWN_COLLATORS:
         raise CPConfigError("Trainer.data_collator",
@@ -121,10 +153,11 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
                             fix="use one of those, or pass accept_collator=True after checking it returns "
                                 "input_ids/labels/attention_mask/position_ids [B, S] (docs/hf_integration.md)")
     uses_hf_loss = type(trainer).compute_loss is _base_compute_loss()
-    if uses_hf_loss and not trainer.model_accepts_loss_kwargs and trainer.compute_loss_func is None:
+    if uses_hf_loss and not trainer.model_accepts_loss_kwargs:
         raise CPConfigError("model.forward", "the model's forward takes no num_items_in_batch, so its loss "
                             "would be the mean over one CP shard", module=type(base).__name__,
-                            fix="use a causal LM whose forward accepts **kwargs, or pass compute_loss_func")
+                            fix="use a causal LM whose forward accepts **kwargs (transformers then passes it "
+                                "num_items_in_batch)")
 
 
 def check_load_time_sharding(base, world: int) -> None:
