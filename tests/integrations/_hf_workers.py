@@ -245,18 +245,73 @@ def plain_eval_loss(model, entry: str) -> float:
     return sum(losses) / len(losses)
 
 
-def grpo_trainer(out: str):
-    """A TRL GRPOTrainer on the tiny Llama (a constant reward, prompts of random ids; nothing downloaded)."""
+def grpo_reward(completions, **kwargs):
+    """A reward that varies between the samples of one prompt: vowels minus a length cost."""
+    return [sum(ch in "aeiou" for ch in c) - 0.05 * len(c) for c in completions]
+
+
+def grpo_trainer(out: str, steps: int = 1, **extra):
+    """A TRL GRPOTrainer on the tiny Llama: 16 short code prompts, 4 samples each, :func:`grpo_reward`;
+    nothing downloaded."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    prompts = Dataset.from_list([{"prompt": "def f(x):"}] * 8)
-    args = GRPOConfig(**_common_args(out, 1, per_device_train_batch_size=4, gradient_accumulation_steps=1),
-                      num_generations=2, max_completion_length=8)
-    return GRPOTrainer(model=build_model("llama"), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                       args=args, train_dataset=prompts, processing_class=tok)
+    prompts = Dataset.from_list([{"prompt": f"def f{i}(x):\n    return x *"} for i in range(16)])
+    grpo = {"num_generations": 4, "max_completion_length": 24}
+    for key in ("num_generations", "max_completion_length", "num_iterations", "beta", "loss_type",
+                "steps_per_generation", "scale_rewards"):
+        if key in extra:
+            grpo[key] = extra.pop(key)
+    args = GRPOConfig(**_common_args(out, steps, **{"per_device_train_batch_size": 4, **extra}), **grpo)
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = model_config("llama")
+    cfg.vocab_size = len(tok)        # the prompts are text: the tokenizer's ids
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+    if grpo.get("beta"):             # TRL loads the reference model from the policy's path: give it one
+        from safetensors.torch import save_file
+
+        init = os.path.join(out, "init")          # this rank's own directory (save_pretrained writes on rank 0 only)
+        os.makedirs(init)
+        model.config.architectures = [type(model).__name__]
+        model.config.to_json_file(os.path.join(init, "config.json"))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(init, "model.safetensors"),
+                  metadata={"format": "pt"})
+        model.config._name_or_path = init
+    return GRPOTrainer(model=model, reward_funcs=grpo_reward, args=args, train_dataset=prompts, processing_class=tok)
+
+
+def grpo_case(cp: int, steps: int = 3, **extra) -> dict:
+    """GRPO for ``steps`` optimizer steps at CP degree ``cp`` (the pool's size / cp data-parallel groups;
+    cp 1: the plain script): the logged losses, grad norms and rewards, the last generated completions
+    (TRL's log keeps one generation batch), and (rank 0) the parameters. ``extra``: GRPOConfig fields."""
+    from hyper_parallel.integrations.hf import context_parallel
+
+    _dist_env()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = grpo_trainer(out, steps, **extra)
+        rec = _Losses()
+        trainer.add_callback(rec)
+        rewards = []
+
+        class Rewards(type(rec).__mro__[1]):      # TrainerCallback
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "reward" in logs:
+                    rewards.append(float(logs["reward"]))
+
+        trainer.add_callback(Rewards())
+        init = full_params(trainer.model)
+        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"])
+        trainer.train()
+        final = full_params(trainer.model)
+        out_ = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "reward": rewards,
+                "completions": list(trainer._logs["completion"])}
+        if trainer.args.process_index == 0:
+            out_["params"], out_["init"] = final, init
+    return out_
 
 
 class _UnknownCollator:
@@ -272,7 +327,7 @@ def refusal_cases(cases) -> list[str]:
     TrainingArguments — or ``_collator`` / ``_attn`` / ``_plan`` / ``_moe_router`` / ``_distributed_config`` to
     swap the collator, the model's attention implementation or the declaration, set ``output_router_logits``,
     or mark the model as sharded at load time with that ``DistributedConfig``; ``_loss``: 'func' (a
-    ``compute_loss_func``), 'subclass' (an overridden ``compute_loss``), 'grpo' (TRL's GRPOTrainer instead) —
+    ``compute_loss_func``), 'subclass' / 'rloo' (an overridden ``compute_loss``, in a class so named) —
     call ``context_parallel`` and return the
     refusal's message ("no refusal" if none)."""
     import torch.distributed as dist
@@ -301,8 +356,9 @@ def refusal_cases(cases) -> list[str]:
             elif loss == "subclass":     # a Trainer subclass with its own compute_loss
                 trainer.__class__ = type("MyTrainer", (type(trainer),), {
                     "compute_loss": lambda self, model, inputs, **kw: model(**inputs).logits.mean()})
-            elif loss == "grpo":
-                trainer = grpo_trainer(out)
+            elif loss == "rloo":           # an RL trainer whose loss is not carried (GRPO's is)
+                trainer.__class__ = type("RLOOTrainer", (type(trainer),), {
+                    "compute_loss": lambda self, model, inputs, **kw: model(**inputs).logits.mean()})
             if sharded_as is not None:   # what from_pretrained(distributed_config=...) records on the model
                 from transformers.distributed import DistributedConfig
 

@@ -211,7 +211,7 @@ def test_refusals_before_the_first_step(ranks):
               ("trainer_flatten", {"_distributed_config": {"fsdp_size": 1}}),
               # a loss of the user's (a function, an override), or GRPO's policy loss: it would see one shard
               ("trainer_flatten", {"_loss": "func"}), ("sft_packing", {"_loss": "func"}),
-              ("trainer_flatten", {"_loss": "subclass"}), ("trainer_flatten", {"_loss": "grpo"})]
+              ("trainer_flatten", {"_loss": "subclass"}), ("trainer_flatten", {"_loss": "rloo"})]
     expected = [field for _, _, field in REFUSALS] + ["Trainer.data_collator", "model.config.attn_implementation",
                                                        "plan_overrides", "from_pretrained(distributed_config).tp_size",
                                                        "from_pretrained(distributed_config).fsdp_size",

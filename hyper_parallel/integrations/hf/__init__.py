@@ -6,7 +6,8 @@
 
 See docs/hf_integration.md. Modules: :mod:`.entry` (the one call), :mod:`.declaration`
 (plan_overrides), :mod:`.checks` (refusals), :mod:`.data` (one batch per CP group), :mod:`.batch`
-(collator -> CP shard), :mod:`.forward` (forward + loss normalisation), :mod:`.context`.
+(collator -> CP shard), :mod:`.forward` (forward + loss normalisation), :mod:`.grpo` (TRL's
+GRPOTrainer), :mod:`.evaluation`, :mod:`.context`.
 """
 from .batch import CPDataCollator
 from .checks import KNOWN_COLLATORS, check_trainer

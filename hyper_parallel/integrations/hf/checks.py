@@ -32,19 +32,26 @@ KNOWN_LOSSES = {
     "transformers.trainer.Trainer.compute_loss",
     "trl.trainer.sft_trainer.SFTTrainer.compute_loss",
 }
+GRPO_LOSS = "trl.trainer.grpo_trainer.GRPOTrainer.compute_loss"      # under CP through .grpo
 
 
 def check_loss(trainer) -> None:
     """Refuse a loss that would see one CP shard as if it were the row: a ``compute_loss`` other than
-    transformers' Trainer's or TRL SFTTrainer's (a subclass's own, GRPO's policy loss, DPO's, ...) and
-    a ``compute_loss_func`` (it receives the shard's logits and its unshifted labels)."""
+    transformers' Trainer's, TRL SFTTrainer's or GRPOTrainer's (a subclass's own, RLOO's, DPO's, ...)
+    and a ``compute_loss_func`` (it receives the shard's logits and its unshifted labels). GRPO's own
+    options are checked by :func:`.grpo.check_grpo`."""
+    from .grpo import check_grpo, is_grpo
+
     fn = type(trainer).compute_loss
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    if name == GRPO_LOSS and is_grpo(trainer):
+        check_grpo(trainer)             # its loss runs under CP through .grpo
+        return
     if name not in KNOWN_LOSSES:
-        rl = any(c.__name__ in ("GRPOTrainer", "RLOOTrainer") for c in type(trainer).__mro__)
+        rl = any(c.__name__ == "RLOOTrainer" for c in type(trainer).__mro__)
         problem = (f"{type(trainer).__name__}'s policy loss (per-completion means, advantages over generation "
                    "groups gathered across processes) is not computed over the CP group: each rank would score "
-                   "only its shard of every completion" if rl else
+                   "only its shard of every completion (GRPOTrainer is)" if rl else
                    f"{name} is not a loss whose arithmetic under CP is known: it would compute on one shard's "
                    "logits and targets as if they were the row's")
         raise CPConfigError("Trainer.compute_loss", problem,
@@ -145,8 +152,10 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
 
         router_spec(base)       # a router loss the trainer cannot reproduce (a z-loss, ...) is refused here
     check_loss(trainer)
+    from .grpo import is_grpo
+
     name = collator_name(trainer.data_collator)
-    if not accept_collator and name not in KNOWN_COLLATORS:
+    if not accept_collator and name not in KNOWN_COLLATORS and not is_grpo(trainer):   # GRPO batches: .grpo
         raise CPConfigError("Trainer.data_collator",
                             f"collator '{name}' is not one whose output the CP batch contract is known to "
                             f"read (known: {', '.join(sorted(KNOWN_COLLATORS))})",

@@ -11,8 +11,9 @@ Call it after building a ``transformers.Trainer`` or a TRL ``SFTTrainer`` and be
    and applies it to the causal LM (under a PEFT model: its base model) without FSDP — the CP
    wrappers, the RoPE-on-global-positions hook and, by default, the CP preflight proof;
 4. hooks the Trainer: one batch per CP group (:mod:`.data`), the collator wrapped by the batch
-   contract (:mod:`.batch`), the forward and the loss normalisation (:mod:`.forward`), the eval-loss
-   gathering (:mod:`.evaluation`), and a
+   contract (:mod:`.batch`), the forward and the loss normalisation (:mod:`.forward`) — for TRL's
+   GRPOTrainer instead generation per data-parallel group and its policy loss under CP
+   (:mod:`.grpo`) —, the eval-loss gathering (:mod:`.evaluation`), and a
    callback that leaves the CP batch context when training ends.
 
 Gradients: the model is prepared by the Trainer as plain DDP over all ``W`` ranks, or — loaded
@@ -38,6 +39,7 @@ from .data import shard_data_by_dp
 from .declaration import load_plan_overrides
 from .evaluation import install_eval_gather
 from .forward import router_loss, wrap_compute_loss, wrap_forward
+from .grpo import install_grpo, is_grpo
 
 
 def _base_model(model):
@@ -96,10 +98,14 @@ def context_parallel(trainer, cp_size: int, plan_overrides, *, accept_collator: 
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None) or 0
     policy = setup.plan.batch_policy or CONTIGUOUS_POLICY            # None at cp 1: one contiguous "shard"
-    trainer.data_collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), policy,
-                                           pad_token_id=int(pad_id), packed_documents=packed_documents)
-    wrap_forward(trainer.model, router_loss(model, mesh.cp_mesh.get_group(), cp_size, trainer))
-    wrap_compute_loss(trainer, cp_size, mesh.cp_mesh.get_group())
+    collator = CPDataCollator(trainer.data_collator, (cp_rank, cp_size), policy, pad_token_id=int(pad_id),
+                              packed_documents=packed_documents)
+    if is_grpo(trainer):             # GRPO builds its batches itself: generation per DP group, loss under CP
+        install_grpo(trainer, mesh, collator, cp_size)
+    else:
+        trainer.data_collator = collator
+        wrap_forward(trainer.model, router_loss(model, mesh.cp_mesh.get_group(), cp_size, trainer))
+        wrap_compute_loss(trainer, cp_size, mesh.cp_mesh.get_group())
     install_eval_gather(trainer, cp_size, mesh.cp_mesh.get_group(), mesh.dp_mesh.get_group())
     trainer.add_callback(_release_callback())
     trainer.hyper_parallel_setup = setup
