@@ -21,6 +21,7 @@ ATTN = {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_t
 PLANS = {
     "llama": [{**ATTN, "inner_wrapper": "sdpa_hf"}],
     "llama_ulysses": [{**ATTN, "inner_wrapper": "sdpa_hf_ulysses"}],
+    "llama_balanced": [{**ATTN, "inner_wrapper": "sdpa_hf_balanced"}],     # rows permuted across ranks
     "gpt_oss": [{**ATTN, "inner_wrapper": "sdpa_hf"}],
     "qwen3_next": [{**ATTN, "inner_wrapper": "sdpa_hf_ulysses"},
                    {**ATTN, "match": "*.linear_attn", "inner_wrapper": "gated_deltanet_ulysses"}],
@@ -284,7 +285,7 @@ def grpo_trainer(out: str, steps: int = 1, **extra):
     return GRPOTrainer(model=model, reward_funcs=grpo_reward, args=args, train_dataset=prompts, processing_class=tok)
 
 
-def grpo_case(cp: int, steps: int = 3, **extra) -> dict:
+def grpo_case(cp: int, steps: int = 3, plan: str = "llama", **extra) -> dict:
     """GRPO for ``steps`` optimizer steps at CP degree ``cp`` (the pool's size / cp data-parallel groups;
     cp 1: the plain script): the logged losses, grad norms and rewards, the last generated completions
     (TRL's log keeps one generation batch), and (rank 0) the parameters. ``extra``: GRPOConfig fields."""
@@ -292,7 +293,7 @@ def grpo_case(cp: int, steps: int = 3, **extra) -> dict:
 
     _dist_env()
     with tempfile.TemporaryDirectory() as out:
-        trainer = grpo_trainer(out, steps, **extra)
+        trainer = grpo_trainer(out, steps, **{"warmup_steps": 0, **extra})   # step 1 already moves the policy
         rec = _Losses()
         trainer.add_callback(rec)
         rewards = []
@@ -304,7 +305,7 @@ def grpo_case(cp: int, steps: int = 3, **extra) -> dict:
 
         trainer.add_callback(Rewards())
         init = full_params(trainer.model)
-        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS["llama"])
+        context_parallel(trainer, cp_size=cp, plan_overrides=PLANS[plan])
         trainer.train()
         final = full_params(trainer.model)
         out_ = {"loss": rec.loss, "lr": rec.lr, "grad_norm": rec.grad_norm, "reward": rewards,

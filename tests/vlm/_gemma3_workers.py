@@ -164,4 +164,17 @@ def gemma3_token_type_ids_without_blocks(cp: int = 2) -> dict:
                 out[name] = f"taken, logits differ by {(logits - plain).abs().max().item():.1e}"
             except ValueError as exc:
                 out[name] = str(exc)
+        if blocks is None:               # the same input given by position
+            import inspect
+
+            params = list(inspect.signature(type(model).forward).parameters)[1:]
+            pos_args = [None] * params.index("token_type_ids") + [local_tt]
+            pos_args[params.index("input_ids")] = local["input_ids"]
+            pos_args[params.index("position_ids")] = local["position_ids"]
+            with cp_batch_context(local.meta), torch.no_grad():
+                try:
+                    model(*pos_args, use_cache=False, mm_encoder_outputs=feats)
+                    out["positional"] = "taken"
+                except ValueError as exc:
+                    out["positional"] = str(exc)
     return out

@@ -119,3 +119,4 @@ def test_token_type_ids_without_block_ids_is_refused(ranks):
         print(f"rank {rank}: {got}")
         assert "'token_type_ids' was given to the forward under CP" in got["without"] and "block_ids" in got["without"]
         assert got["with"] == "taken, logits differ by 0.0e+00", got
+        assert "'token_type_ids' was given to the forward under CP" in got["positional"], got

@@ -106,10 +106,12 @@ def carried_towers(with_inputs: bool = False) -> tuple:
 
 def install_block_input_guard(model, replace_forward: Callable) -> None:
     """Refuse the tower's ``block_input`` (e.g. Gemma 3's ``token_type_ids``) given to ``model.forward``
-    under a CP batch meta without bidirectional blocks: the model would build its mask from it, which
-    the CP attention never reads (it takes visibility from ``CPBatchMeta.key_block`` only), so the
-    images would silently attend causally. Raised at the forward's entry, before any collective, on
-    every rank given the input. The fix: the blocks as ``shard_batch_for_cp(..., block_ids=...)``."""
+    (by keyword or position) under a CP batch meta without bidirectional blocks: the model would build
+    its mask from it, which the CP attention never reads (it takes visibility from
+    ``CPBatchMeta.key_block`` only), so the images would silently attend causally. Raised at the
+    forward's entry, on every rank given the input, before the forward's own collectives. Outside a CP
+    batch (no meta) the forward is the model's. The fix: the blocks as
+    ``shard_batch_for_cp(..., block_ids=...)`` (the input may then stay)."""
     tower = vision_tower(model)
     name = getattr(tower, "block_input", None)
     if name is None:
@@ -117,16 +119,19 @@ def install_block_input_guard(model, replace_forward: Callable) -> None:
     from .meta import current_cp_batch_meta
 
     original = model.forward
+    signature = inspect.signature(original)
 
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
-        if kwargs.get(name) is not None and meta is not None and meta.key_block is None:
-            raise ValueError(
-                f"{type(model).__name__}: '{name}' was given to the forward under CP, but the CP batch carries no "
-                f"bidirectional blocks; the CP attention reads visibility from the batch meta only, so the image "
-                f"tokens would attend causally. Fix: pass the blocks as shard_batch_for_cp(..., block_ids="
-                f"image_block_ids(input_ids, config)) of the global rows and drop '{name}' from the forward "
-                "(docs/vlm.md, 'Gemma 3')")
+        if meta is not None and meta.key_block is None:
+            given = kwargs.get(name) if name in kwargs else signature.bind_partial(*args, **kwargs).arguments.get(name)
+            if given is not None:
+                raise ValueError(
+                    f"{type(model).__name__}: '{name}' was given to the forward under CP, but the CP batch carries no "
+                    f"bidirectional blocks; the CP attention reads visibility from the batch meta only, so the image "
+                    f"tokens would attend causally. Fix: pass the blocks as shard_batch_for_cp(..., block_ids="
+                    f"image_block_ids(input_ids, config)) of the global rows ('{name}' may then stay; docs/vlm.md, "
+                    "'Gemma 3')")
         return original(*args, **kwargs)
 
     forward.__wrapped__ = original

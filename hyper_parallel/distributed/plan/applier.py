@@ -357,8 +357,9 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, device_mesh=None, 
             install_cp_rope(model, installed.replace_forward)
             # 2c. no model-level attention mask where every CP method ignores it (DSA, Doge)
             install_no_model_mask(model, installed.replace_forward)
-            # 2d. a VLM's bidirectional-visibility input (Gemma 3's token_type_ids) only as batch block ids
-            install_block_input_guard(model, installed.replace_forward)
+        # 2d. a VLM's bidirectional-visibility input (Gemma 3's token_type_ids) only as batch block ids,
+        # wherever a CP batch meta can be current (a CP group of one included); a pass-through without one
+        install_block_input_guard(model, installed.replace_forward)
         # 3. activation checkpointing
         if activation_checkpointing:
             _apply_ac(model, plan, installed)

@@ -35,7 +35,7 @@ KNOWN_LOSSES = {
 GRPO_LOSS = "trl.trainer.grpo_trainer.GRPOTrainer.compute_loss"      # under CP through .grpo
 
 
-def check_loss(trainer) -> None:
+def check_loss(trainer, cp_size: int) -> None:
     """Refuse a loss that would see one CP shard as if it were the row: a ``compute_loss`` other than
     transformers' Trainer's, TRL SFTTrainer's or GRPOTrainer's (a subclass's own, RLOO's, DPO's, ...)
     and a ``compute_loss_func`` (it receives the shard's logits and its unshifted labels). GRPO's own
@@ -45,7 +45,7 @@ def check_loss(trainer) -> None:
     fn = type(trainer).compute_loss
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
     if name == GRPO_LOSS and is_grpo(trainer):
-        check_grpo(trainer)             # its loss runs under CP through .grpo
+        check_grpo(trainer, cp_size)    # its loss runs under CP through .grpo
         return
     if name not in KNOWN_LOSSES:
         rl = any(c.__name__ == "RLOOTrainer" for c in type(trainer).__mro__)
@@ -89,6 +89,10 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
                             fix="launch a multiple of cp_size ranks (torchrun --nproc-per-node), the rest is DP")
     if cp_size == 1 and not installs:
         return
+    model = trainer.model
+    # first: for a model loaded with its own TP the Trainer builds a ParallelismConfig itself, which the
+    # parallelism_config refusal below would name instead of the real cause
+    check_load_time_sharding(model.get_base_model() if hasattr(model, "get_base_model") else model, world)
     on_cpu_ddp = "MULTI_CPU" in str(getattr(trainer.accelerator, "distributed_type", ""))
     refusals = (
         ("group_by_length", getattr(args, "group_by_length", False),
@@ -131,7 +135,6 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
             raise CPConfigError(f"TrainingArguments.{field}", problem + f" (cp_size={cp_size})", fix=fix)
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    check_load_time_sharding(base, world)
     impl = getattr(getattr(base, "config", None), "_attn_implementation", None) or ""
     if impl.startswith("flash_attention") and args.device.type == "cpu":
         raise CPConfigError("model.config.attn_implementation",
@@ -151,7 +154,7 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
         from .forward import router_spec
 
         router_spec(base)       # a router loss the trainer cannot reproduce (a z-loss, ...) is refused here
-    check_loss(trainer)
+    check_loss(trainer, cp_size)
     from .grpo import is_grpo
 
     name = collator_name(trainer.data_collator)

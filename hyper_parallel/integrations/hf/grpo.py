@@ -9,7 +9,8 @@ not the ranks. So, on every rank of a CP group (which hold the same prompts, :mo
 
 * :class:`DPView` stands for ``trainer.accelerator`` (and TRL's module-level ``gather`` /
   ``gather_object``) while GRPO generates, scores and computes its loss: ``process_index`` /
-  ``num_processes`` are the DP group's index and count, and a gather keeps one rank per CP group;
+  ``num_processes`` are the DP group's index and count, and a gather runs over one rank per CP group;
+  ``generation_batch_size`` is recomputed for ``world / cp`` processes from ``steps_per_generation``;
 * generation, and the no-grad log-probs computed with it (old / reference policy), run with the CP
   wrappers off (``cp_disabled``): the same plain computation as at CP=1, on every rank of the group;
 * the policy's per-token log-probs and entropies (:func:`cp_logps_and_entropies`) are computed under
@@ -21,6 +22,7 @@ not the ranks. So, on every rank of a CP group (which hold the same prompts, :mo
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import torch
@@ -28,41 +30,57 @@ import torch
 from ...distributed.context_parallel.comm.primitives import all_gather_seq
 from ...distributed.context_parallel.model_proof.state import cp_disabled
 from ...distributed.errors import CPConfigError
-from ...platform import all_gather
+from ...platform import all_gather, all_gather_object
 from .batch import META_KEY, CPDataCollator
 from .context import activate, release
-
-_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
 
 def is_grpo(trainer) -> bool:
     """Whether ``trainer`` is TRL's GRPOTrainer (or a subclass)."""
     return any(c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
 
 
-def check_grpo(trainer) -> None:
-    """Refuse the GRPO options this module does not carry (one ``CPConfigError`` each, local)."""
+def check_grpo(trainer, cp_size: int) -> None:
+    """Refuse, by field, what this module does not carry at CP degree ``cp_size``, and a batch geometry
+    that does not hold whole prompt groups for ``world / cp_size`` processes (TRL checked it for all
+    ranks). Local: no collective."""
     args = trainer.args
     if getattr(args, "use_vllm", False):
         raise CPConfigError("GRPOConfig.use_vllm", "vLLM generates outside the trainer's processes; its weight "
                             "sync and process slices are not mapped to the CP groups", fix="use_vllm=False")
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise CPConfigError("model.config.output_router_logits", "GRPO's MoE load-balancing loss is computed per "
-                            "forward; under CP it would be a shard's", fix="router_aux_loss_coef=0 in GRPOConfig")
     if getattr(args, "use_transformers_continuous_batching", False):
         raise CPConfigError("GRPOConfig.use_transformers_continuous_batching", "not mapped to the CP groups",
                             fix="leave it False")
+    if getattr(trainer, "_is_vlm", False):
+        raise CPConfigError("GRPOTrainer.model", "images through GRPO under CP are not carried (the fused head's "
+                            "rows would need the media spread over the CP group)", fix="text-only GRPO at cp > 1")
+    dp = max(1, getattr(args, "world_size", cp_size) // cp_size)
+    batch = args.per_device_train_batch_size * dp * args.steps_per_generation
+    if batch % trainer.num_generations:
+        raise CPConfigError("GRPOConfig.num_generations",
+                            f"the generation batch of {dp} data-parallel group(s) is {args.per_device_train_batch_size} "
+                            f"x {dp} x steps_per_generation {args.steps_per_generation} = {batch} rows, not whole "
+                            f"groups of num_generations={trainer.num_generations} (under CP the processes are the "
+                            "data-parallel groups, world / cp_size)",
+                            fix="make per_device_train_batch_size x (world / cp_size) x steps_per_generation a "
+                                "multiple of num_generations")
+    evals = getattr(args, "num_generations_eval", None) or trainer.num_generations
+    if getattr(args, "do_eval", False) and str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO") \
+            and (args.per_device_eval_batch_size * dp) % evals:
+        raise CPConfigError("GRPOConfig.per_device_eval_batch_size",
+                            f"the eval batch of {dp} data-parallel group(s), {args.per_device_eval_batch_size} x {dp}, "
+                            f"is not a multiple of the {evals} generations per eval prompt",
+                            fix="make per_device_eval_batch_size x (world / cp_size) a multiple of them")
 
 
 class DPView:
-    """``accelerator`` as GRPO's arithmetic must see it under CP: the processes are the ``dp`` groups
-    of ``cp`` ranks (rank ``= dp_index x cp + cp_index``, the root mesh's order); a gather keeps the
-    first rank of each group, so it returns what ``dp`` processes return at CP=1. Every other
-    attribute is the accelerator's."""
+    """``accelerator`` as GRPO's arithmetic must see it under CP: the processes are the ``dp`` groups,
+    ``process_index`` this rank's group. A gather runs over ``dp_group`` (the ranks with this rank's CP
+    index, one per group, through :mod:`hyper_parallel.platform`): every rank of a CP group holds the
+    same tensors while GRPO generates, scores and reduces its loss, so it returns what ``dp`` processes
+    return at CP=1. Every other attribute is the accelerator's."""
 
-    def __init__(self, accelerator, cp: int, dp: int, dp_index: int):
-        self.__dict__.update(_acc=accelerator, _cp=cp, _dp=dp, _dp_index=dp_index)
+    def __init__(self, accelerator, dp_group, dp: int, dp_index: int):
+        self.__dict__.update(_acc=accelerator, _group=dp_group, _dp=dp, _dp_index=dp_index)
 
     def __getattr__(self, name):
         return getattr(self._acc, name)
@@ -75,16 +93,11 @@ class DPView:
     def num_processes(self) -> int:
         return self._dp
 
-    def representatives(self, full):
-        """The gathered ``[W x n, ...]`` (or a list of ``W`` objects) -> the first CP rank's of each group."""
-        if isinstance(full, list):
-            return full[::self._cp]
-        lead = full.shape[0] // (self._dp * self._cp)
-        return full.reshape(self._dp, self._cp, lead, *full.shape[1:])[:, 0].reshape(self._dp * lead,
-                                                                                      *full.shape[1:])
-
     def gather(self, tensor):
-        return self.representatives(self._acc.gather(tensor))
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"GRPO under CP gathers tensors only, got {type(tensor).__name__}")
+        x = tensor.detach()              # as accelerate's gather: values, not a graph
+        return all_gather((x if x.dim() else x.reshape(1)).contiguous(), self._group, dim=0)
 
     def gather_for_metrics(self, tensor, use_gather_object: bool = False):
         if use_gather_object or not isinstance(tensor, torch.Tensor):
@@ -92,9 +105,9 @@ class DPView:
         return self.gather(tensor)
 
     def gather_object(self, obj):
-        from accelerate.utils import gather_object
-
-        return [x for per in self.representatives(gather_object([obj])) for x in per]
+        """A list from every group, concatenated (accelerate's ``gather_object`` on lists)."""
+        per = all_gather_object(list(obj), self._group) if self._dp > 1 else [list(obj)]
+        return [x for part in per for x in part]
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         g = self.gather(tensor.reshape(1, *tensor.shape))
@@ -117,17 +130,25 @@ def dp_processes(trainer, view: DPView):
 
 
 def _fingerprint(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """An int64 that differs, in practice, between two different batches (position-weighted sums)."""
+    """``[3]`` int64: the rows' shape and a position-weighted sum of their ids and mask (differs, in
+    practice, between two different batches)."""
     w = torch.arange(1, input_ids.numel() + 1, device=input_ids.device).view_as(input_ids)
-    return (input_ids.to(torch.int64) * w).sum() * 3 + (attention_mask.to(torch.int64) * w).sum()
+    total = (input_ids.to(torch.int64) * w).sum() * 3 + (attention_mask.to(torch.int64) * w).sum()
+    return torch.stack([torch.tensor(input_ids.shape[0], device=input_ids.device),
+                        torch.tensor(input_ids.shape[1], device=input_ids.device), total]).to(torch.int64)
 
 
 def cp_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, collator: CPDataCollator,
                            group, cp_mesh, compute_entropy: bool = False):
     """GRPO's per-token log-probs (and entropies) of the completion tokens, ``[B, logits_to_keep]``,
-    computed under CP (module doc) — what ``_get_per_token_logps_and_entropies`` returns at CP=1. One
-    all-gather over the CP group also checks that its ranks were given the same rows (raised on
-    every rank otherwise)."""
+    computed under CP (module doc) — what ``_get_per_token_logps_and_entropies`` returns at CP=1.
+    First, one fixed-size all-gather over the CP group checks that its ranks were given the same rows
+    (raised on every rank otherwise, before the forward's collectives)."""
+    mine = _fingerprint(input_ids, attention_mask)
+    every = all_gather(mine, group, dim=0).view(-1, mine.numel())
+    if not bool((every == mine).all()):
+        raise RuntimeError("GRPO under CP: the ranks of one CP group were given different rows (their "
+                           "generation or shuffle diverged); every rank of a group must hold the same batch")
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, :-logits_to_keep] = -100
     local = collator.shard({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
@@ -135,13 +156,7 @@ def cp_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *, 
     activate(meta)                       # kept current into the backward (activation checkpointing)
     out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
                 shift_labels=local["shift_labels"], fused_lm_head=True, use_cache=False)
-    # one collective: where each rank's tokens sit in the row, and a fingerprint of the rows it was given
-    mine = torch.cat([meta.q_index.to(torch.int64), _fingerprint(input_ids, attention_mask).reshape(1)])
-    every = all_gather(mine, group, dim=0).view(-1, mine.numel())
-    if not bool((every[:, -1] == every[0, -1]).all()):
-        raise RuntimeError("GRPO under CP: the ranks of one CP group were given different rows (their "
-                           "generation or shuffle diverged); every rank of a group must hold the same batch")
-    order = torch.argsort(every[:, :-1].reshape(-1))
+    order = torch.argsort(meta.k_index)  # the gathered slots (rank order) -> the row's order
     seq = input_ids.shape[1]
 
     def whole_rows(x):
@@ -157,12 +172,13 @@ def install_grpo(trainer, mesh, collator: CPDataCollator, cp_size: int) -> None:
     """Make ``trainer`` (a GRPOTrainer) run at CP degree ``cp_size`` on ``mesh`` (module doc)."""
     world = mesh.root.size()
     dp = world // cp_size
-    args = trainer.args
-    # the generation batch of dp processes, as the CP=1 script on dp ranks computes it
+    # the generation batch of dp processes, as the CP=1 script on dp ranks computes it from
+    # steps_per_generation (on a copy: the user's GRPOConfig is left as it was)
+    args = trainer.args = copy.copy(trainer.args)
     args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
-    dp_index = mesh.root.get_rank() // cp_size
+    dp_index = mesh.dp_mesh.get_local_rank()
     group = mesh.cp_mesh.get_group()
-    view = DPView(trainer.accelerator, cp_size, dp, dp_index)
+    view = DPView(trainer.accelerator, mesh.dp_mesh.get_group(), dp, dp_index)
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     generating = {"on": False}
     inner_generate = trainer._generate_and_score_completions
@@ -185,10 +201,8 @@ def install_grpo(trainer, mesh, collator: CPDataCollator, cp_size: int) -> None:
         if generating["on"]:             # old / reference log-probs: the plain computation, CP wrappers off
             return inner_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **media)
-        given = sorted(k for k in _MEDIA_KEYS if media.get(k) is not None)
-        if given or compute_aux_loss:
-            raise CPConfigError("GRPOTrainer", f"{given or 'the MoE aux loss'} under CP is not carried by the GRPO "
-                                "integration", fix="text-only GRPO without the router aux loss at cp > 1")
+        if compute_aux_loss or any(v is not None for v in media.values()):   # refused before training
+            raise RuntimeError("GRPO under CP: media or the MoE aux loss reached the policy loss")
         logps, entropies = cp_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                   collator=collator, group=group, cp_mesh=mesh.cp_mesh,
                                                   compute_entropy=compute_entropy)
