@@ -87,6 +87,15 @@ def build_model(arch: str, fsdp_dir: str | None = None):
                                                   distributed_config=DistributedConfig(fsdp_size=world)).train()
 
 
+def param_gap(ref: dict, got: dict) -> tuple:
+    """``(largest |parameter| of ref, max |ref - got| over every parameter, the worst one's name, the
+    largest update of ref from its initial parameters)`` of two runs' reports (``params`` / ``init``)."""
+    pmax = max(p.abs().max().item() for p in ref["params"].values())
+    gap, worst = max(((ref["params"][n] - got["params"][n]).abs().max().item(), n) for n in ref["params"])
+    moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
+    return pmax, gap, worst, moved
+
+
 def full_params(model) -> dict:
     """Every parameter of ``model`` as a plain tensor (a DTensor shard gathered: a collective, every rank)."""
     from torch.distributed.tensor import DTensor

@@ -39,9 +39,7 @@ def _compare(ranks, dp: int = 1, param_tol: float = TOL, **extra):
     loss_abs = max(abs(a - b) for a, b in zip(ref["loss"], got["loss"]))
     loss_rel = max(abs(a - b) / max(abs(a), 1e-2) for a, b in zip(ref["loss"], got["loss"]))   # on-policy ~ 0
     gn_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["grad_norm"], got["grad_norm"]))
-    pmax = max(p.abs().max().item() for p in ref["params"].values())
-    p_abs, worst = max(((ref["params"][k] - got["params"][k]).abs().max().item(), k) for k in ref["params"])
-    moved = max((ref["params"][k] - ref["init"][k]).abs().max().item() for k in ref["params"])
+    pmax, p_abs, worst, moved = W.param_gap(ref, got)
     print(f"GRPO dp {dp}: losses cp1 {ref['loss']}\n  cp2 {got['loss']} (max abs {loss_abs:.1e}, rel {loss_rel:.1e})\n"
           f"  rewards cp1 {ref['reward']} cp2 {got['reward']}; last completions equal: {same}\n"
           f"  grad norms max rel {gn_rel:.2e}; params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest "

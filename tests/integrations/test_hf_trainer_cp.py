@@ -38,9 +38,7 @@ def _compare(ranks, entry: str, arch: str = "llama", plan: str | None = None, pa
     assert len(ref["loss"]) == len(got["loss"]) == 5, (ref["loss"], got["loss"])
     loss_rel = max(abs(a - b) / abs(a) for a, b in zip(ref["loss"], got["loss"]))
     eval_rel = abs(ref["eval_loss"] - got["eval_loss"]) / abs(ref["eval_loss"])
-    pmax = max(p.abs().max().item() for p in ref["params"].values())
-    p_abs, worst = max(((ref["params"][n] - got["params"][n]).abs().max().item(), n) for n in ref["params"])
-    moved = max((ref["params"][n] - ref["init"][n]).abs().max().item() for n in ref["params"])
+    pmax, p_abs, worst, moved = W.param_gap(ref, got)
     print(f"{entry}/{arch}: losses cp1 {ref['loss']}\n  cp2 {got['loss']}\n"
           f"  loss max rel {loss_rel:.2e}, eval {ref['eval_loss']:.6f} vs {got['eval_loss']:.6f} (rel {eval_rel:.2e}), "
           f"params max abs {p_abs:.2e} = {p_abs / pmax:.2e} of the largest (tol {param_tol:g}, {worst}); largest update "
