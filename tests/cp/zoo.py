@@ -280,11 +280,13 @@ def compare(model, ref, mesh, plan, out: dict, t0: float) -> dict:
             "detail": out.get("detail", ""), "time_s": time.perf_counter() - t0}
 
 
-def run_many(model_types: list) -> list:
+def run_many(model_types: list, run=None) -> list:
+    """``run`` (default :func:`run_one`) on each type, an exception recorded as ERROR: one type never
+    stops the sweep."""
     res = []
     for t in model_types:
         try:
-            res.append(run_one(t))
+            res.append((run or run_one)(t))
         except Exception as exc:  # noqa: BLE001 - one architecture never stops the sweep
             res.append({"arch": t, "status": "ERROR", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"})
     return res

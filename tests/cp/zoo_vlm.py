@@ -204,10 +204,5 @@ def run_one(model_type: str) -> dict:
 
 
 def run_many(model_types: list) -> list:
-    res = []
-    for t in model_types:
-        try:
-            res.append(run_one(t))
-        except Exception as exc:  # noqa: BLE001 - one type never stops the sweep
-            res.append({"arch": t, "status": "ERROR", "detail": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    return res
+    """:func:`zoo.run_many` with this module's :func:`run_one`."""
+    return zoo.run_many(model_types, run_one)

@@ -59,14 +59,17 @@ def model_config(arch: str):
     raise ValueError(arch)
 
 
-def build_model(arch: str, fsdp_dir: str | None = None):
-    """The tiny random model of ``arch``; with ``fsdp_dir`` (and more than one rank) it is saved there
-    and loaded back as a user loads a checkpoint sharded by transformers' own FSDP2:
-    ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=world))``."""
+def build_model(arch: str, fsdp_dir: str | None = None, vocab_size: int | None = None):
+    """The tiny random model of ``arch`` (``vocab_size``: another vocabulary than :data:`VOCAB`); with
+    ``fsdp_dir`` (and more than one rank) it is saved there and loaded back as a user loads a checkpoint
+    sharded by transformers' own FSDP2: ``from_pretrained(..., distributed_config=DistributedConfig(
+    fsdp_size=world))``."""
     import transformers as T
 
     torch.manual_seed(0)
     cfg = model_config(arch)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     cfg._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"   # transformers refuses SDPA with sinks
     model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
     for m in model.modules():          # gpt-oss: default init leaves the sinks at 0; make them matter per head
@@ -275,12 +278,7 @@ def grpo_trainer(out: str, steps: int = 1, **extra):
         if key in extra:
             grpo[key] = extra.pop(key)
     args = GRPOConfig(**_common_args(out, steps, **{"per_device_train_batch_size": 4, **extra}), **grpo)
-    import transformers as T
-
-    torch.manual_seed(0)
-    cfg = model_config("llama")
-    cfg.vocab_size = len(tok)        # the prompts are text: the tokenizer's ids
-    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+    model = build_model("llama", vocab_size=len(tok))    # the prompts are text: the tokenizer's ids
     if grpo.get("beta"):             # TRL loads the reference model from the policy's path: give it one
         from safetensors.torch import save_file
 

@@ -25,6 +25,7 @@ import torch
 
 from .batch import shard_batch_for_cp
 from .comm.primitives import AllToAllUneven, resolve_group
+from .meta import current_cp_batch_meta
 
 __all__ = ["MediaKind", "MediaInputs", "VisionTower", "register_vision_tower", "vision_tower", "assign_media",
            "exchange_media_tokens", "media_token_layout", "media_embeddings_for_cp", "media_input_names", "media_module",
@@ -116,15 +117,13 @@ def install_block_input_guard(model, replace_forward: Callable) -> None:
     name = getattr(tower, "block_input", None)
     if name is None:
         return
-    from .meta import current_cp_batch_meta
-
     original = model.forward
     signature = inspect.signature(original)
 
     def forward(*args, **kwargs):
         meta = current_cp_batch_meta(required=False)
         if meta is not None and meta.key_block is None:
-            given = kwargs.get(name) if name in kwargs else signature.bind_partial(*args, **kwargs).arguments.get(name)
+            given = kwargs[name] if name in kwargs else signature.bind_partial(*args).arguments.get(name)
             if given is not None:
                 raise ValueError(
                     f"{type(model).__name__}: '{name}' was given to the forward under CP, but the CP batch carries no "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 
 from ...distributed.errors import CPConfigError
+from .grpo import check_grpo, is_grpo
 
 # collators whose output is the batch contract of .batch (class names; module-qualified below)
 KNOWN_COLLATORS = {
@@ -40,11 +41,9 @@ def check_loss(trainer, cp_size: int) -> None:
     transformers' Trainer's, TRL SFTTrainer's or GRPOTrainer's (a subclass's own, RLOO's, DPO's, ...)
     and a ``compute_loss_func`` (it receives the shard's logits and its unshifted labels). GRPO's own
     options are checked by :func:`.grpo.check_grpo`."""
-    from .grpo import check_grpo, is_grpo
-
     fn = type(trainer).compute_loss
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
-    if name == GRPO_LOSS and is_grpo(trainer):
+    if name == GRPO_LOSS:
         check_grpo(trainer, cp_size)    # its loss runs under CP through .grpo
         return
     if name not in KNOWN_LOSSES:
@@ -155,8 +154,6 @@ def check_trainer(trainer, cp_size: int, *, accept_collator: bool = False, insta
 
         router_spec(base)       # a router loss the trainer cannot reproduce (a z-loss, ...) is refused here
     check_loss(trainer, cp_size)
-    from .grpo import is_grpo
-
     name = collator_name(trainer.data_collator)
     if not accept_collator and name not in KNOWN_COLLATORS and not is_grpo(trainer):   # GRPO batches: .grpo
         raise CPConfigError("Trainer.data_collator",

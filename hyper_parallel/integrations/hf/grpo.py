@@ -34,6 +34,7 @@ from ...platform import all_gather, all_gather_object
 from .batch import META_KEY, CPDataCollator
 from .context import activate, release
 
+
 def is_grpo(trainer) -> bool:
     """Whether ``trainer`` is TRL's GRPOTrainer (or a subclass)."""
     return any(c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
@@ -64,8 +65,8 @@ def check_grpo(trainer, cp_size: int) -> None:
                             fix="make per_device_train_batch_size x (world / cp_size) x steps_per_generation a "
                                 "multiple of num_generations")
     evals = getattr(args, "num_generations_eval", None) or trainer.num_generations
-    if getattr(args, "do_eval", False) and str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO") \
-            and (args.per_device_eval_batch_size * dp) % evals:
+    # eval_strategy is a str enum: it compares equal to its value
+    if getattr(args, "do_eval", False) and args.eval_strategy != "no" and (args.per_device_eval_batch_size * dp) % evals:
         raise CPConfigError("GRPOConfig.per_device_eval_batch_size",
                             f"the eval batch of {dp} data-parallel group(s), {args.per_device_eval_batch_size} x {dp}, "
                             f"is not a multiple of the {evals} generations per eval prompt",
